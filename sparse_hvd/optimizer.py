@@ -7,6 +7,7 @@ and ``apply`` turns the local gradients into averaged ones before handing them t
 optimizer.
 """
 
+import functools
 import sys
 import warnings
 from typing import List, NamedTuple
@@ -19,6 +20,7 @@ from .density import elements_to_send, get_density_policy, serialize_density_pol
 from .error_feedback import accumulated_velocity, compensate_and_select, velocity_after_sending
 from .exchange import Exchange
 from .sparsifiers import get_sparsifier, serialize_sparsifier
+from .staleness import DelayedExchange, PayloadLayout
 
 try:  # the decorator Keras' own wrapper optimizers use; absent in some Keras versions
     from keras.src.utils.tracking import no_automatic_dependency_tracking
@@ -44,6 +46,35 @@ class _Route(NamedTuple):
     num_elements: int
     sparse: bool  # False: dense allreduce (small, or larger sparse than dense)
     itemsize: int  # bytes per gradient value
+
+
+class _Part:
+    """Variables of one kind in a step: positions in the step's list, build indices, tensors."""
+
+    def __init__(self):
+        self.positions, self.keys, self.items = [], [], []
+
+    def add(self, position, key, item):
+        self.positions.append(position)
+        self.keys.append(key)
+        self.items.append(item)
+
+
+class _Outgoing:
+    """What one step sends, prepared before anything is written (see ``_outgoing``)."""
+
+    def __init__(self):
+        self.sparse = _Part()  # Selections
+        self.dense = _Part()  # whole gradients, averaged by allreduce
+        self.slices = _Part()  # row-sparse gradients (embeddings) on the dense route
+        self.state_updates = []  # (variable, new value): written only if the step goes ahead
+        self.local_finite = []  # one bool per gradient: finite on this rank
+        self.gradients = []  # each gradient as processed (for timing)
+        self.selected = []  # each selection's tensors (for timing)
+        self.sent_per_variable = []  # (build index, entries sent)
+        self.dense_bytes = 0  # what a dense float32 exchange would send
+        self.bytes_sent = None  # int64 tensor: this rank's payload
+        self.capped = None  # int64 tensor: selections a payload cap cut short
 
 
 class _CommunicationCounters:
@@ -91,6 +122,10 @@ class _CommunicationCounters:
         self.sparsify_seconds.assign_add(chosen - ready)
         self.exchange_seconds.assign_add(done - chosen)
 
+    def record_wait(self, started, done):
+        """With staleness: the time a step waited for a delayed average (what was not hidden)."""
+        self.exchange_seconds.assign_add(done - started)
+
     def as_dict(self):
         return {
             "sparsify_seconds": float(self.sparsify_seconds.numpy()),
@@ -117,6 +152,25 @@ def _check_momentum_correction(momentum, optimizer):
         raise ValueError(
             "`momentum_correction` applies the momentum itself; the inner SGD has "
             f"momentum={optimizer.momentum}, which would apply it twice. Use SGD(lr) with momentum=0."
+        )
+
+
+def _check_staleness(staleness, momentum_correction, policy):
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        raise ValueError(
+            f"`staleness` must be a non-negative int (steps an update is applied late), got {staleness!r}"
+        )
+    if not staleness:
+        return
+    if momentum_correction:
+        raise ValueError(
+            "`staleness` > 0 cannot be combined with `momentum_correction`: use the inner "
+            "optimizer's momentum (e.g. SGD(lr, momentum=0.9)) instead."
+        )
+    if type(policy).__name__ == "AdaptiveDensity":
+        raise ValueError(
+            "`staleness` > 0 cannot be combined with AdaptiveDensity, which sizes each layer to "
+            "hide its exchange inside the current step; use a constant or warm-up density."
         )
 
 
@@ -188,6 +242,17 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             ``communication_stats()["skipped_steps"]`` and rank 0 logs it. "raise": every rank
             stops with an InvalidArgumentError. "ignore": no check (one reduction per gradient
             and one tiny allreduce per step saved), non-finite values then enter the residuals.
+        staleness: tau >= 0 (default 0: synchronous). With tau > 0 the average of step t is
+            applied at step t + tau, and its exchange runs on a background thread while the next
+            tau steps compute (Candela et al.: sparse updates with error feedback tolerate such
+            delays; see ``sparse_hvd.staleness`` for the mechanism). The first tau steps apply
+            nothing; ``model.fit`` applies what is still in flight when it ends, and a Keras
+            checkpoint holds it (``hold_pending``), so a resumed job continues the same
+            sequence. Every rank applies bit-identical updates at the same steps. Costs tau
+            copies of the model's size in optimizer variables. Works under mpirun, horovodrun
+            (MPI or Gloo) and srun alike; not with ``momentum_correction`` or the adaptive
+            policy. The per-step non-finite check (a 4-byte allreduce) still meets the other
+            ranks once per step; ``nonfinite="ignore"`` removes it.
         min_elements: variables smaller than this are exchanged densely (default 1024: below a
             few kilobytes a message costs its latency, whatever its size).
         process_set: Horovod process set to average over (the whole job by default). Not
@@ -208,6 +273,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         momentum_correction=0.0,
         grouping="grouped",
         nonfinite="skip",
+        staleness=0,
         process_set=None,
         name=None,
         **kwargs,
@@ -239,6 +305,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         _check_momentum_correction(momentum_correction, optimizer)
         if nonfinite not in _NONFINITE_CHOICES:
             raise ValueError(f"`nonfinite` must be one of {_NONFINITE_CHOICES}, got {nonfinite!r}")
+        _check_staleness(staleness, momentum_correction, policy)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
         self.density_policy = policy
@@ -246,6 +313,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self.error_feedback = bool(error_feedback)
         self.momentum_correction = float(momentum_correction)
         self.nonfinite = nonfinite
+        self.staleness = int(staleness)
         self.min_elements = min_elements
         self.process_set = process_set
         self._exchange = Exchange(
@@ -288,6 +356,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self._world_size_checked = True  # fresh residuals belong to this job
         self._routes = [self._route_for(variable) for variable in var_list]
         self._counters = _CommunicationCounters(len(var_list))
+        if self.staleness:
+            self._build_delayed_state(var_list)
         self.inner_optimizer.build(var_list)
         super().build(var_list)
         # Every rank must route the same variables the same way, or the exchange would hang.
@@ -299,6 +369,28 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             name=f"sparse_hvd.{self.name}.build_check",
         )
         self.density_policy.prepare(self, var_list, self._routes)
+
+    def _build_delayed_state(self, var_list):
+        """Slots for the averages of the last ``staleness`` steps, and the step counter."""
+        tau = self.staleness
+        self._delayed = [
+            self.add_variable(shape=(tau, *variable.shape), dtype=variable.dtype,
+                              initializer="zeros", name="delayed")
+            for variable in var_list
+        ]
+        # Which step each slot holds (-1: none). A slot is filled only by hold_pending.
+        self._delayed_steps = self.add_variable(
+            shape=(tau,), dtype="int64", initializer=keras.initializers.Constant(-1),
+            name="delayed_steps",
+        )
+        self._exchange_step = self.add_variable(
+            shape=(), dtype="int64", initializer="zeros", name="exchange_step"
+        )
+        self._pipeline = DelayedExchange(
+            Exchange(name=f"sparse_hvd.{self.name}.delayed", process_set=self.process_set),
+            [route.num_elements for route in self._routes],
+            [tf.as_dtype(variable.dtype).as_numpy_dtype for variable in var_list],
+        )
 
     @property
     def density(self) -> float:
@@ -315,6 +407,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             "momentum_correction": self.momentum_correction,
             "grouping": self._exchange.grouping,
             "nonfinite": self.nonfinite,
+            "staleness": self.staleness,
         }
 
     def _route_for(self, variable) -> _Route:
@@ -361,7 +454,13 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
                           name=f"sparse_hvd.{self.name}.share_residuals")
         self._residual_world_size.assign(runtime.size(self.process_set))
 
+    def save_own_variables(self, store):
+        self.hold_pending()  # the checkpoint must hold the exchanges in flight
+        super().save_own_variables(store)
+
     def load_own_variables(self, store):
+        if self.staleness and self.built:
+            self._pipeline.discard()  # the restored slots replace whatever is in flight
         super().load_own_variables(store)
         self._world_size_checked = False  # restored residuals: compare their worker count
 
@@ -400,7 +499,61 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
+        # Keras calls this at the end of fit: with staleness, the last tau averages go in now.
+        self.apply_pending()
         self.inner_optimizer.finalize_variable_values(var_list)
+
+    # ---- staleness: the delayed averages -------------------------------------------------------
+
+    def hold_pending(self):
+        """Wait for the exchanges in flight and keep their averages in optimizer variables.
+
+        A checkpoint written afterwards holds them, and a job restored from it applies them at
+        the steps they were due, as if never stopped. Keras' saving calls it by itself; call it
+        before ``tf.train.Checkpoint.save``. Eager; no collective (only the rank that writes
+        needs to call it). Nothing to do without staleness.
+        """
+        if not self.staleness or not self.built:
+            return
+        with tf.init_scope():
+            for step in self._pipeline.pending_steps():
+                _, *averages = self._pipeline.take(step)
+                slot = [[step % self.staleness]]
+                for delayed, average in zip(self._delayed, averages):
+                    delayed.value.scatter_nd_update(
+                        slot, tf.reshape(tf.constant(average), [1, *delayed.shape[1:]]))
+                self._delayed_steps.value.scatter_nd_update(slot, tf.constant([step], tf.int64))
+
+    def _release_slot(self, slot):
+        """Mark a slot empty and zero it, so that every rank's slots agree again (only the
+        rank that wrote a checkpoint filled them)."""
+        for delayed in self._delayed:
+            delayed.value.scatter_nd_update(
+                [[slot]], tf.zeros([1, *delayed.shape[1:]], delayed.dtype))
+        self._delayed_steps.value.scatter_nd_update([[slot]], tf.constant([-1], tf.int64))
+
+    def apply_pending(self):
+        """Apply every delayed average not applied yet, oldest first (eager, on every rank).
+
+        ``model.fit`` calls it when it ends (through ``finalize_variable_values``), so the last
+        ``staleness`` steps' updates are not lost. A later ``fit`` starts a new pipeline.
+        """
+        if not self.staleness or not self.built:
+            return
+        variables = self._trainable_variables
+        with tf.init_scope():
+            held = tf.convert_to_tensor(self._delayed_steps.value).numpy()
+            in_slots = {int(step): slot for slot, step in enumerate(held) if step >= 0}
+            for step in sorted(set(in_slots) | set(self._pipeline.pending_steps())):
+                if step in in_slots:
+                    averages = [tf.gather(d.value, in_slots[step]) for d in self._delayed]
+                    self._release_slot(in_slots[step])
+                else:
+                    _, *averages = self._pipeline.take(step)
+                self.inner_optimizer.apply(
+                    [tf.reshape(tf.convert_to_tensor(a), v.shape) for a, v in zip(averages, variables)],
+                    variables,
+                )
 
     def communication_stats(self):
         """This rank's totals since the optimizer was built.
@@ -465,6 +618,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             self.rescale_residuals_after_restore()
 
         present = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
+        if self.staleness:
+            with tf.name_scope("delayed_exchange"):
+                self._apply_delayed(present)
+            return
         if not present:
             return
         with tf.name_scope("sparse_exchange"):
@@ -474,6 +631,11 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             for variable, value in state_updates:
                 variable.assign(tf.reshape(value, variable.shape))
             self.inner_optimizer.apply(averaged, [v for _, v in present])
+
+        self._go_ahead_if_finite(finite, commit)
+
+    def _go_ahead_if_finite(self, finite, commit):
+        """Run ``commit`` if every rank's gradients were finite; else skip or stop (``nonfinite``)."""
 
         def skip():
             self._counters.skipped_steps.assign_add(1)
@@ -489,25 +651,81 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         else:
             commit()
 
-    def _average_gradients(self, grads_and_vars):
-        """Steps 1-4 of the class doc, without writing any state.
+    def _policy_step(self):
+        """The step the density policy sees: exchanged steps with staleness, else applied ones."""
+        return self._exchange_step if self.staleness else self.inner_optimizer.iterations
 
-        Returns ``(averaged, state_updates, finite)``: the averaged gradient of each pair in the
-        same order; the (variable, new value) pairs of the residuals and velocities, which
-        ``apply`` writes only if the step goes ahead; and whether every rank's gradients were
-        finite (the same answer on every rank; True when ``nonfinite="ignore"``).
+    def _apply_delayed(self, grads_and_vars):
+        """One step with staleness tau (``sparse_hvd.staleness``): hand this step's payload to
+        the pipeline, then apply the average of step t - tau, if there is one."""
+        step = tf.convert_to_tensor(self._exchange_step.value)
+        if grads_and_vars:
+            out = self._outgoing(grads_and_vars, keep_rows=False)
+            finite = self._finite_on_every_rank(out.local_finite)
+            layout = PayloadLayout(tuple(out.sparse.keys), tuple(out.dense.keys))
+            payload = [t for s in out.sparse.items for t in (s.values, s.indices)]
+            payload += [tf.reshape(g, [-1]) for g in out.dense.items]
+            self._counters.record(out.bytes_sent, out.dense_bytes, out.capped, out.sent_per_variable)
+            self._counters.record_times(out.gradients, out.selected, [])
+
+            def commit():
+                for variable, value in out.state_updates:
+                    variable.assign(tf.reshape(value, variable.shape))
+                tf.numpy_function(functools.partial(self._pipeline.submit, layout),
+                                  [step] + payload, tf.int64, stateful=True, name="submit")
+
+            self._go_ahead_if_finite(finite, commit)
+            self.density_policy.end_step(step)
+        self._apply_average_of(step - self.staleness)
+        self._exchange_step.assign_add(1)
+
+    def _apply_average_of(self, due):
+        """Apply step ``due``'s average: from the slots after a restore, else from the pipeline
+        (waiting for it if it has not arrived); nothing for a step never exchanged."""
+        variables = self._trainable_variables
+        dtypes = [tf.as_dtype(v.dtype) for v in variables]
+        slot = tf.math.floormod(due, self.staleness)
+        held = tf.equal(tf.gather(self._delayed_steps.value, slot), due)
+
+        def from_slots():
+            averages = [tf.reshape(tf.gather(d.value, slot), [-1]) for d in self._delayed]
+            with tf.control_dependencies(averages):
+                self._release_slot(slot)
+            return [tf.constant(True)] + [tf.identity(a) for a in averages]
+
+        def from_pipeline():
+            taken = tf.numpy_function(self._pipeline.take, [due], [tf.bool] + dtypes,
+                                      stateful=True, name="take")
+            taken[0].set_shape([])
+            for average, route in zip(taken[1:], self._routes):
+                average.set_shape([route.num_elements])
+            return taken
+
+        started = tf.timestamp()
+        with tf.control_dependencies([started]):
+            present, *averages = tf.cond(tf.logical_and(due >= 0, held), from_slots, from_pipeline)
+        with tf.control_dependencies(averages):
+            self._counters.record_wait(started, tf.timestamp())
+        grads = [tf.reshape(a, v.shape) for a, v in zip(averages, variables)]
+
+        def apply():
+            self.inner_optimizer.apply(grads, variables)
+
+        def nothing_due():
+            pass
+
+        tf.cond(present, apply, nothing_due)
+
+    def _outgoing(self, grads_and_vars, keep_rows=True) -> _Outgoing:
+        """Steps 1-3 of the class doc for every (gradient, variable) pair, without writing state.
+
+        ``keep_rows``: an embedding's row-sparse gradient on the dense route travels as rows
+        (False densifies it, as the delayed pipeline needs).
         """
-        sparse_positions, selections, sizes, sparse_keys = [], [], [], []
-        dense_positions, dense_grads, dense_keys = [], [], []
-        slice_positions, slices, slice_keys = [], [], []
+        out = _Outgoing()
         bytes_sent = tf.constant(0, tf.int64)
-        dense_bytes = 0
         capped = tf.constant(0, tf.int64)
-        sent_per_variable = []
-        state_updates = []
-        local_finite = []
-        gradients, selected = [], []
-        step = self.inner_optimizer.iterations
+        step = self._policy_step()
         order = range(len(grads_and_vars))
         if self._exchange.grouping == "layerwise":
             order = reversed(order)  # backprop's order: the output layers' gradients come first
@@ -515,24 +733,23 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             grad, variable = grads_and_vars[position]
             index = self._get_variable_index(variable)
             route = self._routes[index]
-            keep_rows = (
-                isinstance(grad, tf.IndexedSlices) and not route.sparse and not self.momentum_correction
+            rows = (
+                keep_rows and isinstance(grad, tf.IndexedSlices) and not route.sparse
+                and not self.momentum_correction
             )
-            grad = _row_gradient(grad, variable) if keep_rows else _dense_gradient(grad, variable)
-            values = grad.values if keep_rows else grad
-            gradients.append(values)
+            grad = _row_gradient(grad, variable) if rows else _dense_gradient(grad, variable)
+            values = grad.values if rows else grad
+            out.gradients.append(values)
             self.density_policy.gradient_ready(index, values)
             if self.nonfinite != "ignore":
                 # A sum is non-finite iff an entry is (or it overflows 3e38): one cheap pass.
-                local_finite.append(tf.math.is_finite(tf.reduce_sum(values)))
-            dense_bytes += route.num_elements * 4
-            if keep_rows:  # an embedding's rows on the dense route: exchanged as rows
-                slice_positions.append(position)
-                slices.append(grad)
-                slice_keys.append(index)
+                out.local_finite.append(tf.math.is_finite(tf.reduce_sum(values)))
+            out.dense_bytes += route.num_elements * 4
+            if rows:  # an embedding's rows on the dense route: exchanged as rows
+                out.slices.add(position, index, grad)
                 sent = tf.cast(tf.size(grad.values), tf.int64)
-                rows = tf.cast(tf.size(grad.indices), tf.int64)
-                bytes_sent += sent * route.itemsize + rows * grad.indices.dtype.size
+                num_rows = tf.cast(tf.size(grad.indices), tf.int64)
+                bytes_sent += sent * route.itemsize + num_rows * grad.indices.dtype.size
             elif route.sparse:
                 if self.momentum_correction:
                     grad = accumulated_velocity(grad, self._velocities[index], self.momentum_correction)
@@ -541,47 +758,61 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
                     grad, self._residuals[index], self.sparsifier, k, self.error_feedback
                 )
                 if remainder is not None:
-                    state_updates.append((self._residuals[index], remainder))
+                    out.state_updates.append((self._residuals[index], remainder))
                 if self.momentum_correction:
-                    state_updates.append(
+                    out.state_updates.append(
                         (self._velocities[index], velocity_after_sending(grad, selection))
                     )
-                sparse_positions.append(position)
-                selections.append(selection)
-                selected += [selection.values, selection.indices]
-                sizes.append(route.num_elements)
-                sparse_keys.append(index)
+                out.sparse.add(position, index, selection)
+                out.selected += [selection.values, selection.indices]
                 sent = tf.cast(tf.size(selection.values), tf.int64)
                 bytes_sent += sent * (route.itemsize + _INDEX_BYTES)
                 if selection.capped is not None:
                     capped += tf.cast(selection.capped, tf.int64)
             else:
-                dense_positions.append(position)
-                dense_grads.append(grad)
-                dense_keys.append(index)
+                out.dense.add(position, index, grad)
                 sent = route.num_elements
                 bytes_sent += route.num_elements * route.itemsize
-            sent_per_variable.append((index, sent))
+            out.sent_per_variable.append((index, sent))
+        out.bytes_sent, out.capped = bytes_sent, capped
+        return out
 
+    def _average_gradients(self, grads_and_vars):
+        """Steps 1-4 of the class doc, without writing any state.
+
+        Returns ``(averaged, state_updates, finite)``: the averaged gradient of each pair in the
+        same order; the (variable, new value) pairs of the residuals and velocities, which
+        ``apply`` writes only if the step goes ahead; and whether every rank's gradients were
+        finite (the same answer on every rank; True when ``nonfinite="ignore"``).
+        """
+        out = self._outgoing(grads_and_vars)
+        state_updates = list(out.state_updates)
         averaged = [None] * len(grads_and_vars)
-        sparse_averages = self._exchange.sparse_average(selections, sizes, sparse_keys)
-        for position, flat in zip(sparse_positions, sparse_averages):
+        sizes = [self._routes[index].num_elements for index in out.sparse.keys]
+        for position, flat in zip(
+            out.sparse.positions, self._exchange.sparse_average(out.sparse.items, sizes, out.sparse.keys)
+        ):
             averaged[position] = tf.reshape(flat, grads_and_vars[position][1].shape)
-        for position, grad in zip(dense_positions, self._exchange.dense_average(dense_grads, dense_keys)):
+        for position, grad in zip(
+            out.dense.positions, self._exchange.dense_average(out.dense.items, out.dense.keys)
+        ):
             if self.momentum_correction:
                 velocity = self._velocities[self._get_variable_index(grads_and_vars[position][1])]
                 grad = accumulated_velocity(grad, velocity, self.momentum_correction)
                 state_updates.append((velocity, grad))
             averaged[position] = grad
-        for position, grad in zip(slice_positions, self._exchange.slices_average(slices, slice_keys)):
+        for position, grad in zip(
+            out.slices.positions, self._exchange.slices_average(out.slices.items, out.slices.keys)
+        ):
             averaged[position] = grad
-        finite = self._finite_on_every_rank(local_finite)
-        self._counters.record(bytes_sent, dense_bytes, capped, sent_per_variable)
+        finite = self._finite_on_every_rank(out.local_finite)
+        self._counters.record(out.bytes_sent, out.dense_bytes, out.capped, out.sent_per_variable)
         self._counters.record_times(
-            gradients, selected, [a.values if isinstance(a, tf.IndexedSlices) else a for a in averaged]
+            out.gradients, out.selected,
+            [a.values if isinstance(a, tf.IndexedSlices) else a for a in averaged],
         )
         with tf.control_dependencies(averaged):  # re-measure after this step's traffic
-            self.density_policy.end_step(step)
+            self.density_policy.end_step(self._policy_step())
         return averaged, state_updates, finite
 
     def _finite_on_every_rank(self, local_finite):

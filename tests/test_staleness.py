@@ -1,0 +1,209 @@
+"""Bounded staleness (``staleness=tau``) in one process: the delayed update sequence, re-computed
+in NumPy, and checkpoints written with exchanges in flight."""
+
+import math
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparse_hvd
+from helpers import classification_data, mlp, numpy_topk_indices, weights_of
+
+BIG = (64, 40)  # 2560 entries: sparse route
+SMALL = (30,)  # dense route (below min_elements)
+
+
+def _gradients(rng, big, small):
+    """Gradients that depend on the current weights (so applying them late changes the run)."""
+    return (
+        (rng.randn(*BIG) + 0.5 * big).astype("float32"),
+        (rng.randn(*SMALL) + 0.5 * small).astype("float32"),
+    )
+
+
+def _expected_run(tau, steps, density, lr, nan_steps=()):
+    """The delayed sequence, independently: send the top-k of (gradient + residual) at step t,
+    apply it at step t + tau; steps with a NaN gradient send and apply nothing of their own."""
+    rng = np.random.RandomState(11)
+    big, small = np.ones(BIG, "float32"), np.full(SMALL, 2.0, "float32")
+    residual = np.zeros(big.size, "float32")
+    k = math.ceil(density * big.size)
+    sent = {}  # step -> (big update, small update)
+    history = []
+    lr32 = np.float32(lr)
+    for t in range(steps):
+        g_big, g_small = _gradients(rng, big, small)
+        if t not in nan_steps:
+            compensated = g_big.ravel() + residual
+            chosen = numpy_topk_indices(compensated, k)
+            update = np.zeros_like(compensated)
+            update[chosen] = compensated[chosen]
+            residual = compensated.copy()
+            residual[chosen] = 0.0
+            sent[t] = (update.reshape(BIG), g_small)
+        if t - tau in sent:
+            u_big, u_small = sent.pop(t - tau)
+            big = big - lr32 * u_big
+            small = small - lr32 * u_small
+        history.append((big.copy(), small.copy()))
+    for t in sorted(sent):  # what fit's end (apply_pending) applies
+        u_big, u_small = sent[t]
+        big, small = big - lr32 * u_big, small - lr32 * u_small
+    return history, (big, small)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("tau", [1, 2, 3])
+def test_updates_are_applied_tau_steps_late_as_a_numpy_recomputation(tau, mode):
+    steps, density, lr = 9, 0.05, 0.5
+    expected, final = _expected_run(tau, steps, density, lr)
+    big = keras.Variable(np.ones(BIG, "float32"))
+    small = keras.Variable(np.full(SMALL, 2.0, "float32"))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(lr), density=density, staleness=tau)
+
+    def step(g_big, g_small):
+        optimizer.apply_gradients([(g_big, big), (g_small, small)])
+
+    step = tf.function(step) if mode == "function" else step
+    rng = np.random.RandomState(11)
+    for t in range(steps):
+        g_big, g_small = _gradients(rng, big.numpy(), small.numpy())
+        step(tf.constant(g_big), tf.constant(g_small))
+        np.testing.assert_array_equal(big.numpy(), expected[t][0], err_msg=f"step {t}")
+        np.testing.assert_array_equal(small.numpy(), expected[t][1], err_msg=f"step {t}")
+    assert int(optimizer.iterations.numpy()) == steps - tau  # the first tau steps apply nothing
+
+    optimizer.apply_pending()
+    np.testing.assert_array_equal(big.numpy(), final[0])
+    np.testing.assert_array_equal(small.numpy(), final[1])
+    assert int(optimizer.iterations.numpy()) == steps
+    optimizer.apply_pending()  # nothing left: a second call changes nothing
+    np.testing.assert_array_equal(big.numpy(), final[0])
+
+
+def test_a_step_with_a_nonfinite_gradient_sends_nothing_and_delays_nothing_else():
+    tau, steps, density, lr, bad = 2, 8, 0.05, 0.5, 3
+    expected, _ = _expected_run(tau, steps, density, lr, nan_steps={bad})
+    big = keras.Variable(np.ones(BIG, "float32"))
+    small = keras.Variable(np.full(SMALL, 2.0, "float32"))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(lr), density=density, staleness=tau)
+    step = tf.function(lambda gb, gs: optimizer.apply_gradients([(gb, big), (gs, small)]))
+    rng = np.random.RandomState(11)
+    for t in range(steps):
+        g_big, g_small = _gradients(rng, big.numpy(), small.numpy())
+        if t == bad:
+            g_big[0, 0] = np.nan
+        step(tf.constant(g_big), tf.constant(g_small))
+        np.testing.assert_array_equal(big.numpy(), expected[t][0], err_msg=f"step {t}")
+    assert optimizer.communication_stats()["skipped_steps"] == 1
+    assert np.all(np.isfinite(optimizer.residuals[0].numpy()))
+
+
+def _fit_model(tau, seed=0):
+    model = mlp(seed=seed)
+    model.compile(
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(0.01), density=0.05,
+                                              staleness=tau),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False,
+    )
+    return model
+
+
+def test_fit_applies_what_is_in_flight_when_it_ends():
+    x, y = classification_data(n=64)
+    model = _fit_model(tau=3)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    optimizer = model.optimizer
+    assert int(optimizer.iterations.numpy()) == 4  # 4 steps, 3 of them applied at fit's end
+    assert optimizer._pipeline.pending_steps() == []
+
+
+class _SaveAt(keras.callbacks.Callback):
+    """Saves the whole model at the end of one epoch, with ``tau`` exchanges in flight."""
+
+    def __init__(self, path, epoch):
+        super().__init__()
+        self.path, self.epoch = path, epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            self.model.save(self.path)
+
+
+@pytest.mark.parametrize("tau", [1, 3])
+def test_resuming_from_a_checkpoint_written_mid_pipeline_continues_the_same_sequence(tmp_path, tau):
+    x, y = classification_data(n=96)
+    path = os.path.join(tmp_path, "mid.keras")
+
+    uninterrupted = _fit_model(tau)
+    uninterrupted.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0,
+                      callbacks=[_SaveAt(path, epoch=1)])
+
+    resumed = keras.models.load_model(path)
+    optimizer = resumed.optimizer
+    held = sorted(int(s) for s in optimizer._delayed_steps.numpy() if s >= 0)
+    assert held == list(range(12 - tau, 12)), "the checkpoint holds the tau exchanges in flight"
+    resumed.fit(x, y, batch_size=16, epochs=4, initial_epoch=2, shuffle=False, verbose=0)
+
+    for a, b in zip(weights_of(uninterrupted), weights_of(resumed)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(uninterrupted.optimizer.variables, resumed.optimizer.variables):
+        np.testing.assert_array_equal(np.array(a), np.array(b), err_msg=a.path)
+
+
+def test_tf_train_checkpoint_after_hold_pending_resumes_the_same_sequence(tmp_path):
+    tau, steps, density, lr = 2, 8, 0.05, 0.5
+    _, final = _expected_run(tau, steps, density, lr)
+
+    def make():
+        big = keras.Variable(np.ones(BIG, "float32"))
+        small = keras.Variable(np.full(SMALL, 2.0, "float32"))
+        optimizer = sparse_hvd.SparseDistributedOptimizer(
+            keras.optimizers.SGD(lr), density=density, staleness=tau)
+        optimizer.build([big, small])
+        checkpoint = tf.train.Checkpoint(big=big, small=small, optimizer=optimizer)
+        return big, small, optimizer, checkpoint
+
+    rng = np.random.RandomState(11)
+    big, small, optimizer, checkpoint = make()
+    for _ in range(5):
+        g = _gradients(rng, big.numpy(), small.numpy())
+        optimizer.apply_gradients(zip(map(tf.constant, g), [big, small]))
+    optimizer.hold_pending()
+    saved = checkpoint.save(os.path.join(tmp_path, "ckpt"))
+
+    big, small, optimizer, checkpoint = make()
+    checkpoint.restore(saved)
+    for _ in range(5, steps):
+        g = _gradients(rng, big.numpy(), small.numpy())
+        optimizer.apply_gradients(zip(map(tf.constant, g), [big, small]))
+    optimizer.apply_pending()
+    np.testing.assert_array_equal(big.numpy(), final[0])
+    np.testing.assert_array_equal(small.numpy(), final[1])
+
+
+def test_staleness_serialises_with_the_optimizer():
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), staleness=2)
+    config = keras.saving.serialize_keras_object(optimizer)
+    assert keras.saving.deserialize_keras_object(config).staleness == 2
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_bad_staleness_is_refused(bad):
+    with pytest.raises(ValueError, match="`staleness` must be a non-negative int"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), staleness=bad)
+
+
+def test_staleness_refuses_momentum_correction_and_the_adaptive_policy():
+    with pytest.raises(ValueError, match="momentum_correction"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), staleness=1,
+                                              momentum_correction=0.9)
+    with pytest.raises(ValueError, match="AdaptiveDensity"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), staleness=1,
+                                              density=sparse_hvd.AdaptiveDensity(),
+                                              grouping="layerwise")
