@@ -40,6 +40,7 @@ class Context(NamedTuple):
     threshold: float  # lambda of the hard-threshold method (None when not given)
     max_density: float  # payload cap of the hard-threshold method
     min_elements: int  # smaller variables are averaged densely (0 for the convex case)
+    staleness: int = 0  # steps an average is applied late (sparse_hvd's bounded staleness)
 
 
 class Method(NamedTuple):
@@ -51,7 +52,8 @@ class Method(NamedTuple):
 def _topk(density, error_feedback=True):
     def factory(shd, inner, ctx):
         return shd.SparseDistributedOptimizer(
-            inner, density=density, error_feedback=error_feedback, min_elements=ctx.min_elements
+            inner, density=density, error_feedback=error_feedback, min_elements=ctx.min_elements,
+            staleness=ctx.staleness,
         )
 
     return factory
@@ -60,7 +62,8 @@ def _topk(density, error_feedback=True):
 def _dense(shd, inner, ctx):
     # density=1.0: no variable is worth sparsifying (k = n pairs are larger than the gradient),
     # so every gradient goes through Horovod's dense grouped_allreduce (op=Average).
-    return shd.SparseDistributedOptimizer(inner, density=1.0, min_elements=ctx.min_elements)
+    return shd.SparseDistributedOptimizer(inner, density=1.0, min_elements=ctx.min_elements,
+                                          staleness=ctx.staleness)
 
 
 def _threshold(shd, inner, ctx):
@@ -163,6 +166,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-density", type=float, default=0.25, help="cap of 'threshold'")
     parser.add_argument("--threads", type=int, default=1,
                         help="TensorFlow intra-op threads per worker (0: TF's default)")
+    parser.add_argument("--staleness", type=int, default=0,
+                        help="apply each average this many steps late (dense and top-k methods)")
     parser.add_argument("--json", metavar="PATH", required=True, help="rank 0 writes here")
     return parser.parse_args(argv)
 
@@ -209,7 +214,7 @@ def main(argv=None):
         )
         min_elements = 0  # the 640-entry kernel would otherwise be averaged densely
 
-    ctx = Context(steps_per_epoch, args.threshold, args.max_density, min_elements)
+    ctx = Context(steps_per_epoch, args.threshold, args.max_density, min_elements, args.staleness)
     inner = keras.optimizers.SGD(args.lr, momentum=args.momentum)
     optimizer = table[args.method].factory(sparse_hvd, inner, ctx)
     model.compile(
@@ -237,6 +242,7 @@ def main(argv=None):
             self.layer_info = {}
             self.implied = {}  # per layer: sum over steps of max|residual| (top-k: the cut-off)
             self._sparse = []
+            self.step_times = []  # seconds from each batch's start to its end, this rank
 
         def on_train_begin(self, logs=None):  # after the broadcast callback built the optimizer
             for path, stat in optimizer.layer_stats().items():
@@ -251,8 +257,13 @@ def main(argv=None):
                 self.implied = {path: 0.0 for path, _ in self._sparse}
             self._epoch_implied = {path: 0.0 for path, _ in self._sparse}
             self._epoch_steps = 0
+            self.train_started = self.batch_started = time.perf_counter()
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.batch_started = time.perf_counter()
 
         def on_train_batch_end(self, batch, logs=None):
+            self.step_times.append(time.perf_counter() - self.batch_started)
             for path, stat in optimizer.layer_stats().items():
                 self.layer_sent[path] += stat["last_sent"]
             # After a top-k step the largest unsent magnitude is the (k+1)-th largest entry of the
@@ -272,6 +283,7 @@ def main(argv=None):
                 "steps": stats["steps"],
                 "bytes_sent": stats["bytes_sent"],
                 "capped_selections": stats["capped_selections"],
+                "train_seconds": time.perf_counter() - self.train_started,
                 "implied_threshold": {
                     path: total / max(self._epoch_steps, 1)
                     for path, total in self._epoch_implied.items()
@@ -305,6 +317,7 @@ def main(argv=None):
     full_ce, full_accuracy, objective = evaluate(x_full, y_full)
     identical = train_digits.replicas_identical(model, size)
     mine = {
+        "median_step_seconds": float(np.median(recorder.step_times[5:] or recorder.step_times)),
         "stats": optimizer.communication_stats(),
         "layer_sent": recorder.layer_sent,
         "implied_threshold": recorder.implied,
@@ -354,6 +367,9 @@ def main(argv=None):
             "threshold": args.threshold if args.method == "threshold" else None,
             "max_density": args.max_density if args.method == "threshold" else None,
             "min_elements": min_elements,
+            "staleness": args.staleness,
+            # the slowest rank's median step (first 5 steps, the tracing, left out)
+            "median_step_seconds": max(theirs["median_step_seconds"] for theirs in everyone),
             "parameters": int(model.count_params()),
             "steps": steps,
             "layers": recorder.layer_info,
