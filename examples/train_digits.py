@@ -26,12 +26,25 @@ Launch (each worker is one process; 2 workers on one machine):
 
 Options: ``--epochs``, ``--batch-size`` (per worker), ``--lr``, ``--density``, ``--sparsifier``,
 ``--seed``, ``--json PATH`` (rank 0 writes the results there).
+
+Checkpoints (``--checkpoint-dir DIR``, ``--resume``): only rank 0 writes, once per epoch, the
+whole model (weights, optimizer state, residuals) to ``DIR/epoch-NNN.keras``. Residuals are
+each rank's own, so ``sparse_hvd.ShareResidualsCallback`` runs on every rank just before: it
+makes every rank's residuals their mean, and rank 0's file then stands for all of them. With
+``--resume`` every rank loads the latest checkpoint rank 0 finds there and training continues
+from its epoch up to ``--epochs`` (the total, as Keras counts); without a checkpoint it starts
+afresh, so a requeued batch job can always pass ``--resume``. DIR must be visible to every rank
+(a shared file system on a cluster)::
+
+    mpirun -np 2 python examples/train_digits.py --epochs 10 --checkpoint-dir ckpt
+    mpirun -np 2 python examples/train_digits.py --epochs 20 --checkpoint-dir ckpt --resume
 """
 
 import argparse
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 
@@ -62,7 +75,17 @@ def parse_args(argv=None):
     parser.add_argument("--comm-log", metavar="PATH",
                         help="rank 0 logs communication per epoch here (JSON lines; "
                              "python -m sparse_hvd.report PATH makes a table and plots)")
-    return parser.parse_args(argv)
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="rank 0 saves the model with its optimizer state and residuals "
+                             "there after every epoch (DIR/epoch-NNN.keras)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in --checkpoint-dir (model, "
+                             "optimizer and its settings as saved) up to --epochs in total; "
+                             "start afresh if there is none")
+    args = parser.parse_args(argv)
+    if args.resume and not args.checkpoint_dir:
+        parser.error("--resume needs --checkpoint-dir")
+    return args
 
 
 def load_data(seed, rank, size):
@@ -93,6 +116,53 @@ def build_model():
     )
 
 
+CHECKPOINT_NAME = re.compile(r"^epoch-(\d+)\.keras$")
+
+
+class EpochCheckpoint(keras.callbacks.Callback):
+    """Save the whole model to ``directory/epoch-NNN.keras`` after every epoch (NNN from 1).
+
+    Give it to rank 0 only, after ``ShareResidualsCallback`` (which every rank runs). The file is
+    written under a temporary name and then renamed: a job killed while saving (its time limit,
+    a lost node) leaves the previous checkpoint as the latest, never a truncated one.
+    """
+
+    def __init__(self, directory):
+        super().__init__()
+        self.directory = directory
+
+    def on_epoch_end(self, epoch, logs=None):
+        name = f"epoch-{epoch + 1:03d}.keras"
+        partial = os.path.join(self.directory, f".partial-{name}")
+        self.model.save(partial)
+        os.replace(partial, os.path.join(self.directory, name))
+
+
+def latest_checkpoint(directory):
+    """(epoch, path) of the newest ``epoch-NNN.keras`` in ``directory``, or None."""
+    found = []
+    if os.path.isdir(directory):
+        for name in os.listdir(directory):
+            match = CHECKPOINT_NAME.match(name)
+            if match:
+                found.append((int(match.group(1)), os.path.join(directory, name)))
+    return max(found) if found else None
+
+
+def checkpoint_to_resume(directory, rank, size):
+    """The checkpoint every rank resumes from: the one rank 0 sees as the latest.
+
+    Rank 0 decides and tells the others, so that every rank loads the same file even where a
+    shared file system shows a new file to some nodes later than to others.
+    """
+    mine = latest_checkpoint(directory) if rank == 0 else None
+    if size == 1:
+        return mine
+    import horovod.tensorflow as hvd
+
+    return hvd.allgather_object(mine, name="train_digits.checkpoint")[0]
+
+
 def weights_digest(model):
     """A SHA-256 of every weight's bytes, in order."""
     digest = hashlib.sha256()
@@ -120,33 +190,65 @@ def main(argv=None):
     # A different seed per rank is fine: BroadcastGlobalVariablesCallback copies rank 0's
     # initial weights to everyone. It also makes each rank shuffle its shard differently.
     keras.utils.set_random_seed(args.seed + rank)
-    model = build_model()
-
-    optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(args.lr, momentum=0.9),
-        density=args.density,
-        sparsifier=args.sparsifier,
-    )
-    model.compile(
-        optimizer=optimizer,
-        loss="sparse_categorical_crossentropy",
-        metrics=["accuracy"],
-        jit_compile=False,  # Horovod's collectives cannot be XLA-compiled
-    )
+    resume_from = checkpoint_to_resume(args.checkpoint_dir, rank, size) if args.resume else None
+    if resume_from:
+        # Weights, the optimizer with its settings, momentum and residuals (rank 0's, which
+        # ShareResidualsCallback made stand for every rank), and the compile options, as saved.
+        initial_epoch, path = resume_from
+        model = keras.models.load_model(path)
+        optimizer = model.optimizer
+        config = optimizer.get_config()
+        density, sparsifier = config["density"], config["sparsifier"]
+        lr = float(optimizer.learning_rate)
+    else:
+        initial_epoch = 0
+        model = build_model()
+        optimizer = sparse_hvd.SparseDistributedOptimizer(
+            keras.optimizers.SGD(args.lr, momentum=0.9),
+            density=args.density,
+            sparsifier=args.sparsifier,
+        )
+        model.compile(
+            optimizer=optimizer,
+            loss="sparse_categorical_crossentropy",
+            metrics=["accuracy"],
+            jit_compile=False,  # Horovod's collectives cannot be XLA-compiled
+        )
+        density, sparsifier, lr = args.density, args.sparsifier, args.lr
     if rank == 0:
         print(f"{size} worker(s), {len(x_train)} training examples each, "
-              f"{model.count_params()} parameters, density {args.density} ({args.sparsifier})",
+              f"{model.count_params()} parameters, density {density} ({sparsifier})",
               flush=True)
+
+    callbacks = [
+        sparse_hvd.BroadcastGlobalVariablesCallback(root_rank=0),  # first
+        sparse_hvd.MetricAverageCallback(),
+    ] + ([sparse_hvd.CommunicationLogger(path=args.comm_log)] if args.comm_log else [])
+    if args.checkpoint_dir:
+        # Every rank: residuals become their mean over the ranks (a collective) ...
+        callbacks.append(sparse_hvd.ShareResidualsCallback())
+        if rank == 0:
+            # ... then rank 0 alone writes, and its file stands for every rank.
+            os.makedirs(args.checkpoint_dir, exist_ok=True)
+            callbacks.append(EpochCheckpoint(args.checkpoint_dir))
+            if resume_from and initial_epoch < args.epochs:
+                print(f"resuming from {resume_from[1]}: epochs {initial_epoch + 1} to {args.epochs}",
+                      flush=True)
+            elif resume_from:
+                print(f"resuming from {resume_from[1]}: its {initial_epoch} epochs reach --epochs "
+                      f"{args.epochs}, nothing left to train", flush=True)
+            elif args.resume:
+                print(f"no checkpoint in {args.checkpoint_dir}: starting at epoch 1", flush=True)
+            print(f"checkpoints: rank 0 writes {os.path.join(args.checkpoint_dir, 'epoch-NNN.keras')} "
+                  f"after every epoch", flush=True)
 
     model.fit(
         x_train,
         y_train,
         batch_size=args.batch_size,
         epochs=args.epochs,
-        callbacks=[
-            sparse_hvd.BroadcastGlobalVariablesCallback(root_rank=0),  # first
-            sparse_hvd.MetricAverageCallback(),
-        ] + ([sparse_hvd.CommunicationLogger(path=args.comm_log)] if args.comm_log else []),
+        initial_epoch=initial_epoch,
+        callbacks=callbacks,
         verbose=2 if rank == 0 else 0,
     )
 
@@ -172,11 +274,11 @@ def main(argv=None):
                 "compression": ratio,
                 "replicas_identical": identical,
                 "size": size,
-                "density": args.density,
-                "sparsifier": args.sparsifier,
+                "density": density,
+                "sparsifier": sparsifier,
                 "epochs": args.epochs,
                 "batch_size": args.batch_size,
-                "lr": args.lr,
+                "lr": lr,
                 "seed": args.seed,
                 "seconds": elapsed,
             }

@@ -345,10 +345,11 @@ def test_sbatch_script_trains_on_two_tasks(slurm_cluster, launcher):
     # Both tasks form one Horovod job of 2 (two separate 1-worker runs would print twice) and
     # only rank 0 prints results.
     assert len(re.findall(r"^2 worker\(s\)", output, re.M)) == 1, context
-    accuracies = re.findall(r"^test accuracy: ([0-9.]+)$", output, re.M)
+    # No "$" in these patterns: another rank's stderr may land between a line and its newline.
+    accuracies = re.findall(r"^test accuracy: ([0-9.]+)", output, re.M)
     assert len(accuracies) == 1, context
-    assert float(accuracies[0]) > 0.8, context
-    assert len(re.findall(rf"^Epoch {EPOCHS}/{EPOCHS}$", output, re.M)) == 1, context
+    assert float(accuracies[0]) > 0.5, context  # 0.83 after 3 epochs here; chance is 0.1
+    assert len(re.findall(rf"^Epoch {EPOCHS}/{EPOCHS}\b", output, re.M)) == 1, context
     assert output.count("replicas identical: True") == 1, context
     assert "replicas identical: False" not in output, context
     print(f"{launcher}: launcher {chosen.group(1)} ({chosen.group(2)}); job {job_id} took {seconds:.1f} s, "
