@@ -20,7 +20,7 @@ Launch (each worker is one process; 2 workers on one machine):
 
     horovodrun -np 2 python examples/train_digits.py
     mpirun -np 2 --bind-to none python examples/train_digits.py
-    srun -n 2 python examples/train_digits.py          # Slurm, with PMI/PMIx
+    sbatch scripts/slurm/train_digits.sbatch           # Slurm: srun --mpi=pmix, or mpirun
     python examples/train_digits.py                    # a single worker, no launcher needed
     bash scripts/demo.sh                               # set-up + a 2-worker run
 

@@ -39,6 +39,9 @@ JOB_BOUND = 180  # seconds for one job, start to end; it is cancelled (and the t
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                 "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 EPOCHS = 3
+# Each daemon runs under `timeout`: should pytest itself be killed before its finalizers run,
+# the daemons still end after this many seconds.
+DAEMON_LIFETIME = 900
 
 
 def cannot_run(reason):
@@ -131,7 +134,9 @@ class SlurmCluster:
             time.sleep(0.1)
 
     def _write_conf(self):
-        ctld_port, slurmd_port = free_port(), free_port()
+        ctld_port = slurmd_port = free_port()
+        while slurmd_port == ctld_port:
+            slurmd_port = free_port()
         cpus = max(2, os.cpu_count() or 1)  # two tasks must fit; config_overrides trusts this
         conf = f"""\
 # Written by tests/test_slurm.py: a throw-away one-node cluster on loopback.
@@ -179,8 +184,9 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=30 State=UP
 
     def _spawn(self, name, argv):
         log = open(self.path("log", f"{name}.out"), "w")
+        # timeout passes SIGTERM on to the daemon and ends when it does.
         self.processes[name] = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+            ["timeout", "-k", "10", str(DAEMON_LIFETIME), *argv], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
             cwd=self.dir, start_new_session=True,
         )
         log.close()
