@@ -76,6 +76,7 @@ class DelayedExchange:
         self._results: Dict[int, List[np.ndarray]] = {}
         self._pending: List[int] = []  # submitted and not yet taken, in order
         self._error = None
+        self._functions = {}  # layout -> traced exchange
         self._lock = threading.Condition()
         self._thread = None
 
@@ -160,17 +161,23 @@ class DelayedExchange:
                 self._lock.notify_all()
 
     def _exchange(self, layout: PayloadLayout, arrays) -> List[np.ndarray]:
-        """One step's exchange, eagerly: the synchronous path's collectives and reduction."""
-        sparse_arrays, dense_arrays = arrays[: 2 * len(layout.sparse)], arrays[2 * len(layout.sparse):]
-        selections = [
-            Selection(tf.constant(sparse_arrays[2 * j]), tf.constant(sparse_arrays[2 * j + 1]))
-            for j in range(len(layout.sparse))
-        ]
+        """One step's exchange: the synchronous path's collectives and reduction, traced once
+        per layout (payload lengths may vary from step to step without retracing)."""
+        if layout not in self._functions:
+            self._functions[layout] = tf.function(
+                lambda *tensors: self._average(layout, tensors), reduce_retracing=True
+            )
+        averaged = self._functions[layout](*[tf.constant(a) for a in arrays])
+        averages = [np.zeros(n, d) for n, d in zip(self.num_elements, self.dtypes)]
+        for index, average in zip(layout.sparse + layout.dense, averaged):
+            averages[index] = average.numpy().reshape(-1)
+        return averages
+
+    def _average(self, layout: PayloadLayout, tensors):
+        count = len(layout.sparse)
+        selections = [Selection(tensors[2 * j], tensors[2 * j + 1]) for j in range(count)]
         sparse = self.exchange.sparse_average(
             selections, [self.num_elements[i] for i in layout.sparse], list(layout.sparse)
         )
-        dense = self.exchange.dense_average([tf.constant(a) for a in dense_arrays], list(layout.dense))
-        averages = [np.zeros(n, d) for n, d in zip(self.num_elements, self.dtypes)]
-        for index, average in zip(layout.sparse + layout.dense, list(sparse) + list(dense)):
-            averages[index] = np.asarray(average).reshape(-1).astype(self.dtypes[index], copy=False)
-        return averages
+        dense = self.exchange.dense_average(list(tensors[2 * count:]), list(layout.dense))
+        return list(sparse) + list(dense)
