@@ -76,7 +76,6 @@ class DelayedExchange:
         self._results: Dict[int, List[np.ndarray]] = {}
         self._pending: List[int] = []  # submitted and not yet taken, in order
         self._error = None
-        self._functions = {}  # layout -> traced exchange
         self._lock = threading.Condition()
         self._thread = None
 
@@ -161,23 +160,23 @@ class DelayedExchange:
                 self._lock.notify_all()
 
     def _exchange(self, layout: PayloadLayout, arrays) -> List[np.ndarray]:
-        """One step's exchange: the synchronous path's collectives and reduction, traced once
-        per layout (payload lengths may vary from step to step without retracing)."""
-        if layout not in self._functions:
-            self._functions[layout] = tf.function(
-                lambda *tensors: self._average(layout, tensors), reduce_retracing=True
-            )
-        averaged = self._functions[layout](*[tf.constant(a) for a in arrays])
-        averages = [np.zeros(n, d) for n, d in zip(self.num_elements, self.dtypes)]
-        for index, average in zip(layout.sparse + layout.dense, averaged):
-            averages[index] = average.numpy().reshape(-1)
-        return averages
+        """One step's exchange, eagerly: the synchronous path's collectives and reduction.
 
-    def _average(self, layout: PayloadLayout, tensors):
+        Eager on purpose: a traced function would run its ops on TensorFlow's inter-op thread
+        pool, where the training step's ``take`` may be holding the only thread while it waits
+        for this very exchange (a deadlock seen with one inter-op thread). Eager ops run on
+        this thread.
+        """
         count = len(layout.sparse)
-        selections = [Selection(tensors[2 * j], tensors[2 * j + 1]) for j in range(count)]
+        selections = [
+            Selection(tf.constant(arrays[2 * j]), tf.constant(arrays[2 * j + 1])) for j in range(count)
+        ]
         sparse = self.exchange.sparse_average(
             selections, [self.num_elements[i] for i in layout.sparse], list(layout.sparse)
         )
-        dense = self.exchange.dense_average(list(tensors[2 * count:]), list(layout.dense))
-        return list(sparse) + list(dense)
+        dense = self.exchange.dense_average([tf.constant(a) for a in arrays[2 * count:]],
+                                            list(layout.dense))
+        averages = [np.zeros(n, d) for n, d in zip(self.num_elements, self.dtypes)]
+        for index, average in zip(layout.sparse + layout.dense, list(sparse) + list(dense)):
+            averages[index] = average.numpy().reshape(-1)
+        return averages
