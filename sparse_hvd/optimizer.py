@@ -174,6 +174,36 @@ def _check_staleness(staleness, momentum_correction, policy):
         )
 
 
+_WRAPPED_MESSAGE = (
+    "SparseDistributedOptimizer is wrapped in a keras LossScaleOptimizer (Keras does this in "
+    "compile() under the 'mixed_float16' policy). Its overflow check runs on each rank alone, "
+    "so one rank could skip a step the others take, and the job would hang in the exchange. "
+    "Put the loss scaling inside instead, and tell compile not to add its own: "
+    "SparseDistributedOptimizer(keras.optimizers.LossScaleOptimizer(inner), ...) with "
+    "model.compile(..., auto_scale_loss=False). sparse_hvd then decides overflows on all "
+    "ranks together."
+)
+
+
+def _wrapping_loss_scale_optimizer(optimizer, depth=6):
+    """The LossScaleOptimizer whose method is building ``optimizer``, if any.
+
+    Keras' LossScaleOptimizer.build builds its inner optimizer; there is no other hook that
+    tells an optimizer it has been wrapped, so the calling frames are looked at (build runs
+    once, eagerly).
+    """
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        caller = frame.f_locals.get("self")
+        if (isinstance(caller, keras.optimizers.LossScaleOptimizer)
+                and caller.inner_optimizer is optimizer):
+            return caller
+        frame = frame.f_back
+    return None
+
+
 def _in_xla_context() -> bool:
     from tensorflow.python.ops import control_flow_util
 
@@ -338,6 +368,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
 
     @no_automatic_dependency_tracking
     def build(self, var_list):
+        if _wrapping_loss_scale_optimizer(self) is not None:
+            raise ValueError(_WRAPPED_MESSAGE)
         var_list = list(var_list)
         self._residuals = [
             self.add_variable_from_reference(variable, name="residual") for variable in var_list
@@ -550,7 +582,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
                     self._release_slot(in_slots[step])
                 else:
                     _, *averages = self._pipeline.take(step)
-                self.inner_optimizer.apply(
+                self._apply_inner(
                     [tf.reshape(tf.convert_to_tensor(a), v.shape) for a, v in zip(averages, variables)],
                     variables,
                 )
@@ -630,7 +662,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         def commit():
             for variable, value in state_updates:
                 variable.assign(tf.reshape(value, variable.shape))
-            self.inner_optimizer.apply(averaged, [v for _, v in present])
+            self._apply_inner(averaged, [v for _, v in present])
 
         self._go_ahead_if_finite(finite, commit)
 
@@ -639,6 +671,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
 
         def skip():
             self._counters.skipped_steps.assign_add(1)
+            self._report_overflow_to_loss_scaling()
             if runtime.rank(self.process_set) == 0:
                 tf.print(_NONFINITE_MESSAGE, "The step was skipped on every rank.",
                          output_stream=sys.stderr)
@@ -650,6 +683,47 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
                 commit()  # nothing is written unless the check passed
         else:
             commit()
+
+    # ---- loss scaling (an inner keras LossScaleOptimizer) ---------------------------------------
+
+    def _loss_scale(self):
+        """The inner LossScaleOptimizer's current scale (a power of two), or None."""
+        if isinstance(self.inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            return self.inner_optimizer.dynamic_scale
+        return None
+
+    def _unscaled(self, grad):
+        """Gradients arrive multiplied by the loss scale; residuals and the exchange work on
+        true gradients, so that a change of scale never mixes units in a residual. Dividing
+        by a power of two is exact."""
+        scale = self._loss_scale()
+        if scale is None:
+            return grad
+        if isinstance(grad, tf.IndexedSlices):
+            return tf.IndexedSlices(grad.values / tf.cast(scale, grad.values.dtype), grad.indices,
+                                    grad.dense_shape)
+        return grad / tf.cast(scale, grad.dtype)
+
+    def _apply_inner(self, grads, variables):
+        """Hand averaged true gradients to the inner optimizer (re-scaled for a
+        LossScaleOptimizer, which divides by its scale again: exact both ways)."""
+        scale = self._loss_scale()
+        if scale is not None:
+            grads = [
+                tf.IndexedSlices(g.values * tf.cast(scale, g.values.dtype), g.indices, g.dense_shape)
+                if isinstance(g, tf.IndexedSlices) else g * tf.cast(scale, g.dtype)
+                for g in grads
+            ]
+        self.inner_optimizer.apply(grads, variables)
+
+    def _report_overflow_to_loss_scaling(self):
+        """A skipped step must still lower an inner LossScaleOptimizer's scale, or the next
+        steps would overflow again: its own non-finite path is taken with one NaN gradient."""
+        if self._loss_scale() is None:
+            return
+        variables = self._trainable_variables
+        nan = tf.fill(variables[0].shape, tf.constant(float("nan"), variables[0].dtype))
+        self.inner_optimizer.apply([nan] + [None] * (len(variables) - 1), variables)
 
     def _policy_step(self):
         """The step the density policy sees: exchanged steps with staleness, else applied ones."""
@@ -709,7 +783,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         grads = [tf.reshape(a, v.shape) for a, v in zip(averages, variables)]
 
         def apply():
-            self.inner_optimizer.apply(grads, variables)
+            self._apply_inner(grads, variables)
 
         def nothing_due():
             pass
@@ -738,6 +812,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
                 and not self.momentum_correction
             )
             grad = _row_gradient(grad, variable) if rows else _dense_gradient(grad, variable)
+            grad = self._unscaled(grad)
             values = grad.values if rows else grad
             out.gradients.append(values)
             self.density_policy.gradient_ready(index, values)
