@@ -380,13 +380,17 @@ def test_a_stalled_worker_ends_the_slurm_job(slurm_cluster):
     job = os.path.join(ROOT, "tests", "distributed", "job_rank_fails.py")
     launch = os.path.join(ROOT, "scripts", "slurm", "launch.sh")
     job_id, fields, output, seconds = cluster.submit_and_wait(
-        ["--nodes=1", "--ntasks-per-node=2", "--time=5", "--job-name=fails",
+        # A 3-minute limit: had the stall shutdown not worked, Slurm would end the job as
+        # TIMEOUT, not FAILED.
+        ["--nodes=1", "--ntasks-per-node=2", "--time=3", "--job-name=fails",
          f"--wrap=bash {shlex.quote(launch)} {shlex.quote(job)} {how}"],
-        env=env, cwd=ROOT, bound=120)
+        env=env, cwd=ROOT, bound=240)
     context = f"--- job {job_id} output ---\n{output}\n{cluster.logs()}"
     assert fields.get("JobState") == "FAILED", f"JobState={fields.get('JobState')}\n{context}"
     assert fields.get("ExitCode") != "0:0", context
     assert "finished training, which it must not" not in output, context
-    assert seconds < 90, f"the job took {seconds:.0f} s to end\n{context}"
+    # Start-up, then the stall is noticed after 5 s and shut down after 15 s: 42 to 74 s were
+    # measured on a 2-core machine that other jobs loaded.
+    assert seconds < 150, f"the job took {seconds:.0f} s to end\n{context}"
     assert re.search(r"^\[launch\] launcher: srun ", output, re.M) or expected_auto_launcher(env) == "mpirun", context
     print(f"{how}: job {job_id} ended {fields.get('JobState')} (exit {fields.get('ExitCode')}) after {seconds:.1f} s")

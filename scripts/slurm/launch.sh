@@ -122,7 +122,7 @@ else
     for var in OMP_NUM_THREADS TF_NUM_INTRAOP_THREADS TF_NUM_INTEROP_THREADS HOROVOD_FUSION_THRESHOLD \
                HOROVOD_CYCLE_TIME HOROVOD_STALL_CHECK_TIME_SECONDS HOROVOD_STALL_SHUTDOWN_TIME_SECONDS \
                PYTHONUNBUFFERED TF_CPP_MIN_LOG_LEVEL PATH LD_LIBRARY_PATH; do
-        [ -n "${!var+x}" ] && CMD+=(-x "$var")
+        if [ -n "${!var+x}" ]; then CMD+=(-x "$var"); fi
     done
     CMD+=("$PY" -u "$SCRIPT" "$@")
 fi
