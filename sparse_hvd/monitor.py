@@ -63,7 +63,8 @@ class CommunicationLogger(keras.callbacks.Callback):
     Args:
         path: a JSON-lines file to append one record per epoch to (``python -m sparse_hvd.report``
             reads it); None logs nothing to disk.
-        tensorboard_dir: also write the scalars there as TensorBoard summaries.
+        tensorboard_dir: also write the scalars there as TensorBoard summaries (needs the
+            tensorboard package: the `sparse_hvd[tensorboard]` extra).
         per_layer: include every variable's route, entries and last-step density in the record.
         verbose: print one line per epoch.
     """
@@ -82,6 +83,15 @@ class CommunicationLogger(keras.callbacks.Callback):
         self._previous = self._optimizer.communication_stats()
         if runtime.rank() == 0 and self.tensorboard_dir:
             import tensorflow as tf
+
+            try:
+                import tensorboard  # noqa: F401  (tf.summary's implementation)
+            except ImportError:
+                raise ImportError(
+                    "CommunicationLogger(tensorboard_dir=...) needs the tensorboard package, which "
+                    "tensorflow-cpu does not install: pip install 'sparse_hvd[tensorboard]' "
+                    "(or tensorboard)"
+                ) from None
 
             self._writer = tf.summary.create_file_writer(self.tensorboard_dir)
 

@@ -57,3 +57,20 @@ def test_the_logger_needs_a_sparse_optimizer():
     x, y = classification_data(n=16)
     with pytest.raises(ValueError, match="SparseDistributedOptimizer"):
         model.fit(x, np.zeros((16, 5)), epochs=1, verbose=0, callbacks=[sparse_hvd.CommunicationLogger()])
+
+
+def test_tensorboard_scalars_match_the_records(tmp_path):
+    import glob
+
+    import tensorflow as tf
+
+    _, path = _fit_with_logger(tmp_path, epochs=2, verbose=False, tensorboard_dir=str(tmp_path / "tb"))
+    records = report.read(str(path))
+    scalars = {}
+    for event_file in glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(event_file):
+            for value in event.summary.value:
+                scalars[(value.tag, event.step)] = float(tf.make_ndarray(value.tensor))
+    for record in records:
+        for key in ("bytes_sent_per_step", "compression", "residual_norm", "density_last_step"):
+            assert scalars[(f"sparse_hvd/{key}", record["epoch"])] == pytest.approx(record[key], rel=1e-6)
