@@ -596,7 +596,9 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         selections a payload cap cut short; ``skipped_steps``: steps skipped for non-finite
         gradients; ``sparsify_seconds``: wall time from all gradients to all selections;
         ``exchange_seconds``: from there to all averaged gradients (with the layer-wise
-        exchange the two overlap backprop and each other, so they are spans, not costs).
+        exchange the two overlap backprop and each other, so they are spans, not costs). With
+        ``staleness`` > 0, ``exchange_seconds`` is the time steps spent waiting for a delayed
+        average: the part of the exchange the computation did not hide.
         """
         if self._counters is None:
             return {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "capped_selections": 0,
