@@ -36,9 +36,10 @@ say "missing: ${missing[*]}"
 command -v apt-get >/dev/null 2>&1 || { say "no apt-get: install ${PACKAGES[*]} (Slurm and munge) by other means"; exit 2; }
 
 export DEBIAN_FRONTEND=noninteractive
-# Wait for another apt-get or dpkg (up to 2 minutes) rather than fail on its lock; never wait
-# forever for a mirror.
-APT=(timeout 600 apt-get -y -q -o DPkg::Lock::Timeout=120)
+# Wait for another apt-get or dpkg (up to a minute) rather than fail on its lock; never wait
+# forever for a mirror: each apt-get call gets 2 minutes (about 10 s are usual), so the whole
+# script ends within 6 minutes, which tests/test_slurm.py relies on.
+APT=(timeout 120 apt-get -y -q -o DPkg::Lock::Timeout=60)
 LOG="$(mktemp)"
 trap 'rm -f "$LOG"' EXIT
 start=$SECONDS
