@@ -8,9 +8,10 @@ network inside its step:
 1. step t (in the training step): compensate and select as usual, write the residuals, and hand
    the payload (each sparse variable's values and indices, each dense-route gradient) to the
    pipeline (:meth:`DelayedExchange.submit`, a ``tf.numpy_function``). It returns at once.
-2. The pipeline's thread takes payloads in step order and runs the exchange with the same
-   Horovod collectives, names and scatter-add as the synchronous path (eagerly, one exchange at
-   a time). Horovod's own background loop moves the bytes while the worker computes steps
+2. The pipeline's thread takes payloads in step order and runs the exchange eagerly, one
+   step at a time: one Horovod allgather for every variable's (values, indices) pairs (values
+   bit-cast beside their indices), one allreduce for the dense-route gradients, and the same
+   rank-order scatter-add as the synchronous path. Horovod's own background loop moves the bytes while the worker computes steps
    t+1, t+2, ...
 3. Still in step t, after submitting: the average of step t - tau is taken
    (:meth:`DelayedExchange.take`, which waits only if it has not arrived yet) and given to the
@@ -26,9 +27,9 @@ network inside its step:
 
 Why a thread running Horovod, rather than mpi4py's non-blocking ``Iallgatherv``: the same
 transport as the rest of the library (MPI, Gloo and NCCL alike, so ``horovodrun --gloo`` works
-too), the same collective code and therefore the same bits as ``staleness=0``, and Horovod's
-stall detection still ends a job whose peer died. The cost is a copy of the payload to host
-memory and back, and per-step Python in the thread.
+too), the same reduction (rank-order scatter-add of bit-exact gathered entries, Horovod's
+allreduce) as ``staleness=0``, and Horovod's stall detection still ends a job whose peer died.
+The cost is a copy of the payload to host memory and back, and per-step Python in the thread.
 """
 
 import threading
@@ -171,7 +172,9 @@ class DelayedExchange:
         selections = [
             Selection(tf.constant(arrays[2 * j]), tf.constant(arrays[2 * j + 1])) for j in range(count)
         ]
-        sparse = self.exchange.sparse_average(
+        # Eager collectives run one after another, each at least one Horovod cycle: one for
+        # all (values, indices) pairs, one for the dense gradients.
+        sparse = self.exchange.sparse_average_packed(
             selections, [self.num_elements[i] for i in layout.sparse], list(layout.sparse)
         )
         dense = self.exchange.dense_average([tf.constant(a) for a in arrays[2 * count:]],
