@@ -85,30 +85,6 @@ class Exchange:
             selections = self._allgather(selections, keys)
         return self._average_gathered(selections, num_elements)
 
-    def sparse_average_packed(
-        self, selections: Sequence[Selection], num_elements: Sequence[int], keys: Sequence[int]
-    ) -> List[tf.Tensor]:
-        """:meth:`sparse_average` in a single collective: each variable's 4-byte values are
-        bit-cast to int32 and travel beside their indices as an [m, 2] tensor, all variables in
-        one ``grouped_allgather``. For callers that run collectives one after another (the
-        staleness pipeline's thread), where each collective costs at least one Horovod cycle.
-        Variables whose values are not 4 bytes wide take the two-collective route.
-        """
-        if not selections:
-            return []
-        if self.size == 1 or any(s.values.dtype.size != 4 for s in selections):
-            return self.sparse_average(selections, num_elements, keys)
-        hvd = runtime.horovod()
-        packed = [tf.stack([tf.bitcast(s.values, tf.int32), s.indices], axis=1) for s in selections]
-        gathered = hvd.grouped_allgather(
-            packed, name=f"{self.name}.packed", ignore_name_scope=True,
-            process_set=runtime.process_set_or_global(self.process_set),
-        )
-        unpacked = [
-            Selection(tf.bitcast(g[:, 0], s.values.dtype), g[:, 1]) for g, s in zip(gathered, selections)
-        ]
-        return self._average_gathered(unpacked, num_elements)
-
     def _average_gathered(self, selections, num_elements):
         """Scatter-add every rank's entries (rank order) and divide by the number of workers."""
         size = self.size

@@ -8,10 +8,9 @@ network inside its step:
 1. step t (in the training step): compensate and select as usual, write the residuals, and hand
    the payload (each sparse variable's values and indices, each dense-route gradient) to the
    pipeline (:meth:`DelayedExchange.submit`, a ``tf.numpy_function``). It returns at once.
-2. The pipeline's thread takes payloads in step order and runs the exchange eagerly, one
-   step at a time: one Horovod allgather for every variable's (values, indices) pairs (values
-   bit-cast beside their indices), one allreduce for the dense-route gradients, and the same
-   rank-order scatter-add as the synchronous path. Horovod's own background loop moves the bytes while the worker computes steps
+2. The pipeline's thread takes payloads in step order and runs the exchange, one step at a
+   time: one Horovod allgather for every variable's (values, indices) pairs, one allreduce
+   for the dense-route gradients, and a rank-order sum (see ``DelayedExchange._exchange``). Horovod's own background loop moves the bytes while the worker computes steps
    t+1, t+2, ...
 3. Still in step t, after submitting: the average of step t - tau is taken
    (:meth:`DelayedExchange.take`, which waits only if it has not arrived yet) and given to the
@@ -27,8 +26,8 @@ network inside its step:
 
 Why a thread running Horovod, rather than mpi4py's non-blocking ``Iallgatherv``: the same
 transport as the rest of the library (MPI, Gloo and NCCL alike, so ``horovodrun --gloo`` works
-too), the same reduction (rank-order scatter-add of bit-exact gathered entries, Horovod's
-allreduce) as ``staleness=0``, and Horovod's stall detection still ends a job whose peer died.
+too), Horovod's stall detection still ends a job whose peer died, and every rank reduces the
+same gathered bits in the same order.
 The cost is a copy of the payload to host memory and back, and per-step Python in the thread.
 """
 
@@ -39,8 +38,8 @@ from typing import Dict, List, NamedTuple, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from . import runtime
 from .exchange import Exchange
-from .sparsifiers import Selection
 
 _POLL_SECONDS = 1.0  # how often a waiting step re-checks that the thread is alive
 
@@ -161,25 +160,79 @@ class DelayedExchange:
                 self._lock.notify_all()
 
     def _exchange(self, layout: PayloadLayout, arrays) -> List[np.ndarray]:
-        """One step's exchange, eagerly: the synchronous path's collectives and reduction.
+        """One step's exchange: two eager Horovod collectives, everything else in NumPy.
 
-        Eager on purpose: a traced function would run its ops on TensorFlow's inter-op thread
-        pool, where the training step's ``take`` may be holding the only thread while it waits
-        for this very exchange (a deadlock seen with one inter-op thread). Eager ops run on
-        this thread.
+        1. Each sparse variable's payload becomes one int32 table (:func:`pack`): a header row
+           with its entry count, then one row per entry holding the value's bits and its index.
+           All tables go to every rank in ONE ``grouped_allgather`` (an eager collective costs
+           at least one Horovod cycle, and they run one after another here).
+        2. The dense-route gradients are averaged by one ``grouped_allreduce`` per dtype.
+        3. Each rank's entries are added into a zero vector rank by rank (:func:`unpack_sum`);
+           within one rank the indices are distinct, so the order of additions is fixed: the
+           same bits on every rank. Then the sum is divided by the number of workers.
+
+        Why so few TensorFlow ops: every eager op releases and re-takes Python's GIL, and while
+        the training loop runs Python (Keras callbacks) each re-take can wait a whole switch
+        interval (5 ms); with a dozen small ops per exchange that made steps 30x slower. Why
+        eager at all: a traced function would run its ops on TensorFlow's inter-op thread pool,
+        where the training step's ``take`` may hold the only thread while it waits for this
+        very exchange (a deadlock seen with one inter-op thread).
         """
+        size = self.exchange.size
         count = len(layout.sparse)
-        selections = [
-            Selection(tf.constant(arrays[2 * j]), tf.constant(arrays[2 * j + 1])) for j in range(count)
-        ]
-        # Eager collectives run one after another, each at least one Horovod cycle: one for
-        # all (values, indices) pairs, one for the dense gradients.
-        sparse = self.exchange.sparse_average_packed(
-            selections, [self.num_elements[i] for i in layout.sparse], list(layout.sparse)
-        )
-        dense = self.exchange.dense_average([tf.constant(a) for a in arrays[2 * count:]],
-                                            list(layout.dense))
         averages = [np.zeros(n, d) for n, d in zip(self.num_elements, self.dtypes)]
-        for index, average in zip(layout.sparse + layout.dense, list(sparse) + list(dense)):
-            averages[index] = average.numpy().reshape(-1)
+        if count:
+            tables = [pack(arrays[2 * j], arrays[2 * j + 1]) for j in range(count)]
+            if size > 1:
+                hvd = runtime.horovod()
+                gathered = hvd.grouped_allgather(
+                    [tf.constant(t) for t in tables], name=f"{self.exchange.name}.packed",
+                    ignore_name_scope=True,
+                    process_set=runtime.process_set_or_global(self.exchange.process_set),
+                )
+                tables = [g.numpy() for g in gathered]
+            for index, table in zip(layout.sparse, tables):
+                total = unpack_sum(table, self.num_elements[index], self.dtypes[index])
+                averages[index] = total if size == 1 else total / total.dtype.type(size)
+        dense = arrays[2 * count:]
+        if dense:
+            averaged = self.exchange.dense_average([tf.constant(a) for a in dense], list(layout.dense))
+            for index, average in zip(layout.dense, averaged):
+                averages[index] = np.asarray(average).reshape(-1)
         return averages
+
+
+def _words(dtype) -> int:
+    """int32 words that hold one value of ``dtype`` (2-byte values are zero-extended)."""
+    return max(1, np.dtype(dtype).itemsize // 4)
+
+
+def pack(values: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """One rank's selection as an int32 table: ``[[m, 0...], [value bits..., index], ...]``."""
+    m, words = len(values), _words(values.dtype)
+    table = np.zeros((m + 1, words + 1), np.int32)
+    table[0, 0] = m
+    if values.dtype.itemsize == 2:
+        table[1:, 0] = values.view(np.uint16)
+    else:
+        table[1:, :words] = values.view(np.int32).reshape(m, words)
+    table[1:, words] = indices
+    return table
+
+
+def unpack_sum(table: np.ndarray, num_elements: int, dtype) -> np.ndarray:
+    """The sum, added rank by rank in rank order, of the selections stacked in ``table``."""
+    dtype = np.dtype(dtype)
+    words = _words(dtype)
+    total = np.zeros(num_elements, dtype)
+    row = 0
+    while row < len(table):
+        m = int(table[row, 0])
+        entries = table[row + 1: row + 1 + m]
+        if dtype.itemsize == 2:
+            values = entries[:, 0].astype(np.uint16).view(dtype)
+        else:
+            values = np.ascontiguousarray(entries[:, :words]).view(dtype).reshape(m)
+        total[entries[:, words]] += values  # distinct indices within one rank
+        row += m + 1
+    return total

@@ -207,3 +207,20 @@ def test_staleness_refuses_momentum_correction_and_the_adaptive_policy():
         sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), staleness=1,
                                               density=sparse_hvd.AdaptiveDensity(),
                                               grouping="layerwise")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_packed_tables_sum_every_ranks_entries_in_rank_order(dtype):
+    from sparse_hvd.staleness import pack, unpack_sum
+
+    rng = np.random.RandomState(5)
+    n, tables, expected = 300, [], np.zeros(300, dtype)
+    for count in (0, 17, 300, 5):  # four "ranks", the first sending nothing
+        indices = rng.permutation(n)[:count].astype("int32")
+        values = (rng.randn(count) * 1e3).astype(dtype)
+        tables.append(pack(values, indices))
+        for i, v in zip(indices, values):  # an independent rank-order sum
+            expected[i] = expected[i] + v
+    total = unpack_sum(np.concatenate(tables), n, dtype)
+    assert total.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(total, expected)

@@ -216,16 +216,3 @@ def test_embedding_rows_on_the_dense_route_are_averaged_as_rows(hvd):
     np.testing.assert_allclose(table.numpy(), expected, rtol=1e-6)
     assert len(set(gather(hvd, digest([table.numpy()]), name="rows.digest"))) == 1
 
-
-def test_packed_sparse_average_equals_the_two_collective_one_bit_for_bit(hvd):
-    rank = hvd.rank()
-    exchange = Exchange(name="test.exchange.packed")
-    selections, sizes = [], []
-    for n, salt in ((500, 0), (37, 5)):
-        i, v = _rank_selection(rank, (rank + salt) % 7, n, salt)
-        selections.append(Selection(values=tf.constant(v * 1.37), indices=tf.constant(i)))
-        sizes.append(n)
-    plain = exchange.sparse_average(selections, sizes, keys=[0, 1])
-    packed = exchange.sparse_average_packed(selections, sizes, keys=[0, 1])
-    for a, b in zip(plain, packed):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
