@@ -34,6 +34,12 @@ worker's network interface transmitted during the timed steps (``/proc/net/dev``
 interface named by ``EMULATED_CLUSTER_IFACE``, which the emulated cluster sets; absent
 otherwise), TCP/IP headers and Horovod's own coordination messages included.
 
+Interleaved timing (``--timing METHODS``): instead of training, one job builds every listed
+method and times them round-robin (a few steps of each in turn, after untimed warm-up steps),
+so that load from other processes on a shared machine falls on all methods alike. The
+benchmark uses these medians for the step-time ratios; the training runs' own step times are
+reported too.
+
 Rank 0 writes the JSON (``--json``).
 """
 
@@ -50,7 +56,13 @@ METHODS = ("floor", "dense", "dense_fp16", "topk_0.01", "topk_0.001", "approx_to
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--method", required=True, choices=METHODS)
+    parser.add_argument("--method", choices=METHODS, help="train with this method")
+    parser.add_argument("--timing", default=None, metavar="METHODS",
+                        help="instead of training: time these comma-separated methods "
+                             "interleaved in one job (see 'Interleaved timing')")
+    parser.add_argument("--rounds", type=int, default=6, help="timing: rounds over the methods")
+    parser.add_argument("--steps-per-round", type=int, default=5, help="timing: steps per method and round")
+    parser.add_argument("--warmup-steps", type=int, default=6, help="timing: untimed first steps per method")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
@@ -61,6 +73,8 @@ def parse_args(argv=None):
     parser.add_argument("--hidden", type=int, default=2048, help="width of the hidden layers")
     parser.add_argument("--depth", type=int, default=2, help="number of hidden layers")
     parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
+    parser.add_argument("--test-fraction", type=float, default=0.2,
+                        help="share of the 1,797 digits held out for testing (stratified)")
     parser.add_argument("--threshold", type=float, default=None, help="lambda of 'threshold'")
     parser.add_argument("--max-density", type=float, default=0.05, help="cap of 'threshold'")
     parser.add_argument("--min-elements", type=int, default=1024,
@@ -69,7 +83,15 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=1,
                         help="TensorFlow intra-/inter-op threads per worker (0: TF's default)")
     parser.add_argument("--json", required=True, help="rank 0 writes the result here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (args.method is None) == (args.timing is None):
+        parser.error("give exactly one of --method and --timing")
+    if args.timing:
+        args.timing = [m.strip() for m in args.timing.split(",") if m.strip()]
+        unknown = [m for m in args.timing if m not in METHODS]
+        if unknown:
+            parser.error(f"--timing: unknown {', '.join(unknown)}")
+    return args
 
 
 def interface_tx_bytes():
@@ -85,7 +107,7 @@ def interface_tx_bytes():
     return None
 
 
-def load_digits_shards(seed, rank, size):
+def load_digits_shards(seed, rank, size, test_fraction=0.2):
     """(x_shard, y_shard), (x_test, y_test): equal-length per-rank shards of the training split."""
     import numpy as np
     from sklearn.datasets import load_digits
@@ -94,7 +116,7 @@ def load_digits_shards(seed, rank, size):
     digits = load_digits()
     x_train, x_test, y_train, y_test = train_test_split(
         (digits.data / 16.0).astype("float32"), digits.target.astype("int32"),
-        test_size=0.2, random_state=seed, stratify=digits.target,
+        test_size=test_fraction, random_state=seed, stratify=digits.target,
     )
     per_rank = len(x_train) // size
     x_shard = x_train[rank::size][:per_rank]
@@ -120,66 +142,89 @@ def main(argv=None):
     if size > 1 and hvd is None:
         raise SystemExit("launched on several ranks but Horovod is not installed")
 
-    (x_shard, y_shard), (x_test, y_test) = load_digits_shards(args.seed, rank, size)
-    # The same initial weights on every rank from the same seed: no broadcast is needed, so no
-    # method pays for one and the floor stays free of communication.
-    keras.utils.set_random_seed(args.seed)
-    layers = [keras.Input(shape=(64,))]
-    layers += [keras.layers.Dense(args.hidden, activation="relu") for _ in range(args.depth)]
-    layers += [keras.layers.Dense(10)]
-    model = keras.Sequential(layers)
-    variables = model.trainable_variables
-    parameters = int(sum(np.prod(v.shape) for v in variables))
-
-    lr = args.lr
-    if args.lr_schedule == "cosine":
-        lr = keras.optimizers.schedules.CosineDecay(args.lr, decay_steps=args.steps)
-    inner = keras.optimizers.SGD(lr, momentum=args.momentum)
-    sparse = None
-    if args.method not in ("floor", "dense", "dense_fp16"):
-        if args.method == "threshold" and args.threshold is None:
-            raise SystemExit("--method threshold needs --threshold LAMBDA")
-        # name -> (density, sparsifier, grouping). The threshold's density=0.01 only decides
-        # which variables are routed sparsely (the same ones as top-k 1%).
-        settings = {
-            "topk_0.01": (0.01, "topk", "grouped"),
-            "topk_0.001": (0.001, "topk", "grouped"),
-            "approx_topk_0.01": (0.01, "approx_topk", "grouped"),
-            "threshold": (0.01, lambda: sparse_hvd.Threshold(threshold=args.threshold,
-                                                             max_density=args.max_density), "grouped"),
-            "adaptive": (lambda: sparse_hvd.AdaptiveDensity(0.01, min_density=0.001, max_density=0.1,
-                                                            refresh_steps=50, first_refresh=5),
-                         "topk", "layerwise"),
-        }
-        density, sparsifier, grouping = settings[args.method]
-        sparse = sparse_hvd.SparseDistributedOptimizer(
-            inner,
-            density=density() if callable(density) else density,
-            sparsifier=sparsifier() if callable(sparsifier) else sparsifier,
-            grouping=grouping,
-            min_elements=args.min_elements,
-        )
-    optimizer = sparse if sparse is not None else inner
-    optimizer.build(variables)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    compression = None
-    if hvd is not None:
-        compression = hvd.Compression.fp16 if args.method == "dense_fp16" else hvd.Compression.none
+    (x_shard, y_shard), (x_test, y_test) = load_digits_shards(args.seed, rank, size, args.test_fraction)
     x_all = tf.constant(x_shard)
     y_all = tf.constant(y_shard)
 
-    @tf.function(jit_compile=False)  # Horovod's collectives cannot be XLA-compiled
-    def train_step(indices):
-        x = tf.gather(x_all, indices)
-        y = tf.gather(y_all, indices)
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, variables)
-        if args.method in ("dense", "dense_fp16") and size > 1:
-            grads = hvd.grouped_allreduce(grads, op=hvd.Average, compression=compression,
-                                          name="tta.dense")
-        optimizer.apply_gradients(zip(grads, variables))
-        return loss
+    def build(method):
+        """(model, variables, optimizer, sparse optimizer or None, traced step) of ``method``."""
+        # The same initial weights on every rank and for every method, from the same seed: no
+        # broadcast is needed, so no method pays for one and the floor stays communication-free.
+        keras.utils.set_random_seed(args.seed)
+        layers = [keras.Input(shape=(64,))]
+        layers += [keras.layers.Dense(args.hidden, activation="relu") for _ in range(args.depth)]
+        layers += [keras.layers.Dense(10)]
+        model = keras.Sequential(layers)
+        variables = model.trainable_variables
+        lr = args.lr
+        if args.lr_schedule == "cosine":
+            lr = keras.optimizers.schedules.CosineDecay(args.lr, decay_steps=args.steps)
+        inner = keras.optimizers.SGD(lr, momentum=args.momentum)
+        sparse = None
+        if method not in ("floor", "dense", "dense_fp16"):
+            if method == "threshold" and args.threshold is None:
+                raise SystemExit("method threshold needs --threshold LAMBDA")
+            # name -> (density, sparsifier, grouping). The threshold's density=0.01 only decides
+            # which variables are routed sparsely (the same ones as top-k 1%).
+            settings = {
+                "topk_0.01": (0.01, "topk", "grouped"),
+                "topk_0.001": (0.001, "topk", "grouped"),
+                "approx_topk_0.01": (0.01, "approx_topk", "grouped"),
+                "threshold": (0.01, lambda: sparse_hvd.Threshold(threshold=args.threshold,
+                                                                 max_density=args.max_density),
+                              "grouped"),
+                "adaptive": (lambda: sparse_hvd.AdaptiveDensity(0.01, min_density=0.001,
+                                                                max_density=0.1, refresh_steps=50,
+                                                                first_refresh=5),
+                             "topk", "layerwise"),
+            }
+            density, sparsifier, grouping = settings[method]
+            sparse = sparse_hvd.SparseDistributedOptimizer(
+                inner,
+                density=density() if callable(density) else density,
+                sparsifier=sparsifier() if callable(sparsifier) else sparsifier,
+                grouping=grouping,
+                min_elements=args.min_elements,
+                name=f"sparse_{method.replace('.', '_')}",
+            )
+        optimizer = sparse if sparse is not None else inner
+        optimizer.build(variables)
+        compression = None
+        if hvd is not None:
+            compression = hvd.Compression.fp16 if method == "dense_fp16" else hvd.Compression.none
+        allreduce = method in ("dense", "dense_fp16") and size > 1
+
+        @tf.function(jit_compile=False)  # Horovod's collectives cannot be XLA-compiled
+        def train_step(indices):
+            x = tf.gather(x_all, indices)
+            y = tf.gather(y_all, indices)
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            grads = tape.gradient(loss, variables)
+            if allreduce:
+                grads = hvd.grouped_allreduce(grads, op=hvd.Average, compression=compression,
+                                              name=f"tta.{method}")
+            optimizer.apply_gradients(zip(grads, variables))
+            return loss
+
+        return model, variables, optimizer, sparse, train_step
+
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rng = np.random.default_rng(args.seed * 1000 + rank)  # each rank's own batch order
+    per_rank = len(x_shard)
+
+    def batches():
+        while True:
+            order = rng.permutation(per_rank)
+            for start in range(0, per_rank - args.batch_size + 1, args.batch_size):
+                yield tf.constant(order[start:start + args.batch_size], tf.int32)
+
+    stream = batches()
+    if args.timing:
+        return interleaved_timing(args, build, stream, hvd, rank, size, started)
+
+    model, variables, optimizer, sparse, train_step = build(args.method)
+    parameters = int(sum(np.prod(v.shape) for v in variables))
 
     @tf.function(jit_compile=False)
     def predict(x):
@@ -207,16 +252,6 @@ def main(argv=None):
             total += elements
         return weighted / total if total else None
 
-    rng = np.random.default_rng(args.seed * 1000 + rank)  # each rank's own batch order
-    per_rank = len(x_shard)
-
-    def batches():
-        while True:
-            for order in [rng.permutation(per_rank)]:
-                for start in range(0, per_rank - args.batch_size + 1, args.batch_size):
-                    yield tf.constant(order[start:start + args.batch_size], tf.int32)
-
-    stream = batches()
     curve = [{"step": 0, "wall": 0.0, "accuracy": accuracy()}]
     step_times = []
     first_step_seconds = None
@@ -290,6 +325,8 @@ def main(argv=None):
             "hidden": args.hidden,
             "depth": args.depth,
             "eval_every": args.eval_every,
+            "test_fraction": args.test_fraction,
+            "test_examples": int(len(y_test)),
             "threads": args.threads,
             "min_elements": args.min_elements,
             "threshold": args.threshold if args.method == "threshold" else None,
@@ -343,6 +380,53 @@ def main(argv=None):
               f"median step {result['median_step_seconds'] * 1e3:.1f} ms, payload "
               f"{payload:,.0f} B/step, wire {result['wire_bytes_per_step'] or 0:,.0f} B/step",
               flush=True)
+    return 0
+
+
+def interleaved_timing(args, build, stream, hvd, rank, size, started):
+    """Time every method of ``args.timing`` in one job, round-robin, and write the JSON.
+
+    Each method gets its own model (the same initial weights) and optimizer, and
+    ``--warmup-steps`` untimed steps (tracing, graph optimisation, the adaptive policy's first
+    decision). Then ``--rounds`` rounds run ``--steps-per-round`` timed steps of each method in
+    turn, so load that other processes put on the machine falls on all methods alike.
+    """
+    import numpy as np
+
+    runs = {}
+    for method in args.timing:
+        *_, step = build(method)
+        for _ in range(args.warmup_steps):
+            float(step(next(stream)))
+        runs[method] = (step, [])
+    for _ in range(args.rounds):
+        for method, (step, times) in runs.items():
+            for _ in range(args.steps_per_round):
+                indices = next(stream)
+                t0 = time.perf_counter()
+                float(step(indices))
+                times.append(time.perf_counter() - t0)
+    mine = {m: float(np.median(times)) for m, (_, times) in runs.items()}
+    everyone = hvd.allgather_object(mine, name="tta.timing") if size > 1 else [mine]
+    if rank == 0:
+        result = {
+            "timing": "interleaved",
+            "workers": size,
+            "rounds": args.rounds,
+            "steps_per_round": args.steps_per_round,
+            "warmup_steps": args.warmup_steps,
+            "threshold": args.threshold,
+            # median over ranks of each rank's median step time
+            "median_step_seconds": {m: float(np.median([r[m] for r in everyone])) for m in mine},
+            "per_rank_median_step_seconds": everyone,
+            "seconds": time.perf_counter() - started,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+        print("[tta_worker] interleaved timing: " + ", ".join(
+            f"{m} {t * 1e3:.1f} ms" for m, t in result["median_step_seconds"].items()), flush=True)
     return 0
 
 
