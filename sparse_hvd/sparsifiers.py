@@ -210,13 +210,61 @@ def _magnitude_cut_step(flat_grad, flat_residual, cut, low, high, fallback_k, fu
 class TopK(Sparsifier):
     """Exact top-k by magnitude (Alistarh et al., NeurIPS 2018).
 
-    Keeps the k entries of largest |flat|. On a CPU this is a partial sort, several times the
-    cost of one pass over the gradient; ``ApproxTopK`` is the cheap alternative for large layers.
+    Keeps the k entries of largest |c|. A partial sort of the whole gradient costs about ten
+    passes over it on a CPU, so for layers of ``min_size`` entries and more, with error
+    feedback, the same k entries are found from a small candidate set:
+
+    1. estimate a cut below the k-th largest magnitude: the ``round(2k (s+1)/(n+1))``-th
+       largest of ``s`` sampled magnitudes of c (0.2% of n, at least 1024), about where 2k
+       entries lie above;
+    2. one pass over the data (the native kernel of ``ApproxTopK``/``Threshold``): compensate,
+       and take the candidates ``|c| >= cut`` out of the remainder;
+    3. if there are at least k and at most 8k candidates, the exact top-k of the candidates is
+       the top-k of c (every entry of the top-k is at or above the k-th largest, which is at
+       or above the cut) and the candidates not chosen go back into the remainder with their
+       exact values; otherwise (a missed estimate) the whole of c is partially sorted.
+
+    Either way the selection and the remainder are those of the plain partial sort (tested).
     """
+
+    def __init__(self, min_size=65536, fast=True):
+        self.min_size = int(min_size)
+        self.fast = bool(fast)
+
+    def get_config(self):
+        return {"min_size": self.min_size, "fast": self.fast}
 
     def __call__(self, flat, k):
         _, indices = tf.math.top_k(tf.abs(flat), k=k, sorted=False)
         return _selection_at(flat, indices)
+
+    def fused_compensate_select(self, flat_grad, flat_residual, k=None):
+        n = flat_grad.shape[0]
+        if not self.fast or k is None or n is None or n < self.min_size:
+            return None
+        k = tf.convert_to_tensor(k, tf.int32)
+        cut = _sampled_cut(flat_grad, flat_residual, 2 * k, _FIXED_SAMPLER)
+        high = tf.minimum(8 * k, n)
+        candidates, remainder = _magnitude_cut_step(
+            flat_grad, flat_residual, cut, k, high, k, fuse=True
+        )
+        missed = candidates.capped  # True: the partial sort of the whole of c already ran
+
+        def top_of_candidates():
+            _, chosen = tf.math.top_k(tf.abs(candidates.values), k=k, sorted=False)
+            kept = tf.scatter_nd(tf.expand_dims(chosen, 1), tf.ones_like(chosen, tf.bool),
+                                 tf.shape(candidates.values))
+            returned = tf.logical_not(kept)
+            restored = tf.tensor_scatter_nd_update(
+                remainder, tf.expand_dims(tf.boolean_mask(candidates.indices, returned), 1),
+                tf.boolean_mask(candidates.values, returned),
+            )
+            return tf.gather(candidates.indices, chosen), tf.gather(candidates.values, chosen), restored
+
+        indices, values, remainder = tf.cond(
+            missed, lambda: (candidates.indices, candidates.values, remainder), top_of_candidates
+        )
+        return Selection(values=values, indices=indices), remainder
 
 
 def topk(flat, k) -> Selection:
@@ -306,6 +354,35 @@ def _generator(seed):
         return tf.random.Generator.from_seed(seed)
 
 
+class _Sampler(NamedTuple):
+    """Where to sample the compensated gradient: a generator, a fraction and a minimum."""
+
+    generator: Optional[tf.random.Generator]  # None: a fixed, well-spread set of positions
+    fraction: float = 0.002
+    minimum: int = 1024
+
+
+_FIXED_SAMPLER = _Sampler(None)
+
+
+def _sampled_cut(flat_grad, flat_residual, count, sampler: _Sampler):
+    """A magnitude with about ``count`` entries of |grad + residual| at or above it, estimated
+    from ``s`` sampled entries: the r-th largest of s samples has about r (n+1)/(s+1) above."""
+    n = flat_grad.shape[0]
+    samples = min(n, max(sampler.minimum, math.ceil(sampler.fraction * n)))
+    if sampler.generator is None:
+        # i * p mod n for a large prime p: deterministic, stateless, and unlike an even stride
+        # it does not line up with the rows of a flattened matrix.
+        spread = tf.range(samples, dtype=tf.int64) * 2654435761
+        positions = tf.cast(tf.math.floormod(spread, n), tf.int32)
+    else:
+        positions = sampler.generator.uniform([samples], 0, n, dtype=tf.int32)
+    sampled = tf.abs(tf.gather(flat_grad, positions) + tf.gather(flat_residual, positions))
+    rank = tf.math.round(tf.cast(count, tf.float64) * (samples + 1) / (n + 1))
+    rank = tf.clip_by_value(tf.cast(rank, tf.int32), 1, samples)
+    return tf.math.top_k(sampled, k=rank, sorted=True).values[-1]
+
+
 @register_sparsifier("approx_topk")
 class ApproxTopK(Sparsifier):
     """Fast approximate top-k for large layers: a threshold estimated from a random sample.
@@ -361,14 +438,9 @@ class ApproxTopK(Sparsifier):
             return None
         if self._generator is None:
             self._generator = _generator(self.seed)
-        samples = min(n, max(self.min_samples, math.ceil(self.sample_fraction * n)))
-        positions = self._generator.uniform([samples], 0, n, dtype=tf.int32)
-        sampled = tf.abs(tf.gather(flat_grad, positions) + tf.gather(flat_residual, positions))
         k = tf.convert_to_tensor(k, tf.int32)
-        # The r-th largest of s samples has about r * (n + 1) / (s + 1) entries at or above it.
-        rank_in_sample = tf.cast(tf.math.round(tf.cast(k, tf.float64) * (samples + 1) / (n + 1)), tf.int32)
-        rank_in_sample = tf.clip_by_value(rank_in_sample, 1, samples)
-        cut = tf.math.top_k(sampled, k=rank_in_sample, sorted=True).values[-1]
+        sampler = _Sampler(self._generator, self.sample_fraction, self.min_samples)
+        cut = _sampled_cut(flat_grad, flat_residual, k, sampler)
         low = tf.cast(tf.math.floor(tf.cast(k, tf.float64) / self.band), tf.int32)
         high = tf.cast(tf.math.ceil(tf.cast(k, tf.float64) * self.band), tf.int32)
         selection, remainder = _magnitude_cut_step(

@@ -40,3 +40,46 @@ def test_registry_lists_topk_and_rejects_unknown_names():
 def test_registering_a_name_twice_is_refused():
     with pytest.raises(ValueError, match="already exists"):
         register_sparsifier("topk")(topk)
+
+
+def _fast_and_sorted(flat_grad, flat_residual, k):
+    from sparse_hvd.error_feedback import compensate_and_select
+
+    fast = compensate_and_select(tf.constant(flat_grad), tf.constant(flat_residual), sparse_hvd.TopK(), k)
+    plain = compensate_and_select(tf.constant(flat_grad), tf.constant(flat_residual),
+                                  sparse_hvd.TopK(fast=False), k)
+    return fast, plain
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("n,density", [(65536, 0.01), (300000, 0.001), (300000, 0.01), (131072, 0.2)])
+def test_topk_from_candidates_equals_the_partial_sort_bit_for_bit(n, density, dtype):
+    rng = np.random.RandomState(n % 97)
+    grad = (rng.standard_cauchy(n) * rng.rand(n)).astype(dtype)  # heavy tails, like gradients
+    residual = (rng.randn(n) * 0.3).astype(dtype)
+    k = int(np.ceil(density * n))
+    (fast, fast_rest), (plain, plain_rest) = _fast_and_sorted(grad, residual, k)
+    order = np.argsort(fast.indices.numpy())
+    np.testing.assert_array_equal(fast.indices.numpy()[order], np.sort(plain.indices.numpy()))
+    np.testing.assert_array_equal(fast.values.numpy()[order],
+                                  plain.values.numpy()[np.argsort(plain.indices.numpy())])
+    np.testing.assert_array_equal(fast_rest.numpy(), plain_rest.numpy())
+    np.testing.assert_array_equal(np.sort(fast.indices.numpy()),
+                                  numpy_topk_indices(grad + residual, k))
+
+
+def test_topk_falls_back_to_the_partial_sort_when_the_cut_misses():
+    # Nine tenths of the entries share one magnitude: every cut below it takes far more than
+    # 8k candidates, so the whole gradient is sorted; the answer must not change.
+    n, k = 100000, 500
+    rng = np.random.RandomState(1)
+    grad = np.where(rng.rand(n) < 0.9, 1.0, rng.rand(n) * 0.5).astype("float32")
+    residual = np.zeros(n, "float32")
+    (fast, fast_rest), (plain, plain_rest) = _fast_and_sorted(grad, residual, k)
+    np.testing.assert_array_equal(np.sort(fast.indices.numpy()), np.sort(plain.indices.numpy()))
+    np.testing.assert_array_equal(fast_rest.numpy(), plain_rest.numpy())
+
+
+def test_topk_settings_serialise():
+    config = sparse_hvd.TopK(min_size=1000, fast=False).get_config()
+    assert sparse_hvd.TopK.from_config(config).get_config() == {"min_size": 1000, "fast": False}
