@@ -49,6 +49,15 @@ def probe_allgather_costs(name, sizes_bytes=DEFAULT_PROBE_BYTES, repeats=5, proc
     would then measure nothing. Must be called on every rank with the same arguments. Alone
     (no other worker) every time is zero.
     """
+    return _probe_costs(name, "allgather", sizes_bytes, repeats, process_set)
+
+
+def probe_allreduce_costs(name, sizes_bytes=DEFAULT_PROBE_BYTES, repeats=5, process_set=None):
+    """:func:`probe_allgather_costs` for a Horovod allreduce (op=Average) of each size."""
+    return _probe_costs(name, "allreduce", sizes_bytes, repeats, process_set)
+
+
+def _probe_costs(name, collective, sizes_bytes, repeats, process_set):
     if runtime.size(process_set) == 1:
         return tf.zeros([len(sizes_bytes)], tf.float64), tf.zeros([], tf.float64)
     hvd = runtime.horovod()
@@ -62,12 +71,15 @@ def probe_allgather_costs(name, sizes_bytes=DEFAULT_PROBE_BYTES, repeats=5, proc
                 payload = tf.zeros([size // 4], tf.float32) + tf.cast(token * 0.0, tf.float32)
                 start = tf.timestamp()
             with tf.control_dependencies([start]):
-                gathered = hvd.allgather(
-                    payload, name=f"{name}.probe.{size}.{repeat}", ignore_name_scope=True,
-                    process_set=process_set,
-                )
-            keep_alive.append(tf.cast(gathered[0], tf.float64))
-            with tf.control_dependencies([gathered]):
+                probe_name = f"{name}.{collective}_probe.{size}.{repeat}"
+                if collective == "allgather":
+                    result = hvd.allgather(payload, name=probe_name, ignore_name_scope=True,
+                                           process_set=process_set)
+                else:
+                    result = hvd.allreduce(payload, op=hvd.Average, name=probe_name,
+                                           ignore_name_scope=True, process_set=process_set)
+            keep_alive.append(tf.cast(result[0], tf.float64))
+            with tf.control_dependencies([result]):
                 token = tf.timestamp()
             if repeat:
                 samples.append(token - start)

@@ -283,6 +283,12 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             (MPI or Gloo) and srun alike; not with ``momentum_correction`` or the adaptive
             policy. The per-step non-finite check (a 4-byte allreduce) still meets the other
             ranks once per step; ``nonfinite="ignore"`` removes it.
+        dense_fallback: decide per layer, when the optimizer is built, whether the sparse path
+            (sparsify, allgather, scatter-add) is faster than a dense allreduce on this job's
+            network and CPUs, and send densely where it is not (``sparse_hvd.routing``; timed
+            on the live job, averaged over the ranks, printed by rank 0). On a fast network
+            this keeps sparse_hvd from being slower than dense averaging. Off by default: the
+            decision depends on timings, so two runs may route differently.
         min_elements: variables smaller than this are exchanged densely (default 1024: below a
             few kilobytes a message costs its latency, whatever its size).
         process_set: Horovod process set to average over (the whole job by default). Not
@@ -304,6 +310,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         grouping="grouped",
         nonfinite="skip",
         staleness=0,
+        dense_fallback=False,
         process_set=None,
         name=None,
         **kwargs,
@@ -336,6 +343,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         if nonfinite not in _NONFINITE_CHOICES:
             raise ValueError(f"`nonfinite` must be one of {_NONFINITE_CHOICES}, got {nonfinite!r}")
         _check_staleness(staleness, momentum_correction, policy)
+        if not isinstance(dense_fallback, bool):
+            raise TypeError(f"`dense_fallback` must be True or False, got {dense_fallback!r}")
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
         self.density_policy = policy
@@ -344,6 +353,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self.momentum_correction = float(momentum_correction)
         self.nonfinite = nonfinite
         self.staleness = int(staleness)
+        self.dense_fallback = dense_fallback
         self.min_elements = min_elements
         self.process_set = process_set
         self._exchange = Exchange(
@@ -400,6 +410,17 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             process_set=self.process_set,
             name=f"sparse_hvd.{self.name}.build_check",
         )
+        if self.dense_fallback:
+            from .routing import choose_dense_layers
+
+            with tf.init_scope():
+                slower = choose_dense_layers(
+                    self._routes, [tf.as_dtype(v.dtype).as_numpy_dtype for v in var_list],
+                    self.density, self.sparsifier, self.error_feedback,
+                    name=f"sparse_hvd.{self.name}", process_set=self.process_set,
+                )
+            for index in slower:
+                self._routes[index] = self._routes[index]._replace(sparse=False)
         self.density_policy.prepare(self, var_list, self._routes)
 
     def _build_delayed_state(self, var_list):
@@ -440,6 +461,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             "grouping": self._exchange.grouping,
             "nonfinite": self.nonfinite,
             "staleness": self.staleness,
+            "dense_fallback": self.dense_fallback,
         }
 
     def _route_for(self, variable) -> _Route:
