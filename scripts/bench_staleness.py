@@ -66,6 +66,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per job")
     parser.add_argument("--no-link", action="store_true", help="skip part 2 (the slow link)")
+    parser.add_argument("--link-only", action="store_true", help="skip part 1 (accuracy)")
     parser.add_argument("--rate", default="100mbit", help="link rate of part 2")
     parser.add_argument("--delay", default="0.1ms", help="one-way delay of part 2")
     parser.add_argument("--link-epochs", type=int, default=3)
@@ -250,7 +251,7 @@ def main(argv=None):
     started = time.perf_counter()
     print(f"part 1: accuracy, workers {args.workers}, tau {args.taus}, seeds {args.seeds}, "
           f"{args.epochs} epochs", flush=True)
-    results = accuracy_part(args)
+    results = {} if args.link_only else accuracy_part(args)
     summary = summarise(results)
     link = None
     if not args.no_link:
@@ -264,7 +265,8 @@ def main(argv=None):
         f.write("\n")
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(table + "\n")
-    plot(summary, args, os.path.join(args.out, "staleness.png"))
+    if summary:
+        plot(summary, args, os.path.join(args.out, "staleness.png"))
     print()
     print(table)
     print(f"\n{time.perf_counter() - started:.0f} s; outputs in {os.path.relpath(args.out, ROOT)}/")

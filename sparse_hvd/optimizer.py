@@ -281,8 +281,9 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             sequence. Every rank applies bit-identical updates at the same steps. Costs tau
             copies of the model's size in optimizer variables. Works under mpirun, horovodrun
             (MPI or Gloo) and srun alike; not with ``momentum_correction`` or the adaptive
-            policy. The per-step non-finite check (a 4-byte allreduce) still meets the other
-            ranks once per step; ``nonfinite="ignore"`` removes it.
+            policy. No collective runs in the step itself: whether a step was finite on every
+            rank travels with its payload, and a step that was not is skipped on every rank
+            when it is due (its sent entries go back to the residuals) or stops the job.
         dense_fallback: decide per layer, when the optimizer is built, whether the sparse path
             (sparsify, allgather, scatter-add) is faster than a dense allreduce on this job's
             network and CPUs, and send densely where it is not (``sparse_hvd.routing``; timed
@@ -571,12 +572,35 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             return
         with tf.init_scope():
             for step in self._pipeline.pending_steps():
-                _, *averages = self._pipeline.take(step)
+                result = self._pipeline.take(step)
+                if not result.finite:  # nothing to apply later: undo it now
+                    self._undo_step(result.own)
+                    continue
+                averages = result.averages
                 slot = [[step % self.staleness]]
                 for delayed, average in zip(self._delayed, averages):
                     delayed.value.scatter_nd_update(
                         slot, tf.reshape(tf.constant(average), [1, *delayed.shape[1:]]))
                 self._delayed_steps.value.scatter_nd_update(slot, tf.constant([step], tf.int64))
+
+    def _undo_step(self, sent):
+        """A delayed step that was not finite on every rank: nothing of it is applied. What
+        this rank sent goes back into its residuals (so no gradient is lost), the step is
+        counted as skipped, and an inner LossScaleOptimizer lowers its scale. ``sent`` maps
+        variable indices to this rank's (values, int32 flat indices); empty for the rank whose
+        gradients were not finite (it wrote no residual in that step)."""
+        for index, (values, indices) in sent.items():
+            residual = self._residuals[index]
+            flat = tf.reshape(tf.convert_to_tensor(residual), [-1])
+            flat = tf.tensor_scatter_nd_add(
+                flat, tf.expand_dims(tf.convert_to_tensor(indices, tf.int32), 1),
+                tf.convert_to_tensor(values, flat.dtype))
+            residual.assign(tf.reshape(flat, residual.shape))
+        self._counters.skipped_steps.assign_add(1)
+        self._report_overflow_to_loss_scaling()
+        if runtime.rank(self.process_set) == 0:
+            tf.print(_NONFINITE_MESSAGE, "A delayed step was skipped on every rank.",
+                     output_stream=sys.stderr)
 
     def _release_slot(self, slot):
         """Mark a slot empty and zero it, so that every rank's slots agree again (only the
@@ -603,7 +627,11 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
                     averages = [tf.gather(d.value, in_slots[step]) for d in self._delayed]
                     self._release_slot(in_slots[step])
                 else:
-                    _, *averages = self._pipeline.take(step)
+                    result = self._pipeline.take(step)
+                    if not result.finite:
+                        self._undo_step(result.own)
+                        continue
+                    averages = result.averages
                 self._apply_inner(
                     [tf.reshape(tf.convert_to_tensor(a), v.shape) for a, v in zip(averages, variables)],
                     variables,
@@ -754,34 +782,46 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         return self._exchange_step if self.staleness else self.inner_optimizer.iterations
 
     def _apply_delayed(self, grads_and_vars):
-        """One step with staleness tau (``sparse_hvd.staleness``): hand this step's payload to
-        the pipeline, then apply the average of step t - tau, if there is one."""
+        """One step with staleness tau (``sparse_hvd.staleness``): hand this step's payload and
+        this rank's finiteness to the pipeline, then apply the average of step t - tau.
+
+        No collective runs here: whether a step was finite on every rank travels with its
+        payload and is acted on when the step is due (``nonfinite``: skip it on every rank and
+        give this rank's sent entries back to its residuals, or stop).
+        """
         step = tf.convert_to_tensor(self._exchange_step.value)
+        layout = PayloadLayout((), ())
         if grads_and_vars:
             out = self._outgoing(grads_and_vars, keep_rows=False)
-            finite = self._finite_on_every_rank(out.local_finite)
+            finite = (tf.reduce_all(tf.stack(out.local_finite)) if out.local_finite
+                      else tf.constant(True))
             layout = PayloadLayout(tuple(out.sparse.keys), tuple(out.dense.keys))
             payload = [t for s in out.sparse.items for t in (s.values, s.indices)]
             payload += [tf.reshape(g, [-1]) for g in out.dense.items]
             self._counters.record(out.bytes_sent, out.dense_bytes, out.capped, out.sent_per_variable)
             self._counters.record_times(out.gradients, out.selected, [])
 
-            def commit():
+            def write_state():
                 for variable, value in out.state_updates:
                     variable.assign(tf.reshape(value, variable.shape))
-                tf.numpy_function(functools.partial(self._pipeline.submit, layout),
-                                  [step] + payload, tf.int64, stateful=True, name="submit")
 
-            self._go_ahead_if_finite(finite, commit)
+            def keep_state():  # this rank's gradients were not finite: write nothing
+                pass
+
+            tf.cond(finite, write_state, keep_state)
+            tf.numpy_function(functools.partial(self._pipeline.submit, layout),
+                              [step, finite] + payload, tf.int64, stateful=True, name="submit")
             self.density_policy.end_step(step)
-        self._apply_average_of(step - self.staleness)
+        self._apply_average_of(step - self.staleness, layout)
         self._exchange_step.assign_add(1)
 
-    def _apply_average_of(self, due):
+    def _apply_average_of(self, due, layout):
         """Apply step ``due``'s average: from the slots after a restore, else from the pipeline
-        (waiting for it if it has not arrived); nothing for a step never exchanged."""
+        (waiting for it if it has not arrived); nothing for a step never exchanged; undo it if
+        it was not finite on every rank."""
         variables = self._trainable_variables
         dtypes = [tf.as_dtype(v.dtype) for v in variables]
+        sent_dtypes = [t for i in layout.sparse for t in (dtypes[i], tf.int32)]
         slot = tf.math.floormod(due, self.staleness)
         held = tf.equal(tf.gather(self._delayed_steps.value, slot), due)
 
@@ -789,19 +829,28 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             averages = [tf.reshape(tf.gather(d.value, slot), [-1]) for d in self._delayed]
             with tf.control_dependencies(averages):
                 self._release_slot(slot)
-            return [tf.constant(True)] + [tf.identity(a) for a in averages]
+            nothing_sent = [tf.zeros([0], t) for t in sent_dtypes]
+            return ([tf.constant(True), tf.constant(True)] + [tf.identity(a) for a in averages]
+                    + nothing_sent)
 
         def from_pipeline():
-            taken = tf.numpy_function(self._pipeline.take, [due], [tf.bool] + dtypes,
+            taken = tf.numpy_function(functools.partial(self._pipeline.take_for_step, layout),
+                                      [due], [tf.bool, tf.bool] + dtypes + sent_dtypes,
                                       stateful=True, name="take")
             taken[0].set_shape([])
-            for average, route in zip(taken[1:], self._routes):
+            taken[1].set_shape([])
+            for average, route in zip(taken[2:], self._routes):
                 average.set_shape([route.num_elements])
+            for sent in taken[2 + len(variables):]:
+                sent.set_shape([None])
             return taken
 
         started = tf.timestamp()
         with tf.control_dependencies([started]):
-            present, *averages = tf.cond(tf.logical_and(due >= 0, held), from_slots, from_pipeline)
+            results = tf.cond(tf.logical_and(due >= 0, held), from_slots, from_pipeline)
+        present, finite = results[0], results[1]
+        averages = results[2:2 + len(variables)]
+        sent = results[2 + len(variables):]
         with tf.control_dependencies(averages):
             self._counters.record_wait(started, tf.timestamp())
         grads = [tf.reshape(a, v.shape) for a, v in zip(averages, variables)]
@@ -809,10 +858,19 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         def apply():
             self._apply_inner(grads, variables)
 
+        def undo():
+            pairs = {index: (sent[2 * j], sent[2 * j + 1]) for j, index in enumerate(layout.sparse)}
+            self._undo_step(pairs)
+
         def nothing_due():
             pass
 
-        tf.cond(present, apply, nothing_due)
+        if self.nonfinite == "raise":
+            failed = tf.logical_and(present, tf.logical_not(finite))
+            with tf.control_dependencies([tf.debugging.Assert(tf.logical_not(failed), [_NONFINITE_MESSAGE])]):
+                tf.cond(present, apply, nothing_due)
+        else:
+            tf.cond(present, lambda: tf.cond(finite, apply, undo), nothing_due)
 
     def _outgoing(self, grads_and_vars, keep_rows=True) -> _Outgoing:
         """Steps 1-3 of the class doc for every (gradient, variable) pair, without writing state.

@@ -33,7 +33,7 @@ The cost is a copy of the payload to host memory and back, and per-step Python i
 
 import threading
 from collections import deque
-from typing import Dict, List, NamedTuple, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -55,6 +55,14 @@ class PayloadLayout(NamedTuple):
     dense: Tuple[int, ...]
 
 
+class Delayed(NamedTuple):
+    """What the pipeline hands back for one step."""
+
+    finite: bool  # every rank's gradients were finite: apply ``averages``
+    averages: List[np.ndarray]  # flat average of every variable (zeros where absent)
+    own: Dict[int, Tuple[np.ndarray, np.ndarray]]  # this rank's sent (values, indices), by variable
+
+
 class DelayedExchange:
     """Runs each step's exchange on a background thread and hands back the averages later.
 
@@ -65,7 +73,11 @@ class DelayedExchange:
         dtypes: each variable's numpy dtype.
 
     Averages are returned for every variable; a variable absent from a step's payload gets
-    zeros.
+    zeros. Each payload carries its rank's finiteness flag: a step that was not finite on
+    every rank comes back with ``finite=False`` on every rank, and with what this rank sent, so
+    that the optimizer can return it to the residuals. No collective is needed in the training
+    step itself, which would have to wait behind the exchanges in flight (Horovod runs one
+    collective at a time).
     """
 
     def __init__(self, exchange: Exchange, num_elements: Sequence[int], dtypes: Sequence):
@@ -73,7 +85,7 @@ class DelayedExchange:
         self.num_elements = list(num_elements)
         self.dtypes = [np.dtype(d) for d in dtypes]
         self._queue = deque()  # (step, layout, arrays), in submission order
-        self._results: Dict[int, List[np.ndarray]] = {}
+        self._results: Dict[int, Delayed] = {}
         self._pending: List[int] = []  # submitted and not yet taken, in order
         self._error = None
         self._lock = threading.Condition()
@@ -81,9 +93,10 @@ class DelayedExchange:
 
     # ---- called from the training step (through tf.numpy_function) ----------------------------
 
-    def submit(self, layout: PayloadLayout, step, *arrays) -> np.int64:
-        """Queue step ``step``'s payload: for each sparse variable its values then its indices,
-        then each dense variable's flat gradient. Returns at once."""
+    def submit(self, layout: PayloadLayout, step, finite, *arrays) -> np.int64:
+        """Queue step ``step``'s payload: whether this rank's gradients were finite, then for
+        each sparse variable its values and its indices, then each dense variable's flat
+        gradient. Returns at once."""
         step = int(step)
         copies = [np.array(a, copy=True) for a in arrays]  # TensorFlow may reuse its buffers
         with self._lock:
@@ -91,28 +104,40 @@ class DelayedExchange:
             if step in self._pending:
                 raise RuntimeError(f"sparse_hvd: step {step} was submitted twice to the pipeline")
             self._pending.append(step)
-            self._queue.append((step, layout, copies))
+            self._queue.append((step, layout, bool(finite), copies))
             self._start_thread()
             self._lock.notify_all()
         return np.int64(step)
 
-    def take(self, step) -> List:
-        """``[present, average_0, average_1, ...]`` of step ``step``, waiting for it if needed.
-
-        ``present`` is False (and the averages zeros) for a step that was never submitted or
-        was already taken: a step before the first, or one skipped on every rank.
-        """
+    def take(self, step) -> Optional[Delayed]:
+        """Step ``step``'s result, waiting for it if needed; None for a step that was never
+        submitted or was already taken (before the first step, or taken from the slots)."""
         step = int(step)
         with self._lock:
             if step not in self._pending:
-                return [np.bool_(False)] + [np.zeros(n, d) for n, d in zip(self.num_elements, self.dtypes)]
+                return None
             while step not in self._results:
                 self._raise_if_failed()
                 if not self._thread.is_alive():
                     raise RuntimeError("sparse_hvd: the background exchange thread has stopped")
                 self._lock.wait(_POLL_SECONDS)
             self._pending.remove(step)
-            return [np.bool_(True)] + self._results.pop(step)
+            return self._results.pop(step)
+
+    def take_for_step(self, layout: PayloadLayout, step) -> List[np.ndarray]:
+        """:meth:`take` flattened for ``tf.numpy_function``: ``[present, finite, average_0, ...,
+        (values, indices) sent by this rank for each variable of layout.sparse]``; the sent
+        pairs are empty unless the step is to be undone (not finite everywhere, fine here)."""
+        result = self.take(step)
+        averages = result.averages if result else [
+            np.zeros(n, d) for n, d in zip(self.num_elements, self.dtypes)
+        ]
+        sent = []
+        for index in layout.sparse:
+            values, indices = (result.own.get(index) if result and not result.finite else None) or (
+                np.zeros(0, self.dtypes[index]), np.zeros(0, np.int32))
+            sent += [values, indices]
+        return [np.bool_(result is not None), np.bool_(result is None or result.finite)] + averages + sent
 
     # ---- called eagerly, between steps ---------------------------------------------------------
 
@@ -147,25 +172,26 @@ class DelayedExchange:
             with self._lock:
                 while not self._queue:
                     self._lock.wait()
-                step, layout, arrays = self._queue.popleft()
+                step, layout, finite, arrays = self._queue.popleft()
             try:
-                averages = self._exchange(layout, arrays)
+                result = self._exchange(layout, finite, arrays)
             except Exception as error:  # handed to the training step, which raises it
                 with self._lock:
                     self._error = error
                     self._lock.notify_all()
                 return
             with self._lock:
-                self._results[step] = averages
+                self._results[step] = result
                 self._lock.notify_all()
 
-    def _exchange(self, layout: PayloadLayout, arrays) -> List[np.ndarray]:
+    def _exchange(self, layout: PayloadLayout, finite: bool, arrays) -> Delayed:
         """One step's exchange: two eager Horovod collectives, everything else in NumPy.
 
         1. Each sparse variable's payload becomes one int32 table (:func:`pack`): a header row
            with its entry count, then one row per entry holding the value's bits and its index.
-           All tables go to every rank in ONE ``grouped_allgather`` (an eager collective costs
-           at least one Horovod cycle, and they run one after another here).
+           All tables, and the rank's finiteness flag, go to every rank in ONE
+           ``grouped_allgather`` (an eager collective costs at least one Horovod cycle, and they
+           run one after another here).
         2. The dense-route gradients are averaged by one ``grouped_allreduce`` per dtype.
         3. Each rank's entries are added into a zero vector rank by rank (:func:`unpack_sum`);
            within one rank the indices are distinct, so the order of additions is fixed: the
@@ -181,26 +207,29 @@ class DelayedExchange:
         size = self.exchange.size
         count = len(layout.sparse)
         averages = [np.zeros(n, d) for n, d in zip(self.num_elements, self.dtypes)]
-        if count:
-            tables = [pack(arrays[2 * j], arrays[2 * j + 1]) for j in range(count)]
-            if size > 1:
-                hvd = runtime.horovod()
-                gathered = hvd.grouped_allgather(
-                    [tf.constant(t) for t in tables], name=f"{self.exchange.name}.packed",
-                    ignore_name_scope=True,
-                    process_set=runtime.process_set_or_global(self.exchange.process_set),
-                )
-                tables = [g.numpy() for g in gathered]
-            for index, table in zip(layout.sparse, tables):
-                total = unpack_sum(table, self.num_elements[index], self.dtypes[index])
-                averages[index] = total if size == 1 else total / total.dtype.type(size)
+        own = {index: (arrays[2 * j], arrays[2 * j + 1]) for j, index in enumerate(layout.sparse)}
+        tables = [pack(arrays[2 * j], arrays[2 * j + 1]) for j in range(count)]
+        flags = np.array([finite], np.int32)
+        if size > 1:
+            hvd = runtime.horovod()
+            gathered = hvd.grouped_allgather(
+                [tf.constant(t) for t in tables + [flags]], name=f"{self.exchange.name}.packed",
+                ignore_name_scope=True,
+                process_set=runtime.process_set_or_global(self.exchange.process_set),
+            )
+            *tables, flags = [g.numpy() for g in gathered]
+        everywhere = bool(np.all(flags))
+        if not everywhere:  # nothing of this step is applied; skip the arithmetic
+            return Delayed(False, averages, own if finite else {})
+        for index, table in zip(layout.sparse, tables):
+            total = unpack_sum(table, self.num_elements[index], self.dtypes[index])
+            averages[index] = total if size == 1 else total / total.dtype.type(size)
         dense = arrays[2 * count:]
         if dense:
             averaged = self.exchange.dense_average([tf.constant(a) for a in dense], list(layout.dense))
             for index, average in zip(layout.dense, averaged):
                 averages[index] = np.asarray(average).reshape(-1)
-        return averages
-
+        return Delayed(True, averages, own)
 
 def _words(dtype) -> int:
     """int32 words that hold one value of ``dtype`` (2-byte values are zero-extended)."""

@@ -25,49 +25,66 @@ def _gradient(rank, step, big, small):
     )
 
 
-@pytest.mark.parametrize("tau", [1, 2])
-def test_the_mean_of_every_ranks_topk_is_applied_tau_steps_later(hvd, tau):
+@pytest.mark.parametrize("tau,bad_step", [(1, None), (2, None), (1, 2), (2, 3)])
+def test_the_mean_of_every_ranks_topk_is_applied_tau_steps_later(hvd, tau, bad_step):
+    """With ``bad_step``, the last rank's gradient is NaN at that step: no rank applies that
+    step, and every other rank gets what it sent back into its residual when it is due."""
     rank, size = hvd.rank(), hvd.size()
+    bad_rank = size - 1
     steps, density, lr = 7, 0.05, np.float32(0.25)
+    name = f"stale_agg_{tau}_{bad_step}"
     big = keras.Variable(np.ones(BIG, "float32"))
     small = keras.Variable(np.full(SMALL, 2.0, "float32"))
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(float(lr)), density=density, staleness=tau, name=f"stale_agg_{tau}")
+        keras.optimizers.SGD(float(lr)), density=density, staleness=tau, name=name)
     step = tf.function(lambda gb, gs: optimizer.apply_gradients([(gb, big), (gs, small)]))
 
     # The same run in NumPy, every rank's part computed here from the shared weights.
     k = math.ceil(density * big.numpy().size)
     e_big, e_small = big.numpy().copy(), small.numpy().copy()
     residuals = [np.zeros(e_big.size, "float32") for _ in range(size)]
-    sent = {}
+    sent, own = {}, {}
     for t in range(steps):
         g_big, g_small = _gradient(rank, t, big.numpy(), small.numpy())
+        if t == bad_step and rank == bad_rank:
+            g_big[0, 0] = np.nan
         step(tf.constant(g_big), tf.constant(g_small))
 
         total_big = np.zeros(e_big.size, "float64")
         total_small = np.zeros(SMALL, "float64")
         for r in range(size):
+            if t == bad_step and r == bad_rank:
+                continue  # its residual is left as it was
             r_big, r_small = _gradient(r, t, e_big, e_small)
             compensated = r_big.ravel() + residuals[r]
             chosen = numpy_topk_indices(compensated, k)
             total_big[chosen] += compensated[chosen]
+            own[(t, r)] = (chosen, compensated[chosen])
             residuals[r] = compensated.copy()
             residuals[r][chosen] = 0.0
             total_small += r_small
         sent[t] = (total_big.reshape(BIG) / size, total_small / size)
-        if t - tau in sent:
+        if t - tau == bad_step:  # dropped everywhere; the good ranks take back what they sent
+            sent.pop(t - tau)
+            for r in range(size):
+                if (t - tau, r) in own:
+                    chosen, values = own[(t - tau, r)]
+                    residuals[r][chosen] += values
+        elif t - tau in sent:
             u_big, u_small = sent.pop(t - tau)
             e_big = (e_big - lr * u_big).astype("float32")
             e_small = (e_small - lr * u_small).astype("float32")
         np.testing.assert_allclose(big.numpy(), e_big, rtol=1e-5, atol=1e-6, err_msg=f"step {t}")
         np.testing.assert_allclose(small.numpy(), e_small, rtol=1e-5, atol=1e-6, err_msg=f"step {t}")
         np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residuals[rank],
-                                   rtol=1e-5, atol=1e-6)
+                                   rtol=1e-5, atol=1e-6, err_msg=f"step {t}")
         # ...and every rank holds exactly the same weights after every step.
         mine = digest([big.numpy(), small.numpy()])
-        assert set(gather(hvd, mine, name=f"stale_agg_{tau}.{t}")) == {mine}
+        assert set(gather(hvd, mine, name=f"{name}.{t}")) == {mine}
     optimizer.apply_pending()
-    assert optimizer.iterations.numpy() == steps
+    skipped = 0 if bad_step is None else 1
+    assert optimizer.communication_stats()["skipped_steps"] == skipped
+    assert optimizer.iterations.numpy() == steps - skipped
 
 
 def _model_and_data(rank, size, tau, seed=3):
