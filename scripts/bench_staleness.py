@@ -53,6 +53,7 @@ ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "convergence_worker.py")
 EMULATED_CLUSTER = os.path.join(HERE, "emulated_cluster.py")
 METHODS = ("dense", "topk_0.01")
+LAST_EPOCHS = 5  # the summary's accuracy and loss: mean over these last epochs (and seeds)
 
 
 def parse_args(argv=None):
@@ -67,6 +68,8 @@ def parse_args(argv=None):
     parser.add_argument("--timeout", type=int, default=600, help="seconds per job")
     parser.add_argument("--no-link", action="store_true", help="skip part 2 (the slow link)")
     parser.add_argument("--link-only", action="store_true", help="skip part 1 (accuracy)")
+    parser.add_argument("--summarise", metavar="JSON",
+                        help="only rebuild the table and plot from a previous staleness.json")
     parser.add_argument("--rate", default="100mbit", help="link rate of part 2")
     parser.add_argument("--delay", default="0.1ms", help="one-way delay of part 2")
     parser.add_argument("--link-epochs", type=int, default=3)
@@ -175,7 +178,11 @@ def summarise(results):
                      for key in ("test_accuracy", "test_loss", "train_loss")}
                     for e in range(epochs)
                 ]
+                tail = curve[-LAST_EPOCHS:]
                 summary.setdefault(workers, {}).setdefault(method, {})[tau] = {
+                    # the last epochs' mean: one final point is at the mercy of oscillations
+                    "last_epochs_accuracy": statistics.fmean(p["test_accuracy"] for p in tail),
+                    "last_epochs_loss": statistics.fmean(p["test_loss"] for p in tail),
                     "test_accuracy": statistics.fmean(r["test_accuracy"] for r in good),
                     "test_loss": statistics.fmean(r["test_loss"] for r in good),
                     "seeds": len(good),
@@ -188,20 +195,27 @@ def summarise(results):
 
 
 def tables(summary, link, args):
-    lines = ["| workers | method | " + " | ".join(f"tau={t}" for t in args.taus)
-             + " | loss from staleness (tau=max) | replicas identical |",
-             "|---|---|" + "---|" * len(args.taus) + "---|---|"]
-    for workers, methods in sorted(summary.items()):
+    taus = sorted({int(t) for methods in summary.values() for row in methods.values() for t in row})
+    lines = [f"Test accuracy % / test loss, mean over the last {LAST_EPOCHS} epochs and the seeds; "
+             "change from tau=0 at the largest tau:", "",
+             "| workers | method | " + " | ".join(f"tau={t}" for t in taus)
+             + " | change at the largest tau | final accuracy (after fit) | replicas identical |",
+             "|---|---|" + "---|" * len(taus) + "---|---|---|"]
+    for workers, methods in sorted(summary.items(), key=lambda item: int(item[0])):
         for method in METHODS:
-            row = methods.get(method, {})
+            row = {int(t): v for t, v in methods.get(method, {}).items()}
             if not row:
                 continue
-            cells = [f"{100 * row[t]['test_accuracy']:.2f}" if t in row else "-" for t in args.taus]
-            base, worst = row.get(args.taus[0]), row.get(args.taus[-1])
-            drop = (f"{100 * (worst['test_accuracy'] - base['test_accuracy']):+.2f} pp"
+            cells = [f"{100 * row[t]['last_epochs_accuracy']:.2f} / {row[t]['last_epochs_loss']:.3f}"
+                     if t in row else "-" for t in taus]
+            base, worst = row.get(taus[0]), row.get(taus[-1])
+            drop = (f"{100 * (worst['last_epochs_accuracy'] - base['last_epochs_accuracy']):+.2f} pp, "
+                    f"loss x{worst['last_epochs_loss'] / base['last_epochs_loss']:.2f}"
                     if base and worst else "-")
+            final = " / ".join(f"{100 * row[t]['test_accuracy']:.2f}" for t in taus if t in row)
             identical = all(v["replicas_identical"] for v in row.values())
-            lines.append(f"| {workers} | {method} | " + " | ".join(cells) + f" | {drop} | {identical} |")
+            lines.append(f"| {workers} | {method} | " + " | ".join(cells)
+                         + f" | {drop} | {final} | {identical} |")
     if link:
         lines += ["", f"Median step time on the emulated link ({args.rate}, {args.delay}, 2 workers):", "",
                   "| method | tau=0 | tau=1 | tau=1 / tau=0 |", "|---|---|---|---|"]
@@ -248,6 +262,21 @@ def plot(summary, args, path):
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.summarise:
+        with open(args.summarise) as f:
+            previous = json.load(f)
+        runs = {int(w): {m: {int(t): rs for t, rs in taus.items()} for m, taus in methods.items()}
+                for w, methods in previous["runs"].items()}
+        link = previous.get("link_step_seconds")
+        if link:
+            link = {m: {int(t): v for t, v in row.items()} for m, row in link.items()}
+        summary = summarise(runs)
+        table = tables(summary, link, args)
+        with open(os.path.join(args.out, "table.md"), "w") as f:
+            f.write(table + "\n")
+        plot(summary, args, os.path.join(args.out, "staleness.png"))
+        print(table)
+        return 0
     started = time.perf_counter()
     print(f"part 1: accuracy, workers {args.workers}, tau {args.taus}, seeds {args.seeds}, "
           f"{args.epochs} epochs", flush=True)
