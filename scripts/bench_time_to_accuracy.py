@@ -120,6 +120,9 @@ def parse_args(argv=None):
     parser.add_argument("--threshold", type=float, default=None,
                         help="lambda of 'threshold' (default: from the top-k 1%% run, see above)")
     parser.add_argument("--max-density", type=float, default=0.05, help="cap of 'threshold'")
+    parser.add_argument("--dense-fallback", action="store_true",
+                        help="run every sparse method with dense_fallback=True (per layer, the "
+                             "faster of the sparse path and a dense allreduce, decided at build)")
     parser.add_argument("--timing-rounds", type=int, default=6,
                         help="rounds of the interleaved timing job (0: no such job)")
     parser.add_argument("--timing-steps", type=int, default=5,
@@ -172,6 +175,7 @@ def run_method(args, cluster, label, method, threshold, logs_dir, runs_dir, extr
             "--hidden", str(args.hidden), "--depth", str(args.depth),
             "--eval-every", str(args.eval_every), "--max-density", str(args.max_density),
             "--test-fraction", str(args.test_fraction),
+            *(["--dense-fallback"] if args.dense_fallback else []),
             "--json", json_path]
     if method == "threshold":
         argv += ["--threshold", repr(float(threshold))]
@@ -375,7 +379,8 @@ def table_markdown(config):
         f"**{config['workers']} workers, {config['rate']} per worker** (measured: one TCP stream "
         f"{link['throughput_mbit']:,.0f} Mbit/s, RTT {link['rtt_us']:.0f} us"
         f"{'' if link.get('delay_applied', True) else ', no delay added'}); target accuracy "
-        f"{_fmt(s['target_accuracy'] and 100 * s['target_accuracy'], '.2f')}% (dense final - 0.5)",
+        f"{_fmt(s['target_accuracy'] and 100 * s['target_accuracy'], '.2f')}% (dense final - 0.5)"
+        f"{'; sparse methods with dense_fallback=True' if config.get('dense_fallback') else ''}",
         "",
         "| method | step (run) | step (interleaved) | x floor | payload/step | wire/step "
         "| wire vs dense | steps to target | time to target | speed-up vs dense (run / est.) "
@@ -439,7 +444,8 @@ def plot(configs, out_dir):
         target = config["summary"]["target_accuracy"]
         if target is not None:
             ax.axhline(100 * target, color="gray", linewidth=0.8, linestyle=":")
-        ax.set_title(f"{config['workers']} workers, {config['rate']} per worker link")
+        ax.set_title(f"{config['workers']} workers, {config['rate']} per worker link"
+                     f"{', dense fallback' if config.get('dense_fallback') else ''}")
         ax.set_xlabel("training wall time (s, evaluation excluded)")
         ax.set_ylabel("test accuracy (%)")
         ax.set_ylim(80, 100)
@@ -551,7 +557,7 @@ def main(argv=None):
                                         logs_dir, runs_dir)
             config = {"label": label, "workers": workers, "rate": rate if not reason else "loopback",
                       "link": link, "runs": runs, "threshold": thresholds.get(workers),
-                      "timing": timing}
+                      "timing": timing, "dense_fallback": bool(args.dense_fallback)}
             config["summary"] = summarise(runs, (timing or {}).get("median_step_seconds"))
             configs.append(config)
             _write(args, configs, started, final=False)

@@ -80,6 +80,9 @@ def parse_args(argv=None):
     parser.add_argument("--min-elements", type=int, default=1024,
                         help="sparse_hvd's min_elements: smaller variables are averaged densely "
                              "(1024, the library's default)")
+    parser.add_argument("--dense-fallback", action="store_true",
+                        help="sparse methods: dense_fallback=True (each layer whose dense allreduce "
+                             "is faster on this job goes dense, decided when the optimizer is built)")
     parser.add_argument("--threads", type=int, default=1,
                         help="TensorFlow intra-/inter-op threads per worker (0: TF's default)")
     parser.add_argument("--json", required=True, help="rank 0 writes the result here")
@@ -186,6 +189,7 @@ def main(argv=None):
                 grouping=grouping,
                 min_elements=args.min_elements,
                 name=f"sparse_{method.replace('.', '_')}",
+                **({"dense_fallback": True} if args.dense_fallback else {}),
             )
         optimizer = sparse if sparse is not None else inner
         optimizer.build(variables)
@@ -329,6 +333,12 @@ def main(argv=None):
             "test_examples": int(len(y_test)),
             "threads": args.threads,
             "min_elements": args.min_elements,
+            "dense_fallback": bool(args.dense_fallback) if sparse is not None else None,
+            # the variables exchanged sparsely (the dense fallback may have moved some to dense)
+            "sparse_route_variables": (
+                [p for p, st in sparse.layer_stats().items() if st["route"] == "sparse"]
+                if sparse is not None else None
+            ),
             "threshold": args.threshold if args.method == "threshold" else None,
             "max_density": args.max_density if args.method == "threshold" else None,
             "parameters": parameters,
