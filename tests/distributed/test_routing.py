@@ -40,7 +40,8 @@ def _fit(hvd, sparsifier, name):
 
 def test_every_rank_routes_the_same_layers_and_replicas_stay_identical(hvd):
     model, optimizer = _fit(hvd, "topk", "fallback_same")
-    routes = {path: stat["route"] for path, stat in optimizer.layer_stats().items()}
+    # in build order (variable paths can differ between ranks: Keras numbers layer names)
+    routes = [stat["route"] for stat in optimizer.layer_stats().values()]
     assert all(r == routes for r in gather(hvd, routes, name="fallback_same.routes"))
     mine = digest(model.get_weights())
     assert set(gather(hvd, mine, name="fallback_same.digest")) == {mine}
