@@ -119,6 +119,10 @@ def parse_args(argv=None):
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--threshold", type=float, default=None,
                         help="lambda of 'threshold' (default: from the top-k 1%% run, see above)")
+    parser.add_argument("--threshold-from", default=None, metavar="JSON",
+                        help="take each worker count's lambda from an earlier run's "
+                             "time_to_accuracy.json (with --dense-fallback, top-k may send no "
+                             "layer sparsely, and then cannot calibrate)")
     parser.add_argument("--max-density", type=float, default=0.05, help="cap of 'threshold'")
     parser.add_argument("--dense-fallback", action="store_true",
                         help="run every sparse method with dense_fallback=True (per layer, the "
@@ -511,6 +515,11 @@ def main(argv=None):
         return resume(args, reason, logs_dir, runs_dir, started)
     configs = []
     thresholds = {}
+    if args.threshold_from:
+        with open(args.threshold_from) as f:
+            for config in json.load(f)["clusters"]:
+                if config.get("threshold"):
+                    thresholds.setdefault(config["workers"], config["threshold"])
     for workers in args.workers:
         for rate in args.rates:
             label = f"{workers}w_{rate}" if not reason else f"{workers}w_loopback"

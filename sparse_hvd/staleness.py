@@ -84,7 +84,7 @@ class DelayedExchange:
         self.exchange = exchange
         self.num_elements = list(num_elements)
         self.dtypes = [np.dtype(d) for d in dtypes]
-        self._queue = deque()  # (step, layout, arrays), in submission order
+        self._queue = deque()  # (step, layout, finite, arrays), in submission order
         self._results: Dict[int, Delayed] = {}
         self._pending: List[int] = []  # submitted and not yet taken, in order
         self._error = None
