@@ -139,7 +139,10 @@ def parse_args(argv=None):
                         help="reuse the training runs in --out's time_to_accuracy.json: run only the "
                              "interleaved timing jobs still missing, then redo tables and plots")
     parser.add_argument("--publish", default=None, metavar="DIR",
-                        help="also copy the JSON and the PNGs into DIR (e.g. docs)")
+                        help="also copy the JSON, the tables and the PNGs into DIR (e.g. docs)")
+    parser.add_argument("--publish-tag", default="", metavar="TAG",
+                        help="suffix of the published names (e.g. 'fallback': "
+                             "time_to_accuracy_fallback.json, tta_fallback_step_time.png)")
     args = parser.parse_args(argv)
     if args.quick:
         args.workers, args.rates, args.steps, args.eval_every = "2", "1gbit", 40, 5
@@ -578,7 +581,10 @@ def main(argv=None):
 def resume(args, reason, logs_dir, runs_dir, started):
     """--resume: the interleaved timing jobs a saved run lacks, then fresh summaries and plots."""
     with open(os.path.join(args.out, "time_to_accuracy.json")) as f:
-        configs = json.load(f)["clusters"]
+        saved = json.load(f)
+    configs = saved["clusters"]
+    args.saved_settings = saved.get("settings")  # the run's own settings, not this command's
+    args.saved_seconds = saved.get("seconds")  # the measuring run's duration
     for config in configs:  # summaries in this version's format before anything is written
         config["summary"] = summarise(config["runs"], (config.get("timing") or {}).get("median_step_seconds"))
     for config in configs:
@@ -624,7 +630,9 @@ def _write(args, configs, started, final):
     also the Markdown table and the plots, and the copies for ``--publish``."""
     import platform
 
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "publish", "current_workers")}
+    settings = getattr(args, "saved_settings", None) or {
+        k: v for k, v in vars(args).items()
+        if k not in ("out", "publish", "publish_tag", "current_workers", "threshold_from", "resume")}
     document = {
         "benchmark": "time to accuracy on an emulated bandwidth-limited cluster",
         "settings": settings,
@@ -633,7 +641,7 @@ def _write(args, configs, started, final):
         "target_margin": TARGET_MARGIN,
         "targets": {"speedup": SPEEDUP_TARGET, "x_floor": FLOOR_TARGET, "bytes_ratio": BYTES_TARGET},
         "complete": final,
-        "seconds": time.perf_counter() - started,
+        "seconds": getattr(args, "saved_seconds", None) or time.perf_counter() - started,
         "clusters": configs,
         "verdicts": verdicts(configs),
     }
@@ -661,13 +669,14 @@ def _write(args, configs, started, final):
                 for run in config["runs"].values():
                     run.pop("step_times_rank0", None)
                     run.pop("layer_stats", None)
-            with open(os.path.join(args.publish, "time_to_accuracy.json"), "w") as f:
+            tag = f"_{args.publish_tag}" if args.publish_tag else ""
+            with open(os.path.join(args.publish, f"time_to_accuracy{tag}.json"), "w") as f:
                 json.dump(slim, f, indent=1)
                 f.write("\n")
-            paths.append(os.path.join(args.publish, "time_to_accuracy.json"))
-            for source, name in ((os.path.join(args.out, "table.md"), "time_to_accuracy.md"),
-                                 (os.path.join(args.out, "accuracy_vs_time.png"), "tta_accuracy_vs_time.png"),
-                                 (os.path.join(args.out, "step_time.png"), "tta_step_time.png")):
+            paths.append(os.path.join(args.publish, f"time_to_accuracy{tag}.json"))
+            for source, name in ((os.path.join(args.out, "table.md"), f"time_to_accuracy{tag}.md"),
+                                 (os.path.join(args.out, "accuracy_vs_time.png"), f"tta{tag}_accuracy_vs_time.png"),
+                                 (os.path.join(args.out, "step_time.png"), f"tta{tag}_step_time.png")):
                 if os.path.exists(source):
                     shutil.copyfile(source, os.path.join(args.publish, name))
                     paths.append(os.path.join(args.publish, name))
