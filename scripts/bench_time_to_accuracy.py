@@ -524,7 +524,8 @@ def main(argv=None):
                 if config.get("threshold"):
                     thresholds.setdefault(config["workers"], config["threshold"])
     for workers in args.workers:
-        for rate in args.rates:
+        # Unshaped (no namespaces), every rate would be the same loopback: run it once.
+        for rate in (args.rates if not reason else args.rates[:1]):
             label = f"{workers}w_{rate}" if not reason else f"{workers}w_loopback"
             print(f"[bench] {workers} workers, {rate if not reason else 'loopback (unshaped)'}",
                   flush=True)
