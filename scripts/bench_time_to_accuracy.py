@@ -71,6 +71,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 
@@ -586,6 +587,7 @@ def resume(args, reason, logs_dir, runs_dir, started):
     configs = saved["clusters"]
     args.saved_settings = saved.get("settings")  # the run's own settings, not this command's
     args.saved_seconds = saved.get("seconds")  # the measuring run's duration
+    args.saved_git = saved.get("git") or {"commit": None, "note": "not recorded by the measuring run"}
     for config in configs:  # summaries in this version's format before anything is written
         config["summary"] = summarise(config["runs"], (config.get("timing") or {}).get("median_step_seconds"))
     for config in configs:
@@ -618,6 +620,18 @@ def _print_results(configs, paths, started):
     print(f"\n[bench] {time.perf_counter() - started:.0f} s in all; wrote {', '.join(paths)}")
 
 
+def _git_state():
+    """The checkout's commit and whether it had uncommitted changes (None outside git)."""
+    try:
+        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return {"commit": commit or None, "uncommitted_changes": bool(dirty)} if commit else None
+
+
 class _nullcontext:
     def __enter__(self):
         return None
@@ -636,6 +650,7 @@ def _write(args, configs, started, final):
         if k not in ("out", "publish", "publish_tag", "current_workers", "threshold_from", "resume")}
     document = {
         "benchmark": "time to accuracy on an emulated bandwidth-limited cluster",
+        "git": getattr(args, "saved_git", None) or _git_state(),
         "settings": settings,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
