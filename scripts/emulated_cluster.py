@@ -485,32 +485,28 @@ def _finish(processes, timeout):
     return outputs
 
 
-def _measure_throughput(receiver_prefix, sender_prefix, address, nbytes, timeout):
-    receiver, port = _start_server(receiver_prefix, "recv", address, timeout, nbytes)
+def _probe_pair(server_prefix, server_mode, client_prefix, client_mode, address, amount, timeout):
+    """Run a probe server and its client; the last JSON line each printed, (server, client)."""
+    server, port = _start_server(server_prefix, server_mode, address, timeout, amount)
     try:
-        sender = subprocess.Popen(_probe_command(sender_prefix, "send", address, port, nbytes),
+        client = subprocess.Popen(_probe_command(client_prefix, client_mode, address, port, amount),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   start_new_session=True)
-        received, _ = _finish([receiver, sender], timeout)
-    finally:
-        for p in (receiver,):
-            if p.poll() is None:
-                p.kill()
-    result = json.loads(received.strip().splitlines()[-1])
-    return 8 * result["bytes"] / result["seconds"]
-
-
-def _measure_rtt(server_prefix, client_prefix, address, count, timeout):
-    server, port = _start_server(server_prefix, "pong", address, timeout, count)
-    try:
-        client = subprocess.Popen(_probe_command(client_prefix, "ping", address, port, count),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  start_new_session=True)
-        _, pinged = _finish([server, client], timeout)
+        outputs = _finish([server, client], timeout)
     finally:
         if server.poll() is None:
             server.kill()
-    return json.loads(pinged.strip().splitlines()[-1])["median_rtt_seconds"]
+    return [json.loads(out.strip().splitlines()[-1]) if out.strip() else None for out in outputs]
+
+
+def _measure_throughput(receiver_prefix, sender_prefix, address, nbytes, timeout):
+    received, _ = _probe_pair(receiver_prefix, "recv", sender_prefix, "send", address, nbytes, timeout)
+    return 8 * received["bytes"] / received["seconds"]
+
+
+def _measure_rtt(server_prefix, client_prefix, address, count, timeout):
+    _, pinged = _probe_pair(server_prefix, "pong", client_prefix, "ping", address, count, timeout)
+    return pinged["median_rtt_seconds"]
 
 
 def measure_loopback(nbytes=8 << 20, timeout=60):
