@@ -81,13 +81,9 @@ class Exchange:
         """
         if not selections:
             return []
-        if self.size > 1:
-            selections = self._allgather(selections, keys)
-        return self._average_gathered(selections, num_elements)
-
-    def _average_gathered(self, selections, num_elements):
-        """Scatter-add every rank's entries (rank order) and divide by the number of workers."""
         size = self.size
+        if size > 1:
+            selections = self._allgather(selections, keys)
         averaged = []
         for selection, n in zip(selections, num_elements):
             dense = densify(selection, n)

@@ -129,9 +129,10 @@ class DelayedExchange:
         (values, indices) sent by this rank for each variable of layout.sparse]``; the sent
         pairs are empty unless the step is to be undone (not finite everywhere, fine here)."""
         result = self.take(step)
-        averages = result.averages if result else [
-            np.zeros(n, d) for n, d in zip(self.num_elements, self.dtypes)
-        ]
+        if result is None:
+            averages = self._zeros_where_none([None] * len(self.num_elements))
+        else:
+            averages = result.averages
         sent = []
         for index in layout.sparse:
             values, indices = (result.own.get(index) if result and not result.finite else None) or (
@@ -206,7 +207,7 @@ class DelayedExchange:
         """
         size = self.exchange.size
         count = len(layout.sparse)
-        averages = [np.zeros(n, d) for n, d in zip(self.num_elements, self.dtypes)]
+        averages = [None] * len(self.num_elements)
         own = {index: (arrays[2 * j], arrays[2 * j + 1]) for j, index in enumerate(layout.sparse)}
         tables = [pack(arrays[2 * j], arrays[2 * j + 1]) for j in range(count)]
         flags = np.array([finite], np.int32)
@@ -220,7 +221,7 @@ class DelayedExchange:
             *tables, flags = [g.numpy() for g in gathered]
         everywhere = bool(np.all(flags))
         if not everywhere:  # nothing of this step is applied; skip the arithmetic
-            return Delayed(False, averages, own if finite else {})
+            return Delayed(False, self._zeros_where_none(averages), own if finite else {})
         for index, table in zip(layout.sparse, tables):
             total = unpack_sum(table, self.num_elements[index], self.dtypes[index])
             averages[index] = total if size == 1 else total / total.dtype.type(size)
@@ -229,7 +230,14 @@ class DelayedExchange:
             averaged = self.exchange.dense_average([tf.constant(a) for a in dense], list(layout.dense))
             for index, average in zip(layout.dense, averaged):
                 averages[index] = np.asarray(average).reshape(-1)
-        return Delayed(True, averages, own)
+        return Delayed(True, self._zeros_where_none(averages), own)
+
+    def _zeros_where_none(self, averages):
+        """``averages`` with zeros for the variables a step did not carry (allocated only for
+        those: the others are filled every step)."""
+        return [np.zeros(n, d) if a is None else a
+                for a, n, d in zip(averages, self.num_elements, self.dtypes)]
+
 
 def _words(dtype) -> int:
     """int32 words that hold one value of ``dtype`` (2-byte values are zero-extended)."""
