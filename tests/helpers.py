@@ -29,5 +29,16 @@ def numpy_topk_indices(values, k):
     return np.sort(order[:k])
 
 
+def numpy_topk_split(compensated, k):
+    """One error-feedback step in NumPy: (chosen positions, what is sent as a dense vector,
+    the remainder: ``compensated`` with the chosen entries zeroed)."""
+    chosen = numpy_topk_indices(compensated, k)
+    sent = np.zeros_like(compensated)
+    sent[chosen] = compensated[chosen]
+    remainder = compensated.copy()
+    remainder[chosen] = 0.0
+    return chosen, sent, remainder
+
+
 def weights_of(model):
     return [np.array(w) for w in model.get_weights()]

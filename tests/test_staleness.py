@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
-from helpers import classification_data, mlp, numpy_topk_indices, weights_of
+from helpers import classification_data, mlp, numpy_topk_split, weights_of
 
 BIG = (64, 40)  # 2560 entries: sparse route
 SMALL = (30,)  # dense route (below min_elements)
@@ -38,11 +38,7 @@ def _expected_run(tau, steps, density, lr, nan_steps=()):
         g_big, g_small = _gradients(rng, big, small)
         if t not in nan_steps:
             compensated = g_big.ravel() + residual
-            chosen = numpy_topk_indices(compensated, k)
-            update = np.zeros_like(compensated)
-            update[chosen] = compensated[chosen]
-            residual = compensated.copy()
-            residual[chosen] = 0.0
+            _, update, residual = numpy_topk_split(compensated, k)
             sent[t] = (update.reshape(BIG), g_small)
         if t - tau in sent:
             u_big, u_small = sent.pop(t - tau)
