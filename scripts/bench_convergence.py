@@ -84,6 +84,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+import launching  # noqa: E402  (scripts/launching.py: the launcher command lines)
 
 from convergence_worker import CONVEX_METHODS, METHODS  # noqa: E402  (no heavy imports)
 
@@ -169,9 +170,8 @@ class Runner:
         log_path = os.path.join(self.logs_dir, name + ".log")
         if os.path.exists(json_path):
             os.remove(json_path)
-        command = [self.mpirun, "-np", str(a.np), "--bind-to", "none", "--oversubscribe"]
-        if a.cycle_time:
-            command += ["-x", f"HOROVOD_CYCLE_TIME={a.cycle_time}"]
+        command = launching.mpirun_command(
+            a.np, [], export=[f"HOROVOD_CYCLE_TIME={a.cycle_time}"] if a.cycle_time else [])
         command += [
             sys.executable, WORKER, "--task", task, "--method", method, "--seed", str(seed),
             "--epochs", str(epochs), "--lr", str(a.lr), "--batch-size", str(a.batch_size),

@@ -26,6 +26,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import launching  # noqa: E402  (scripts/launching.py: the launcher command lines)
 
 
 def worker(args):
@@ -116,13 +118,13 @@ def analyse(per_tensor, warmup):
 def launch(args, grouping, out):
     timeline = os.path.join(out, f"timeline_{grouping}.json")
     step_times = os.path.join(out, f"step_times_{grouping}.json")
-    env = dict(os.environ, HOROVOD_TIMELINE=timeline, TF_CPP_MIN_LOG_LEVEL="2")
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    command = ["mpirun", "-np", str(args.np), "--bind-to", "none", "--oversubscribe",
-               "-x", "HOROVOD_TIMELINE", sys.executable, __file__, "--worker",
-               "--grouping", grouping, "--step-times", step_times, "--steps", str(args.steps),
-               "--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)]
+    env = launching.mpi_environment(dict(os.environ, HOROVOD_TIMELINE=timeline,
+                                         TF_CPP_MIN_LOG_LEVEL="2"))
+    command = launching.mpirun_command(args.np, [
+        sys.executable, __file__, "--worker",
+        "--grouping", grouping, "--step-times", step_times, "--steps", str(args.steps),
+        "--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)],
+        export=["HOROVOD_TIMELINE"])
     subprocess.run(command, env=env, check=True, timeout=600)
     with open(step_times) as handle:
         times = json.load(handle)[args.warmup:]

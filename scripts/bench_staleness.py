@@ -50,6 +50,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import launching  # noqa: E402  (scripts/launching.py: the launcher command lines)
 WORKER = os.path.join(HERE, "convergence_worker.py")
 EMULATED_CLUSTER = os.path.join(HERE, "emulated_cluster.py")
 METHODS = ("dense", "topk_0.01")
@@ -136,7 +138,7 @@ def accuracy_part(args):
         raise SystemExit("mpirun not found: run scripts/setup.sh")
     results = {}
     for workers in args.workers:
-        prefix = [mpirun, "-np", str(workers), "--bind-to", "none", "--oversubscribe"]
+        prefix = launching.mpirun_command(workers, [])
         for seed in args.seeds:
             for method in METHODS:
                 for tau in args.taus:

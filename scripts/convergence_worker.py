@@ -322,7 +322,7 @@ def main(argv=None):
         "layer_sent": recorder.layer_sent,
         "implied_threshold": recorder.implied,
     }
-    everyone = sparse_hvd.runtime.allgather_object(mine, name="bench_convergence.stats")
+    everyone = sparse_hvd.collectives.allgather_object(mine, name="bench_convergence.stats")
 
     if rank == 0:
         steps = mine["stats"]["steps"]

@@ -73,6 +73,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import launching  # noqa: E402  (the launcher command lines; standard library only)
+
 PREFIX = "shvd"
 SUBNET = "10.213.0"  # the emulated cluster's /24; it exists only inside its own namespaces
 SWITCH_ADDRESS = f"{SUBNET}.254"
@@ -377,22 +380,14 @@ class EmulatedCluster:
 
     def mpirun_command(self, argv, mca=()):
         """``mpirun`` starting ``argv`` on every worker, one rank per namespace, MPI over TCP."""
-        hosts = ",".join(f"{h}:1" for h in self.hosts)
-        command = [
-            "ip", "netns", "exec", self.switch,
-            "mpirun", "-np", str(self.workers), "-H", hosts,
-            "--mca", "plm_rsh_agent", self.agent, "--mca", "plm_rsh_no_tree_spawn", "1",
-            "--bind-to", "none",
-            # Every "host" has one slot, so Open MPI would busy-poll; but all ranks share this
-            # machine's cores, and a spinning rank steals them from the others' compute.
-            "--mca", "mpi_yield_when_idle", "1",
-            "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24",
-            "--mca", "oob_tcp_if_include", f"{SUBNET}.0/24",
-            "-x", f"EMULATED_CLUSTER_IFACE={WORKER_IFACE}",
-        ]
-        for key, value in mca:
-            command += ["--mca", str(key), str(value)]
-        return command + list(argv)
+        # Every "host" has one slot, so Open MPI would busy-poll; but all ranks share this
+        # machine's cores, and a spinning rank steals them from the others' compute: yield.
+        return ["ip", "netns", "exec", self.switch] + launching.mpirun_command(
+            self.workers, argv, hosts=self.hosts, yield_when_idle=True,
+            tcp_include=f"{SUBNET}.0/24", oob_include=f"{SUBNET}.0/24",
+            export=[f"EMULATED_CLUSTER_IFACE={WORKER_IFACE}"],
+            mca=[("plm_rsh_agent", self.agent), ("plm_rsh_no_tree_spawn", "1"), *mca],
+        )
 
     def counters(self):
         """Per worker, the bytes its link carried so far: ``[{"tx_bytes", "rx_bytes"}, ...]``."""
@@ -619,20 +614,13 @@ def run_command(command, timeout, env=None, stdout=None):
             process.wait()
 
 
-def mpi_environment(base=None):
-    """The environment for mpirun as root (Open MPI refuses root otherwise)."""
-    env = dict(os.environ if base is None else base)
-    if os.geteuid() == 0:
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    return env
+mpi_environment = launching.mpi_environment
 
 
 def unshaped_mpirun_command(workers, argv):
     """Plain mpirun on this machine's loopback, MPI over TCP (the fallback without root)."""
-    return ["mpirun", "-np", str(workers), "--oversubscribe", "--bind-to", "none",
-            "--mca", "mpi_yield_when_idle", "1", "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "127.0.0.1/8",
-            "--mca", "oob_tcp_if_include", "lo", *argv]
+    return launching.mpirun_command(workers, argv, yield_when_idle=True,
+                                    tcp_include="127.0.0.1/8", oob_include="lo")
 
 
 def _print_measurement(cluster):

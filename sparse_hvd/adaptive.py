@@ -21,8 +21,9 @@ with checkpoints, visible in ``optimizer.layer_stats()``.
 
 import tensorflow as tf
 
-from . import runtime
+from . import collectives, runtime
 from .density import DensityPolicy, register_density_policy, validate_density
+from .payload import INDEX_BYTES
 
 DEFAULT_PROBE_BYTES = (4096, 65536, 524288, 2097152)
 
@@ -60,8 +61,6 @@ def probe_allreduce_costs(name, sizes_bytes=DEFAULT_PROBE_BYTES, repeats=5, proc
 def _probe_costs(name, collective, sizes_bytes, repeats, process_set):
     if runtime.size(process_set) == 1:
         return tf.zeros([len(sizes_bytes)], tf.float64), tf.zeros([], tf.float64)
-    hvd = runtime.horovod()
-    process_set = runtime.process_set_or_global(process_set)
     token = tf.constant(0.0, tf.float64)
     medians, keep_alive = [], []
     for size in sizes_bytes:
@@ -73,11 +72,9 @@ def _probe_costs(name, collective, sizes_bytes, repeats, process_set):
             with tf.control_dependencies([start]):
                 probe_name = f"{name}.{collective}_probe.{size}.{repeat}"
                 if collective == "allgather":
-                    result = hvd.allgather(payload, name=probe_name, ignore_name_scope=True,
-                                           process_set=process_set)
+                    result = collectives.allgather(payload, name=probe_name, process_set=process_set)
                 else:
-                    result = hvd.allreduce(payload, op=hvd.Average, name=probe_name,
-                                           ignore_name_scope=True, process_set=process_set)
+                    result = collectives.allreduce(payload, name=probe_name, process_set=process_set)
             keep_alive.append(tf.cast(result[0], tf.float64))
             with tf.control_dependencies([result]):
                 token = tf.timestamp()
@@ -135,6 +132,9 @@ class AdaptiveDensity(DensityPolicy):
         probe_repeats: timings per size (the median is used).
     """
 
+    requires_layerwise = True
+    supports_staleness = False
+
     def __init__(self, density=0.01, min_density=0.001, max_density=0.1, budget_bytes=None,
                  refresh_steps=200, first_refresh=10, probe_bytes=DEFAULT_PROBE_BYTES,
                  probe_repeats=5):
@@ -179,7 +179,7 @@ class AdaptiveDensity(DensityPolicy):
         self._name = f"sparse_hvd.{optimizer.name}.lags"
         self._process_set = optimizer.process_set
         self._num_elements = [r.num_elements for r in routes]
-        self._bytes_per_entry = [r.itemsize + 4 for r in routes]
+        self._bytes_per_entry = [r.itemsize + INDEX_BYTES for r in routes]
         self._sparse = [r.sparse for r in routes]
         # Decisions and the cost model: identical on every rank, saved with the optimizer.
         self.densities = optimizer.add_variable(
@@ -232,11 +232,8 @@ class AdaptiveDensity(DensityPolicy):
     def _average_over_ranks(self, tensor, what):
         if runtime.size(self._process_set) == 1:
             return tensor
-        hvd = runtime.horovod()
-        return hvd.allreduce(
-            tensor, op=hvd.Average, name=f"{self._name}.{what}", ignore_name_scope=True,
-            process_set=runtime.process_set_or_global(self._process_set),
-        )
+        return collectives.allreduce(tensor, name=f"{self._name}.{what}",
+                                     process_set=self._process_set)
 
     def _fit_cost_model(self):
         times, keep_alive = probe_allgather_costs(

@@ -11,7 +11,7 @@ import numbers
 
 import tensorflow as tf
 
-from . import consistency, runtime
+from . import collectives, consistency, runtime
 
 
 def _tf_variable(variable):
@@ -29,23 +29,23 @@ _COMPILED = {}
 def _collective_over(kind, what, variables, settings, process_set, name, build):
     """Check that every rank passes the same ``variables``, then run ``build``'s function.
 
-    ``build(hvd, targets, process_set)`` returns the function (traced once, then reused) that
-    runs the collective over the underlying tf.Variables ``targets``.
+    ``build(targets)`` returns the function (traced once, then reused) that runs the
+    collective over the underlying tf.Variables ``targets``.
     """
     consistency.check_same_on_all_ranks(
         what, consistency.describe_variables(variables), settings=settings,
         process_set=process_set, name=f"{name}.check",
     )
     targets = [_tf_variable(v) for v in variables]
-    process_set = runtime.process_set_or_global(process_set)
-    key = (kind, name, tuple(id(t) for t in targets), process_set.process_set_id)
+    set_id = runtime.process_set_or_global(process_set).process_set_id
+    key = (kind, name, tuple(id(t) for t in targets), set_id)
     if key not in _COMPILED:
-        _COMPILED[key] = (targets, tf.function(build(runtime.horovod(), targets, process_set)))
+        _COMPILED[key] = (targets, tf.function(build(targets)))
     with tf.init_scope():
         _COMPILED[key][1]()
 
 
-def broadcast_variables(variables, root_rank=0, process_set=None, name="sparse_hvd.broadcast"):
+def broadcast_variables(variables, root_rank=0, process_set=None, name="sparse_hvd.from_root"):
     """Overwrite ``variables`` on every rank with their values on ``root_rank``.
 
     Args:
@@ -65,14 +65,12 @@ def broadcast_variables(variables, root_rank=0, process_set=None, name="sparse_h
     if size == 1 or not variables:
         return
 
-    def build(hvd, targets, process_set):
+    def build(targets):
         def broadcast_all():
             # One graph: Horovod sees all broadcasts at once and fuses them into few messages.
             for position, variable in enumerate(targets):
-                variable.assign(hvd.broadcast(
-                    variable, int(root_rank), name=f"{name}.{position}", ignore_name_scope=True,
-                    process_set=process_set,
-                ))
+                variable.assign(collectives.broadcast(
+                    variable, root_rank, name=f"{name}.{position}", process_set=process_set))
 
         return broadcast_all
 
@@ -96,12 +94,10 @@ def average_variables(variables, process_set=None, name="sparse_hvd.average"):
     if runtime.size(process_set) == 1 or not variables:
         return
 
-    def build(hvd, targets, process_set):
+    def build(targets):
         def average_all():
-            averaged = hvd.grouped_allreduce(
-                [tf.convert_to_tensor(v) for v in targets], op=hvd.Average, name=name,
-                ignore_name_scope=True, process_set=process_set,
-            )
+            averaged = collectives.grouped_allreduce(
+                [tf.convert_to_tensor(v) for v in targets], name=name, process_set=process_set)
             for variable, value in zip(targets, averaged):
                 variable.assign(value)
 

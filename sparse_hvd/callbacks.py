@@ -8,7 +8,7 @@ import numbers
 import keras
 import tensorflow as tf
 
-from . import runtime
+from . import collectives, runtime
 from .broadcast import average_variables, broadcast_variables
 
 
@@ -61,7 +61,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
         if logs is None or runtime.size(self.process_set) == 1:
             return
         mine = {k: float(v) for k, v in logs.items() if isinstance(v, numbers.Real) or _is_scalar(v)}
-        everyone = runtime.allgather_object(
+        everyone = collectives.allgather_object(
             mine, name=f"sparse_hvd.metrics.{epoch}", process_set=self.process_set
         )
         for other_rank, theirs in enumerate(everyone):

@@ -7,7 +7,7 @@ description from every rank first (a single collective whose shape does not depe
 model) and raises the same error on every rank when the descriptions differ.
 """
 
-from . import runtime
+from . import collectives
 
 
 def describe_variables(variables):
@@ -43,7 +43,7 @@ def check_same_on_all_ranks(what, description, settings=None, process_set=None, 
         name: the collective's name; must be the same on every rank.
     """
     mine = (description, settings or {})
-    everyone = runtime.allgather_object(mine, name=name or "sparse_hvd.consistency", process_set=process_set)
+    everyone = collectives.allgather_object(mine, name=name or "sparse_hvd.consistency", process_set=process_set)
     problems = []
     reference_description, reference_settings = everyone[0]
     for other_rank, (other_description, other_settings) in enumerate(everyone[1:], start=1):

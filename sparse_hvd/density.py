@@ -46,6 +46,10 @@ class DensityPolicy:
 
     #: the density the policy settles at; decides which variables are worth sparsifying at all
     final_density: float
+    #: the policy relies on the layer-wise exchange (the optimizer warns without it)
+    requires_layerwise = False
+    #: the policy can size a step whose exchange is applied tau steps later (``staleness``)
+    supports_staleness = True
 
     def k(self, index: int, num_elements: int, step):
         raise NotImplementedError

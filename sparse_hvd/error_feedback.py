@@ -4,10 +4,18 @@ Top-k and its relatives are biased compressors: on their own they would drop the
 coordinates of the gradient forever. Error feedback (Alistarh et al. 2018; Karimireddy et al.
 2019) keeps the unsent remainder in a per-variable residual and adds it to the next gradient, so
 every coordinate is eventually applied, and 0.1%-1% density converges like dense SGD.
+
+The functions are the arithmetic of one variable's step; :class:`ErrorFeedback` holds a rank's
+state (residuals, DGC velocities) and its whole lifecycle.
 """
 
+import sys
+from typing import Dict, List, Tuple
+
+import keras
 import tensorflow as tf
 
+from . import runtime
 from .sparsifiers import Selection
 
 
@@ -72,3 +80,122 @@ def velocity_after_sending(velocity_value, selection: Selection) -> tf.Tensor:
     same contribution again on every later step.
     """
     return zeroed_at(tf.reshape(velocity_value, [-1]), selection.indices)
+
+
+class ErrorFeedback:
+    """One rank's error-feedback state and its lifecycle.
+
+    The state is each rank's own (never broadcast) and lives in optimizer variables, so a Keras
+    checkpoint holds it:
+
+    * ``residuals``: one per trainable variable, what was not sent yet;
+    * ``velocities``: with DGC momentum correction, each rank's local velocity per variable;
+    * ``world_size``: the number of workers the residuals belong to (see :meth:`share`).
+
+    Lifecycle:
+
+    1. :meth:`build` creates the variables, residuals first, then velocities, then the worker
+       count (the order is part of the checkpoint format);
+    2. each step, :meth:`select` compensates and selects one sparse-route gradient and returns
+       the state writes, which the optimizer makes only if the step goes ahead; on the dense
+       route, :meth:`after_exchange` applies the momentum to the averaged gradient;
+    3. a delayed step that is skipped gives what it sent back (:meth:`give_back`);
+    4. before a checkpoint written by one rank, :meth:`share` makes every rank's state the mean
+       over the ranks; after a restore on another number of workers,
+       :meth:`rescale_after_restore` keeps its sum.
+
+    Args:
+        enabled: keep and re-add what was not sent (False is for experiments).
+        momentum: DGC's momentum correction factor (0: off).
+    """
+
+    def __init__(self, enabled: bool, momentum: float):
+        self.enabled = bool(enabled)
+        self.momentum = float(momentum)
+        self.residuals: List[keras.Variable] = []
+        self.velocities: List[keras.Variable] = []
+        self.world_size = None
+        self.restored = False  # restored state whose worker count is not checked yet
+
+    def build(self, optimizer, var_list, process_set=None):
+        """Create the state as variables of ``optimizer`` (a Keras optimizer)."""
+        self.residuals = [optimizer.add_variable_from_reference(v, name="residual") for v in var_list]
+        if self.momentum:
+            self.velocities = [optimizer.add_variable_from_reference(v, name="velocity")
+                               for v in var_list]
+        self.world_size = optimizer.add_variable(
+            shape=(), dtype="int32", name="residual_world_size",
+            initializer=keras.initializers.Constant(runtime.size(process_set)),
+        )
+        self.restored = False  # fresh residuals belong to this job
+
+    @property
+    def local_variables(self) -> List[keras.Variable]:
+        """State that is each rank's own and must not be broadcast."""
+        return self.residuals + self.velocities
+
+    def select(self, index, grad, sparsifier, k) -> Tuple[Selection, Tuple[tuple, ...]]:
+        """Steps 1-3 of :func:`compensate_and_select` for variable ``index``, with DGC first.
+
+        With momentum correction the rank's velocity ``u = m*u + g`` is sparsified instead of
+        the gradient, and the sent entries' velocity is cleared (momentum factor masking).
+        Returns the selection and the (variable, new flat value) writes; nothing is written.
+        """
+        updates = []
+        if self.momentum:
+            grad = accumulated_velocity(grad, self.velocities[index], self.momentum)
+        selection, remainder = compensate_and_select(
+            grad, self.residuals[index], sparsifier, k, self.enabled)
+        if remainder is not None:
+            updates.append((self.residuals[index], remainder))
+        if self.momentum:
+            updates.append((self.velocities[index], velocity_after_sending(grad, selection)))
+        return selection, tuple(updates)
+
+    def after_exchange(self, index, averaged) -> Tuple[tf.Tensor, Tuple[tuple, ...]]:
+        """A dense-route variable's averaged gradient as the inner optimizer gets it: with
+        momentum correction, the velocity ``m*u + average`` (ordinary momentum), to be written
+        back; else the average itself."""
+        if not self.momentum:
+            return averaged, ()
+        velocity = self.velocities[index]
+        grad = accumulated_velocity(averaged, velocity, self.momentum)
+        return grad, ((velocity, grad),)
+
+    def give_back(self, sent: Dict[int, tuple]):
+        """Add what this rank sent (``{index: (values, int32 flat indices)}``) back into its
+        residuals: for a step that is not applied, so that no gradient is lost."""
+        for index, (values, indices) in sent.items():
+            residual = self.residuals[index]
+            flat = tf.reshape(tf.convert_to_tensor(residual), [-1])
+            flat = tf.tensor_scatter_nd_add(
+                flat, tf.expand_dims(tf.convert_to_tensor(indices, tf.int32), 1),
+                tf.convert_to_tensor(values, flat.dtype))
+            residual.assign(tf.reshape(flat, residual.shape))
+
+    def share(self, process_set=None, name="sparse_hvd.share_residuals"):
+        """Make every rank's state its mean over the ranks (eager; a collective).
+
+        Residuals are each rank's own, and a checkpoint written by rank 0 holds only rank 0's.
+        After this, rank 0's copy stands for all: the sum over the ranks, the gradient still
+        owed to the model, is unchanged, and it is what a restore brings back.
+        """
+        from .broadcast import average_variables
+
+        average_variables(self.local_variables, process_set=process_set, name=name)
+        self.world_size.assign(runtime.size(process_set))
+
+    def rescale_after_restore(self, process_set=None):
+        """Scale restored state by saved_workers / workers, keeping its sum over the ranks."""
+        self.restored = False
+        with tf.init_scope():
+            saved = int(tf.convert_to_tensor(self.world_size.value).numpy())
+            now = runtime.size(process_set)
+            if saved == now:
+                return
+            for variable in self.local_variables:
+                variable.assign(variable * tf.constant(saved / now, variable.dtype))
+            self.world_size.assign(now)
+            if runtime.rank(process_set) == 0:
+                print(f"sparse_hvd: residuals saved by {saved} workers, restored on {now}: "
+                      f"scaled by {saved}/{now} to keep their sum", file=sys.stderr, flush=True)

@@ -27,7 +27,8 @@ from typing import List, Sequence
 
 import tensorflow as tf
 
-from . import runtime
+from . import collectives, runtime
+from .payload import Payload
 from .sparsifiers import Selection
 
 GROUPINGS = ("grouped", "layerwise")
@@ -72,6 +73,27 @@ class Exchange:
     def size(self) -> int:
         return runtime.size(self.process_set)
 
+    def average(self, payload: Payload, num_elements: Sequence[int]) -> list:
+        """The average over workers of every gradient in ``payload``, indexed by its position
+        in the step's list (None where the step had no gradient). ``num_elements``: entries of
+        each variable, by build index.
+
+        Sparse selections come back as flat dense tensors, dense gradients as they went,
+        row-sparse gradients as IndexedSlices.
+        """
+        count = 1 + max(payload.sparse.positions + payload.dense.positions + payload.rows.positions,
+                        default=-1)
+        averaged = [None] * count
+        sparse = self.sparse_average(payload.sparse.items,
+                                     [num_elements[key] for key in payload.sparse.keys],
+                                     payload.sparse.keys)
+        dense = self.dense_average(payload.dense.items, payload.dense.keys)
+        rows = self.slices_average(payload.rows.items, payload.rows.keys)
+        for part, results in ((payload.sparse, sparse), (payload.dense, dense), (payload.rows, rows)):
+            for position, result in zip(part.positions, results):
+                averaged[position] = result
+        return averaged
+
     def sparse_average(
         self, selections: Sequence[Selection], num_elements: Sequence[int], keys: Sequence[int]
     ) -> List[tf.Tensor]:
@@ -95,28 +117,13 @@ class Exchange:
         tensors = list(tensors)
         if self.size == 1 or not tensors:
             return tensors
-        hvd = runtime.horovod()
-        process_set = runtime.process_set_or_global(self.process_set)
         if self.grouping == "layerwise":
             return [
-                hvd.allreduce(
-                    tensor, op=hvd.Average, name=f"{self.name}.dense.{key}",
-                    ignore_name_scope=True, process_set=process_set,
-                )
+                collectives.allreduce(tensor, name=f"{self.name}.dense.{key}",
+                                      process_set=self.process_set)
                 for tensor, key in zip(tensors, keys)
             ]
-        averaged = [None] * len(tensors)
-        for dtype, positions in _group_positions_by_dtype(tensors).items():
-            reduced = hvd.grouped_allreduce(
-                [tensors[p] for p in positions],
-                op=hvd.Average,
-                name=f"{self.name}.dense.{dtype.name}",
-                ignore_name_scope=True,
-                process_set=process_set,
-            )
-            for position, tensor in zip(positions, reduced):
-                averaged[position] = tensor
-        return averaged
+        return self._per_dtype(collectives.grouped_allreduce, tensors, f"{self.name}.dense")
 
     def slices_average(self, slices: Sequence[tf.IndexedSlices], keys: Sequence[int]):
         """Average row-sparse gradients (embeddings) over workers, keeping them row-sparse.
@@ -130,47 +137,43 @@ class Exchange:
         size = self.size
         if size == 1 or not slices:
             return list(slices)
-        hvd = runtime.horovod()
-        process_set = runtime.process_set_or_global(self.process_set)
         averaged = []
         for grad, key in zip(slices, keys):
-            values = hvd.allgather(grad.values, name=f"{self.name}.rows.{key}",
-                                   ignore_name_scope=True, process_set=process_set)
-            indices = hvd.allgather(grad.indices, name=f"{self.name}.row_indices.{key}",
-                                    ignore_name_scope=True, process_set=process_set)
+            values = collectives.allgather(grad.values, name=f"{self.name}.rows.{key}",
+                                           process_set=self.process_set)
+            indices = collectives.allgather(grad.indices, name=f"{self.name}.row_indices.{key}",
+                                            process_set=self.process_set)
             averaged.append(tf.IndexedSlices(
                 values / tf.cast(size, values.dtype), indices, dense_shape=grad.dense_shape))
         return averaged
 
     def _allgather(self, selections: Sequence[Selection], keys) -> List[Selection]:
         """Every rank's selections, concatenated in rank order, variable by variable."""
-        hvd = runtime.horovod()
-        process_set = runtime.process_set_or_global(self.process_set)
         if self.grouping == "layerwise":
             return [
                 Selection(
-                    hvd.allgather(s.values, name=f"{self.name}.values.{key}",
-                                  ignore_name_scope=True, process_set=process_set),
-                    hvd.allgather(s.indices, name=f"{self.name}.indices.{key}",
-                                  ignore_name_scope=True, process_set=process_set),
+                    collectives.allgather(s.values, name=f"{self.name}.values.{key}",
+                                          process_set=self.process_set),
+                    collectives.allgather(s.indices, name=f"{self.name}.indices.{key}",
+                                          process_set=self.process_set),
                 )
                 for s, key in zip(selections, keys)
             ]
-        values = [s.values for s in selections]
-        gathered_values = [None] * len(values)
-        for dtype, positions in _group_positions_by_dtype(values).items():
-            group = hvd.grouped_allgather(
-                [values[p] for p in positions],
-                name=f"{self.name}.values.{dtype.name}",
-                ignore_name_scope=True,
-                process_set=process_set,
-            )
-            for position, tensor in zip(positions, group):
-                gathered_values[position] = tensor
-        gathered_indices = hvd.grouped_allgather(
-            [s.indices for s in selections],
-            name=f"{self.name}.indices",
-            ignore_name_scope=True,
-            process_set=process_set,
+        gathered_values = self._per_dtype(collectives.grouped_allgather,
+                                          [s.values for s in selections], f"{self.name}.values")
+        gathered_indices = collectives.grouped_allgather(
+            [s.indices for s in selections], name=f"{self.name}.indices",
+            process_set=self.process_set,
         )
         return [Selection(v, i) for v, i in zip(gathered_values, gathered_indices)]
+
+    def _per_dtype(self, grouped_collective, tensors, name):
+        """``grouped_collective`` over ``tensors``, one group per dtype (a Horovod group holds
+        one dtype), named ``<name>.<dtype>``; the results in the order of ``tensors``."""
+        results = [None] * len(tensors)
+        for dtype, positions in _group_positions_by_dtype(tensors).items():
+            group = grouped_collective([tensors[p] for p in positions],
+                                       name=f"{name}.{dtype.name}", process_set=self.process_set)
+            for position, tensor in zip(positions, group):
+                results[position] = tensor
+        return results

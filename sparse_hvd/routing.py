@@ -12,7 +12,7 @@ layer, once, when it is built, from measurements of the live job:
    of several sizes (``sparse_hvd.adaptive``);
 3. the timings and both models are averaged over the ranks, so every rank decides the same;
 4. a layer goes dense when ``beta_allreduce * n * itemsize`` is no more than
-   ``t_sparsify + beta_allgather * k * (itemsize + 4)``: the latencies are left out, as fused
+   ``t_sparsify + beta_allgather * k * (itemsize + INDEX_BYTES)``: the latencies are left out, as fused
    messages share them.
 
 The decision is printed by rank 0 and shown by ``optimizer.layer_stats()``; it is not
@@ -26,11 +26,12 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from . import runtime
+from . import collectives, runtime
 from .adaptive import fit_latency_bandwidth, probe_allgather_costs, probe_allreduce_costs
 from .density import elements_to_send
 from .error_feedback import compensate_and_select
 from .exchange import densify
+from .payload import INDEX_BYTES
 
 PROBE_BYTES = (65536, 524288, 2097152, 8388608)
 SPARSIFY_REPEATS = 3
@@ -60,7 +61,7 @@ def time_sparsify(num_elements, dtype, k, sparsifier, error_feedback, repeats=SP
 def dense_is_faster(num_elements, itemsize, k, sparsify_seconds, beta_gather, beta_reduce):
     """Step 4 of the module doc: the allreduce of the whole layer takes no longer than
     sparsifying it and gathering k (value, int32 index) pairs from every rank."""
-    sparse_seconds = sparsify_seconds + beta_gather * k * (itemsize + 4)
+    sparse_seconds = sparsify_seconds + beta_gather * k * (itemsize + INDEX_BYTES)
     return beta_reduce * num_elements * itemsize <= sparse_seconds
 
 
@@ -84,10 +85,8 @@ def choose_dense_layers(routes, dtypes, density, sparsifier, error_feedback, nam
     _, beta_gather = fit_latency_bandwidth(sizes, gather_times)
     _, beta_reduce = fit_latency_bandwidth(sizes, reduce_times)
     measured = tf.concat([tf.constant(sparsify, tf.float64), tf.stack([beta_gather, beta_reduce])], 0)
-    hvd = runtime.horovod()
-    measured = hvd.allreduce(measured, op=hvd.Average, name=f"{name}.fallback.measured",
-                             ignore_name_scope=True,
-                             process_set=runtime.process_set_or_global(process_set)).numpy()
+    measured = collectives.allreduce(measured, name=f"{name}.fallback.measured",
+                                     process_set=process_set).numpy()
     sparsify, beta_gather, beta_reduce = measured[:-2], measured[-2], measured[-1]
     dense = [
         i for position, i in enumerate(candidates)

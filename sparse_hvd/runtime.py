@@ -98,13 +98,3 @@ def process_set_or_global(process_set):
         return None
     return process_set or _global_process_set(hvd)
 
-
-def allgather_object(obj, name, process_set=None):
-    """Every rank's ``obj``, in rank order (eager only). Alone: ``[obj]``."""
-    hvd = horovod()
-    if hvd is None or size(process_set) == 1:
-        return [obj]
-    import tensorflow as tf
-
-    with tf.init_scope():  # collectives for checks run eagerly, also when called from a trace
-        return hvd.allgather_object(obj, name=name, process_set=process_set_or_global(process_set))

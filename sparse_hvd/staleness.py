@@ -3,273 +3,199 @@
 Candela et al. ("Sparsification as a remedy for staleness in distributed asynchronous SGD") show
 that SGD applying delayed sparse updates with error feedback keeps the O(1/sqrt(T)) non-convex
 rate. With ``SparseDistributedOptimizer(..., staleness=tau)`` a worker no longer waits for the
-network inside its step:
+network inside its step. :class:`DelayedUpdates` is the optimizer's side of it:
 
-1. step t (in the training step): compensate and select as usual, write the residuals, and hand
-   the payload (each sparse variable's values and indices, each dense-route gradient) to the
-   pipeline (:meth:`DelayedExchange.submit`, a ``tf.numpy_function``). It returns at once.
-2. The pipeline's thread takes payloads in step order and runs the exchange, one step at a
-   time: one Horovod allgather for every variable's (values, indices) pairs, one allreduce
-   for the dense-route gradients, and a rank-order sum (see ``DelayedExchange._exchange``). Horovod's own background loop moves the bytes while the worker computes steps
-   t+1, t+2, ...
-3. Still in step t, after submitting: the average of step t - tau is taken
-   (:meth:`DelayedExchange.take`, which waits only if it has not arrived yet) and given to the
-   inner optimizer. The first tau steps apply nothing. With tau = 1 a whole step's exchange
-   overlaps the next step's forward and backward pass; a larger tau leaves the network (or a
-   straggler) tau steps.
-4. Every rank submits the same steps in the same order and receives the same gathered bytes,
-   reduced the same way: every replica applies bit-identical updates at the same steps.
-5. Before a checkpoint, the exchanges in flight are waited for and their averages written into
-   optimizer variables (the ``delayed`` slots, tau per trainable variable), so the checkpoint
-   holds them and a resumed job continues the same sequence; at the end of ``fit`` whatever is
-   still pending is applied in step order, so no update is lost.
-
-Why a thread running Horovod, rather than mpi4py's non-blocking ``Iallgatherv``: the same
-transport as the rest of the library (MPI, Gloo and NCCL alike, so ``horovodrun --gloo`` works
-too), Horovod's stall detection still ends a job whose peer died, and every rank reduces the
-same gathered bits in the same order.
-The cost is a copy of the payload to host memory and back, and per-step Python in the thread.
+1. step t (in the training step): compensate and select as usual, write the residuals (unless
+   this rank's gradients are not finite), and hand the payload with this rank's finiteness to
+   the pipeline (:meth:`DelayedUpdates.submit`; the exchange runs on the pipeline's thread,
+   ``sparse_hvd.pipeline``). It returns at once.
+2. Still in step t: the average of step t - tau is taken (:meth:`DelayedUpdates.take_due`,
+   which waits only if it has not arrived yet) and given to the inner optimizer. The first tau
+   steps apply nothing. With tau = 1 a whole step's exchange overlaps the next step's forward
+   and backward pass; a larger tau leaves the network (or a straggler) tau steps.
+3. No collective runs in the step itself: a step that was not finite on every rank comes back
+   marked so on every rank, and is skipped everywhere when due (each rank gives what it sent
+   back to its residuals) or stops the job, as ``nonfinite`` says.
+4. Before a checkpoint, the exchanges in flight are waited for and their averages written into
+   optimizer variables (the ``delayed`` slots, tau per trainable variable:
+   :meth:`DelayedUpdates.hold_pending`), so the checkpoint holds them and a resumed job
+   continues the same sequence; at the end of ``fit`` whatever is still pending is applied in
+   step order (:meth:`DelayedUpdates.apply_pending`), so no update is lost. A slot is zeroed
+   when used, so every rank's optimizer state agrees again even when only rank 0 saved.
 """
 
-import threading
-from collections import deque
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+import functools
+from typing import Callable, List, NamedTuple
 
-import numpy as np
+import keras
 import tensorflow as tf
 
-from . import runtime
 from .exchange import Exchange
-
-_POLL_SECONDS = 1.0  # how often a waiting step re-checks that the thread is alive
-
-
-class PayloadLayout(NamedTuple):
-    """Which variables a step's payload carries, and how, in the order of its arrays.
-
-    ``sparse``: variable indices sent as (values, indices) pairs; ``dense``: variable indices
-    sent whole (averaged by allreduce). Fixed for one traced step function.
-    """
-
-    sparse: Tuple[int, ...]
-    dense: Tuple[int, ...]
+from .payload import Payload
+from .pipeline import DelayedExchange, PayloadLayout
 
 
-class Delayed(NamedTuple):
-    """What the pipeline hands back for one step."""
+class Due(NamedTuple):
+    """The delayed step a training step applies."""
 
-    finite: bool  # every rank's gradients were finite: apply ``averages``
-    averages: List[np.ndarray]  # flat average of every variable (zeros where absent)
-    own: Dict[int, Tuple[np.ndarray, np.ndarray]]  # this rank's sent (values, indices), by variable
+    present: tf.Tensor  # bool: there is a step to apply (False for the first tau steps)
+    finite: tf.Tensor  # bool: it was finite on every rank
+    grads: List[tf.Tensor]  # its average for every trainable variable, shaped like it
+    sent: dict  # {variable index: (values, indices)} this rank sent, to give back if skipped
 
 
-class DelayedExchange:
-    """Runs each step's exchange on a background thread and hands back the averages later.
+class DelayedUpdates:
+    """Slots for the averages of the last tau steps, the step counter and the pipeline.
 
     Args:
-        exchange: the :class:`~sparse_hvd.exchange.Exchange` whose collectives move the data
-            (its name must differ from every other collective's in the job).
-        num_elements: entries of each trainable variable, in the optimizer's build order.
-        dtypes: each variable's numpy dtype.
-
-    Averages are returned for every variable; a variable absent from a step's payload gets
-    zeros. Each payload carries its rank's finiteness flag: a step that was not finite on
-    every rank comes back with ``finite=False`` on every rank, and with what this rank sent, so
-    that the optimizer can return it to the residuals. No collective is needed in the training
-    step itself, which would have to wait behind the exchanges in flight (Horovod runs one
-    collective at a time).
+        staleness: tau >= 1, steps an update is applied late.
     """
 
-    def __init__(self, exchange: Exchange, num_elements: Sequence[int], dtypes: Sequence):
-        self.exchange = exchange
-        self.num_elements = list(num_elements)
-        self.dtypes = [np.dtype(d) for d in dtypes]
-        self._queue = deque()  # (step, layout, finite, arrays), in submission order
-        self._results: Dict[int, Delayed] = {}
-        self._pending: List[int] = []  # submitted and not yet taken, in order
-        self._error = None
-        self._lock = threading.Condition()
-        self._thread = None
+    def __init__(self, staleness: int):
+        self.staleness = int(staleness)
+        self.slots: List[keras.Variable] = []
+        self.slot_steps = None
+        self.exchange_step = None
+        self.pipeline = None
 
-    # ---- called from the training step (through tf.numpy_function) ----------------------------
+    def build(self, optimizer, var_list, routes, name, process_set=None):
+        """Create the slots, the slots' steps and the exchange step as variables of
+        ``optimizer`` (in that order: the checkpoint format), and the pipeline."""
+        tau = self.staleness
+        self.slots = [
+            optimizer.add_variable(shape=(tau, *variable.shape), dtype=variable.dtype,
+                                   initializer="zeros", name="delayed")
+            for variable in var_list
+        ]
+        # Which step each slot holds (-1: none). A slot is filled only by hold_pending.
+        self.slot_steps = optimizer.add_variable(
+            shape=(tau,), dtype="int64", initializer=keras.initializers.Constant(-1),
+            name="delayed_steps",
+        )
+        self.exchange_step = optimizer.add_variable(
+            shape=(), dtype="int64", initializer="zeros", name="exchange_step"
+        )
+        self._dtypes = [tf.as_dtype(variable.dtype) for variable in var_list]
+        self._shapes = [variable.shape for variable in var_list]
+        self._num_elements = [route.num_elements for route in routes]
+        self.pipeline = DelayedExchange(
+            Exchange(name=f"{name}.delayed", process_set=process_set),
+            self._num_elements, [d.as_numpy_dtype for d in self._dtypes],
+        )
 
-    def submit(self, layout: PayloadLayout, step, finite, *arrays) -> np.int64:
-        """Queue step ``step``'s payload: whether this rank's gradients were finite, then for
-        each sparse variable its values and its indices, then each dense variable's flat
-        gradient. Returns at once."""
-        step = int(step)
-        copies = [np.array(a, copy=True) for a in arrays]  # TensorFlow may reuse its buffers
-        with self._lock:
-            self._raise_if_failed()
-            if step in self._pending:
-                raise RuntimeError(f"sparse_hvd: step {step} was submitted twice to the pipeline")
-            self._pending.append(step)
-            self._queue.append((step, layout, bool(finite), copies))
-            self._start_thread()
-            self._lock.notify_all()
-        return np.int64(step)
+    # ---- in the training step ------------------------------------------------------------------
 
-    def take(self, step) -> Optional[Delayed]:
-        """Step ``step``'s result, waiting for it if needed; None for a step that was never
-        submitted or was already taken (before the first step, or taken from the slots)."""
-        step = int(step)
-        with self._lock:
-            if step not in self._pending:
-                return None
-            while step not in self._results:
-                self._raise_if_failed()
-                if not self._thread.is_alive():
-                    raise RuntimeError("sparse_hvd: the background exchange thread has stopped")
-                self._lock.wait(_POLL_SECONDS)
-            self._pending.remove(step)
-            return self._results.pop(step)
+    def submit(self, step, finite_here, payload: Payload) -> PayloadLayout:
+        """Step 1 of the module doc: hand ``payload`` (densified rows) and whether this rank's
+        gradients were finite to the pipeline."""
+        layout = PayloadLayout(tuple(payload.sparse.keys), tuple(payload.dense.keys))
+        arrays = [t for s in payload.sparse.items for t in (s.values, s.indices)]
+        arrays += [tf.reshape(g, [-1]) for g in payload.dense.items]
+        tf.numpy_function(functools.partial(self.pipeline.submit, layout),
+                          [step, finite_here] + arrays, tf.int64, stateful=True,
+                          name="submit")
+        return layout
 
-    def take_for_step(self, layout: PayloadLayout, step) -> List[np.ndarray]:
-        """:meth:`take` flattened for ``tf.numpy_function``: ``[present, finite, average_0, ...,
-        (values, indices) sent by this rank for each variable of layout.sparse]``; the sent
-        pairs are empty unless the step is to be undone (not finite everywhere, fine here)."""
-        result = self.take(step)
-        if result is None:
-            averages = self._zeros_where_none([None] * len(self.num_elements))
-        else:
-            averages = result.averages
-        sent = []
-        for index in layout.sparse:
-            values, indices = (result.own.get(index) if result and not result.finite else None) or (
-                np.zeros(0, self.dtypes[index]), np.zeros(0, np.int32))
-            sent += [values, indices]
-        return [np.bool_(result is not None), np.bool_(result is None or result.finite)] + averages + sent
+    def take_due(self, due, layout: PayloadLayout, record_wait: Callable) -> Due:
+        """Step 2 of the module doc: step ``due``'s average, from the slots after a restore,
+        else from the pipeline (waiting for it if needed); ``present`` is False for a step
+        never exchanged. ``record_wait(started, done)`` is given the time it waited."""
+        sent_dtypes = [t for i in layout.sparse for t in (self._dtypes[i], tf.int32)]
+        slot = tf.math.floormod(due, self.staleness)
+        held = tf.equal(tf.gather(self.slot_steps.value, slot), due)
+        count = len(self.slots)
 
-    # ---- called eagerly, between steps ---------------------------------------------------------
+        def from_slots():
+            averages = [tf.reshape(tf.gather(d.value, slot), [-1]) for d in self.slots]
+            with tf.control_dependencies(averages):
+                self._release_slot(slot)
+            nothing_sent = [tf.zeros([0], t) for t in sent_dtypes]
+            return ([tf.constant(True), tf.constant(True)] + [tf.identity(a) for a in averages]
+                    + nothing_sent)
+
+        def from_pipeline():
+            taken = tf.numpy_function(functools.partial(self.pipeline.take_for_step, layout),
+                                      [due], [tf.bool, tf.bool] + self._dtypes + sent_dtypes,
+                                      stateful=True, name="take")
+            taken[0].set_shape([])
+            taken[1].set_shape([])
+            for average, n in zip(taken[2:], self._num_elements):
+                average.set_shape([n])
+            for sent in taken[2 + count:]:
+                sent.set_shape([None])
+            return taken
+
+        started = tf.timestamp()
+        with tf.control_dependencies([started]):
+            results = tf.cond(tf.logical_and(due >= 0, held), from_slots, from_pipeline)
+        averages, sent = results[2:2 + count], results[2 + count:]
+        with tf.control_dependencies(averages):
+            record_wait(started, tf.timestamp())
+        return Due(
+            present=results[0], finite=results[1],
+            grads=[tf.reshape(a, shape) for a, shape in zip(averages, self._shapes)],
+            sent={index: (sent[2 * j], sent[2 * j + 1]) for j, index in enumerate(layout.sparse)},
+        )
+
+    def _release_slot(self, slot):
+        """Mark a slot empty and zero it, so that every rank's slots agree again (only the
+        rank that wrote a checkpoint filled them)."""
+        for delayed in self.slots:
+            delayed.value.scatter_nd_update(
+                [[slot]], tf.zeros([1, *delayed.shape[1:]], delayed.dtype))
+        self.slot_steps.value.scatter_nd_update([[slot]], tf.constant([-1], tf.int64))
+
+    # ---- between steps (eager) -----------------------------------------------------------------
+
+    def held_steps(self) -> List[int]:
+        """The steps whose averages are held in the slots (after ``hold_pending`` or a
+        restore), sorted."""
+        return sorted(int(step) for step in self.slot_steps.numpy() if step >= 0)
 
     def pending_steps(self) -> List[int]:
-        """Submitted steps whose average has not been taken yet, oldest first."""
-        with self._lock:
-            return list(self._pending)
+        """Steps submitted to the pipeline whose average has not been taken yet, oldest first."""
+        return self.pipeline.pending_steps()
+
+    def _take_finite(self, step, undo):
+        """Step ``step``'s averages from the pipeline, or None after ``undo(sent)`` if it was
+        not finite on every rank."""
+        result = self.pipeline.take(step)
+        if not result.finite:
+            undo(result.own)
+            return None
+        return result.averages
+
+    def hold_pending(self, undo):
+        """Step 4 of the module doc: wait for the exchanges in flight and keep their averages
+        in the slots. A step not finite on every rank is undone now (``undo(sent)``)."""
+        with tf.init_scope():
+            for step in self.pending_steps():
+                averages = self._take_finite(step, undo)
+                if averages is None:
+                    continue
+                slot = [[step % self.staleness]]
+                for delayed, average in zip(self.slots, averages):
+                    delayed.value.scatter_nd_update(
+                        slot, tf.reshape(tf.constant(average), [1, *delayed.shape[1:]]))
+                self.slot_steps.value.scatter_nd_update(slot, tf.constant([step], tf.int64))
+
+    def apply_pending(self, apply, undo):
+        """Step 4 of the module doc: ``apply(grads)`` every delayed average not applied yet,
+        oldest first, from the slots or the pipeline; ``undo(sent)`` those not finite."""
+        with tf.init_scope():
+            held = tf.convert_to_tensor(self.slot_steps.value).numpy()
+            in_slots = {int(step): slot for slot, step in enumerate(held) if step >= 0}
+            for step in sorted(set(in_slots) | set(self.pending_steps())):
+                if step in in_slots:
+                    averages = [tf.gather(d.value, in_slots[step]) for d in self.slots]
+                    self._release_slot(in_slots[step])
+                else:
+                    averages = self._take_finite(step, undo)
+                    if averages is None:
+                        continue
+                apply([tf.reshape(tf.convert_to_tensor(a), shape)
+                       for a, shape in zip(averages, self._shapes)])
 
     def discard(self):
-        """Wait for every exchange in flight (the other ranks take part in them) and drop the
-        results: for a restore that replaces the optimizer's state."""
-        for step in self.pending_steps():
-            self.take(step)
-
-    # ---- the thread -----------------------------------------------------------------------------
-
-    def _raise_if_failed(self):
-        if self._error is not None:
-            raise RuntimeError(
-                f"sparse_hvd: a background gradient exchange failed: {self._error}"
-            ) from self._error
-
-    def _start_thread(self):
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._serve, name=f"{self.exchange.name}.pipeline", daemon=True
-            )
-            self._thread.start()
-
-    def _serve(self):
-        while True:
-            with self._lock:
-                while not self._queue:
-                    self._lock.wait()
-                step, layout, finite, arrays = self._queue.popleft()
-            try:
-                result = self._exchange(layout, finite, arrays)
-            except Exception as error:  # handed to the training step, which raises it
-                with self._lock:
-                    self._error = error
-                    self._lock.notify_all()
-                return
-            with self._lock:
-                self._results[step] = result
-                self._lock.notify_all()
-
-    def _exchange(self, layout: PayloadLayout, finite: bool, arrays) -> Delayed:
-        """One step's exchange: two eager Horovod collectives, everything else in NumPy.
-
-        1. Each sparse variable's payload becomes one int32 table (:func:`pack`): a header row
-           with its entry count, then one row per entry holding the value's bits and its index.
-           All tables, and the rank's finiteness flag, go to every rank in ONE
-           ``grouped_allgather`` (an eager collective costs at least one Horovod cycle, and they
-           run one after another here).
-        2. The dense-route gradients are averaged by one ``grouped_allreduce`` per dtype.
-        3. Each rank's entries are added into a zero vector rank by rank (:func:`unpack_sum`);
-           within one rank the indices are distinct, so the order of additions is fixed: the
-           same bits on every rank. Then the sum is divided by the number of workers.
-
-        Why so few TensorFlow ops: every eager op releases and re-takes Python's GIL, and while
-        the training loop runs Python (Keras callbacks) each re-take can wait a whole switch
-        interval (5 ms); with a dozen small ops per exchange that made steps 30x slower. Why
-        eager at all: a traced function would run its ops on TensorFlow's inter-op thread pool,
-        where the training step's ``take`` may hold the only thread while it waits for this
-        very exchange (a deadlock seen with one inter-op thread).
-        """
-        size = self.exchange.size
-        count = len(layout.sparse)
-        averages = [None] * len(self.num_elements)
-        own = {index: (arrays[2 * j], arrays[2 * j + 1]) for j, index in enumerate(layout.sparse)}
-        tables = [pack(arrays[2 * j], arrays[2 * j + 1]) for j in range(count)]
-        flags = np.array([finite], np.int32)
-        if size > 1:
-            hvd = runtime.horovod()
-            gathered = hvd.grouped_allgather(
-                [tf.constant(t) for t in tables + [flags]], name=f"{self.exchange.name}.packed",
-                ignore_name_scope=True,
-                process_set=runtime.process_set_or_global(self.exchange.process_set),
-            )
-            *tables, flags = [g.numpy() for g in gathered]
-        everywhere = bool(np.all(flags))
-        if not everywhere:  # nothing of this step is applied; skip the arithmetic
-            return Delayed(False, self._zeros_where_none(averages), own if finite else {})
-        for index, table in zip(layout.sparse, tables):
-            total = unpack_sum(table, self.num_elements[index], self.dtypes[index])
-            averages[index] = total if size == 1 else total / total.dtype.type(size)
-        dense = arrays[2 * count:]
-        if dense:
-            averaged = self.exchange.dense_average([tf.constant(a) for a in dense], list(layout.dense))
-            for index, average in zip(layout.dense, averaged):
-                averages[index] = np.asarray(average).reshape(-1)
-        return Delayed(True, self._zeros_where_none(averages), own)
-
-    def _zeros_where_none(self, averages):
-        """``averages`` with zeros for the variables a step did not carry (allocated only for
-        those: the others are filled every step)."""
-        return [np.zeros(n, d) if a is None else a
-                for a, n, d in zip(averages, self.num_elements, self.dtypes)]
-
-
-def _words(dtype) -> int:
-    """int32 words that hold one value of ``dtype`` (2-byte values are zero-extended)."""
-    return max(1, np.dtype(dtype).itemsize // 4)
-
-
-def pack(values: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """One rank's selection as an int32 table: ``[[m, 0...], [value bits..., index], ...]``."""
-    m, words = len(values), _words(values.dtype)
-    table = np.zeros((m + 1, words + 1), np.int32)
-    table[0, 0] = m
-    if values.dtype.itemsize == 2:
-        table[1:, 0] = values.view(np.uint16)
-    else:
-        table[1:, :words] = values.view(np.int32).reshape(m, words)
-    table[1:, words] = indices
-    return table
-
-
-def unpack_sum(table: np.ndarray, num_elements: int, dtype) -> np.ndarray:
-    """The sum, added rank by rank in rank order, of the selections stacked in ``table``."""
-    dtype = np.dtype(dtype)
-    words = _words(dtype)
-    total = np.zeros(num_elements, dtype)
-    row = 0
-    while row < len(table):
-        m = int(table[row, 0])
-        entries = table[row + 1: row + 1 + m]
-        if dtype.itemsize == 2:
-            values = entries[:, 0].astype(np.uint16).view(dtype)
-        else:
-            values = np.ascontiguousarray(entries[:, :words]).view(dtype).reshape(m)
-        total[entries[:, words]] += values  # distinct indices within one rank
-        row += m + 1
-    return total
+        """Wait for the exchanges in flight and drop them: a restore replaces the slots."""
+        self.pipeline.discard()

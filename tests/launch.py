@@ -12,6 +12,9 @@ import sys
 import time
 from typing import NamedTuple, Sequence
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import launching  # noqa: E402  (scripts/launching.py: every launcher command line of the project)
+
 LAUNCHERS = ("mpirun", "gloo")
 
 
@@ -20,11 +23,6 @@ class JobResult(NamedTuple):
     output: str
     seconds: float
     timed_out: bool
-
-
-def _horovodrun():
-    candidate = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    return candidate if os.path.exists(candidate) else shutil.which("horovodrun")
 
 
 def launcher_available(launcher: str) -> str:
@@ -38,7 +36,7 @@ def launcher_available(launcher: str) -> str:
             return "mpirun not found"
         return "" if hvd.mpi_built() else "Horovod was built without MPI"
     if launcher == "gloo":
-        if not _horovodrun():
+        if not launching.horovodrun():
             return "horovodrun not found"
         return "" if hvd.gloo_built() else "Horovod was built without Gloo"
     raise ValueError(f"unknown launcher {launcher!r}")
@@ -46,26 +44,22 @@ def launcher_available(launcher: str) -> str:
 
 def launch_command(launcher: str, num_ranks: int, argv: Sequence[str]):
     """The command line that starts ``argv`` (a Python script and its arguments) on each rank."""
-    python = [sys.executable, "-u", *argv]
+    python = launching.python_argv(argv)
     if launcher == "mpirun":
-        return ["mpirun", "-np", str(num_ranks), "--oversubscribe", "--bind-to", "none",
-                "--tag-output", "--mca", "btl", "self,tcp", *python]
+        return launching.mpirun_command(num_ranks, python, tcp_only=True, tag_output=True)
     if launcher == "gloo":
-        return [_horovodrun(), "--gloo", "-np", str(num_ranks), *python]
+        return launching.gloo_command(num_ranks, python)
     raise ValueError(f"unknown launcher {launcher!r}")
 
 
 def run_job(launcher: str, num_ranks: int, argv: Sequence[str], timeout: float, env=None) -> JobResult:
     """Run ``argv`` on ``num_ranks`` ranks; kill everything after ``timeout`` seconds."""
-    job_env = dict(os.environ, **(env or {}))
+    job_env = launching.mpi_environment(dict(os.environ, **(env or {})))
     job_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     job_env.setdefault("PYTHONUNBUFFERED", "1")
     # A collective that one rank never reaches makes Horovod shut down instead of waiting forever.
     job_env.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "15")
     job_env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "60")
-    if os.geteuid() == 0:
-        job_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        job_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     command = launch_command(launcher, num_ranks, argv)
     start = time.monotonic()
     process = subprocess.Popen(

@@ -93,7 +93,7 @@ def test_residuals_saved_by_more_workers_are_scaled_to_keep_their_sum(tmp_path, 
     model = _compiled(mlp(seed=6), sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(1.0), density=0.01))
     x, y = classification_data(seed=7)
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    model.optimizer._residual_world_size.assign(4)  # as if 4 workers had shared them
+    model.optimizer.residual_world_size.assign(4)  # as if 4 workers had shared them
     saved = [r.numpy().copy() for r in model.optimizer.residuals]
     path = str(tmp_path / "four.keras")
     model.save(path)
@@ -104,5 +104,5 @@ def test_residuals_saved_by_more_workers_are_scaled_to_keep_their_sum(tmp_path, 
     loaded.optimizer.apply_gradients(zip(zeros, loaded.trainable_variables))
     sent = before[0] - weights_of(loaded)[0]  # SGD at learning rate 1: the step is what was sent
     np.testing.assert_allclose(sent + loaded.optimizer.residuals[0].numpy(), 4 * saved[0], rtol=1e-6)
-    assert int(loaded.optimizer._residual_world_size.numpy()) == 1
+    assert int(loaded.optimizer.residual_world_size.numpy()) == 1
     assert "saved by 4 workers, restored on 1" in capsys.readouterr().err

@@ -116,7 +116,7 @@ def test_fit_applies_what_is_in_flight_when_it_ends():
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     optimizer = model.optimizer
     assert int(optimizer.iterations.numpy()) == 4  # 4 steps, 3 of them applied at fit's end
-    assert optimizer._pipeline.pending_steps() == []
+    assert optimizer.pending_steps() == []
 
 
 class _SaveAt(keras.callbacks.Callback):
@@ -142,7 +142,7 @@ def test_resuming_from_a_checkpoint_written_mid_pipeline_continues_the_same_sequ
 
     resumed = keras.models.load_model(path)
     optimizer = resumed.optimizer
-    held = sorted(int(s) for s in optimizer._delayed_steps.numpy() if s >= 0)
+    held = optimizer.held_steps()
     assert held == list(range(12 - tau, 12)), "the checkpoint holds the tau exchanges in flight"
     resumed.fit(x, y, batch_size=16, epochs=4, initial_epoch=2, shuffle=False, verbose=0)
 
@@ -207,7 +207,7 @@ def test_staleness_refuses_momentum_correction_and_the_adaptive_policy():
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_packed_tables_sum_every_ranks_entries_in_rank_order(dtype):
-    from sparse_hvd.staleness import pack, unpack_sum
+    from sparse_hvd.pipeline import pack, unpack_sum
 
     rng = np.random.RandomState(5)
     n, tables, expected = 300, [], np.zeros(300, dtype)

@@ -1,0 +1,162 @@
+"""The checks SparseDistributedOptimizer makes of its arguments and of where it runs.
+
+Each raises a TypeError or ValueError whose message names the argument and says what to do,
+at construction (or at build), before any collective could start and hang on a mistake.
+"""
+
+import sys
+
+import keras
+import tensorflow as tf
+
+NONFINITE_CHOICES = ("skip", "raise", "ignore")
+
+XLA_MESSAGE = (
+    "SparseDistributedOptimizer cannot run inside an XLA-compiled function: Horovod's allgather "
+    "and allreduce have no XLA lowering. Pass jit_compile=False to model.compile(...) (Keras' "
+    "default jit_compile='auto' turns XLA on when a GPU is visible) or to tf.function(...)."
+)
+
+WRAPPED_MESSAGE = (
+    "SparseDistributedOptimizer is wrapped in a keras LossScaleOptimizer (Keras does this in "
+    "compile() under the 'mixed_float16' policy). Its overflow check runs on each rank alone, "
+    "so one rank could skip a step the others take, and the job would hang in the exchange. "
+    "Put the loss scaling inside instead, and tell compile not to add its own: "
+    "SparseDistributedOptimizer(keras.optimizers.LossScaleOptimizer(inner), ...) with "
+    "model.compile(..., auto_scale_loss=False). sparse_hvd then decides overflows on all "
+    "ranks together."
+)
+
+
+def check_backend():
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError(
+            "SparseDistributedOptimizer needs the TensorFlow backend of Keras "
+            f"(KERAS_BACKEND=tensorflow); the active backend is {keras.backend.backend()!r}"
+        )
+
+
+def check_inner_optimizer(optimizer):
+    if isinstance(optimizer, type):
+        raise TypeError(
+            "`optimizer` must be an optimizer instance, e.g. keras.optimizers.SGD(0.1), "
+            f"not the class {optimizer.__name__}"
+        )
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "`optimizer` must be a Keras 3 optimizer (keras.optimizers.Optimizer), got "
+            f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+        )
+
+
+def check_no_base_options(kwargs):
+    """The base optimizer's options (clipnorm, weight_decay, ...) belong to the inner one."""
+    if kwargs:
+        raise ValueError(
+            "SparseDistributedOptimizer does not take "
+            f"`{'`, `'.join(sorted(kwargs))}`; set such options on the inner `optimizer`."
+        )
+
+
+def check_min_elements(min_elements):
+    if isinstance(min_elements, bool) or not isinstance(min_elements, int) or min_elements < 0:
+        raise ValueError(f"`min_elements` must be a non-negative int, got {min_elements!r}")
+
+
+def check_nonfinite(nonfinite):
+    if nonfinite not in NONFINITE_CHOICES:
+        raise ValueError(f"`nonfinite` must be one of {NONFINITE_CHOICES}, got {nonfinite!r}")
+
+
+def check_dense_fallback(dense_fallback):
+    if not isinstance(dense_fallback, bool):
+        raise TypeError(f"`dense_fallback` must be True or False, got {dense_fallback!r}")
+
+
+def check_momentum_correction(momentum, optimizer):
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+        raise ValueError(f"`momentum_correction` must be a number in [0, 1), got {momentum!r}")
+    if not momentum:
+        return
+    if not isinstance(optimizer, keras.optimizers.SGD):
+        raise ValueError(
+            "`momentum_correction` replaces SGD's momentum: wrap keras.optimizers.SGD(lr) "
+            f"(momentum=0), not {type(optimizer).__name__}"
+        )
+    if float(optimizer.momentum) != 0.0:
+        raise ValueError(
+            "`momentum_correction` applies the momentum itself; the inner SGD has "
+            f"momentum={optimizer.momentum}, which would apply it twice. Use SGD(lr) with momentum=0."
+        )
+
+
+def check_staleness(staleness, momentum_correction, policy):
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        raise ValueError(
+            f"`staleness` must be a non-negative int (steps an update is applied late), got {staleness!r}"
+        )
+    if not staleness:
+        return
+    if momentum_correction:
+        raise ValueError(
+            "`staleness` > 0 cannot be combined with `momentum_correction`: use the inner "
+            "optimizer's momentum (e.g. SGD(lr, momentum=0.9)) instead."
+        )
+    if not policy.supports_staleness:
+        raise ValueError(
+            f"`staleness` > 0 cannot be combined with {type(policy).__name__}, which sizes each "
+            "layer to hide its exchange inside the current step; use a constant or warm-up density."
+        )
+
+
+def warn_about_poor_combinations(optimizer, policy, grouping, density):
+    """Warnings for settings that work but are unlikely to be what the user wants."""
+    import warnings
+
+    if isinstance(optimizer, keras.optimizers.Adafactor) and density < 1:
+        warnings.warn(
+            "Adafactor's factored second moments become 0/0 where a whole row or column of "
+            "the gradient is zero, which sparse gradients often have: NaN weights were seen "
+            "with sparse_hvd at density 0.05. Prefer Adam, AdamW or SGD.",
+            stacklevel=3,
+        )
+    if policy.requires_layerwise and grouping != "layerwise":
+        warnings.warn(
+            f"{type(policy).__name__} sizes each layer to hide its exchange behind the rest of "
+            "backprop, which only the layer-wise exchange does: pass grouping='layerwise'.",
+            stacklevel=3,
+        )
+
+
+def check_not_in_xla():
+    """Horovod's collectives cannot be compiled by XLA: refuse before tracing any."""
+    from tensorflow.python.ops import control_flow_util
+
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise ValueError(XLA_MESSAGE)
+
+
+def check_not_wrapped_in_loss_scaling(optimizer, depth=6):
+    """Refuse to be built by a keras LossScaleOptimizer that wraps ``optimizer``.
+
+    Keras' LossScaleOptimizer.build builds its inner optimizer; there is no other hook that
+    tells an optimizer it has been wrapped, so the calling frames are looked at (build runs
+    once, eagerly).
+    """
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return
+        caller = frame.f_locals.get("self")
+        if (isinstance(caller, keras.optimizers.LossScaleOptimizer)
+                and caller.inner_optimizer is optimizer):
+            raise ValueError(WRAPPED_MESSAGE)
+        frame = frame.f_back
+
+
+def check_gradients_match_variables(grads, variables):
+    if len(grads) != len(variables):
+        raise ValueError(
+            f"Got {len(grads)} gradients for {len(variables)} variables; "
+            "pass one gradient (or None) per variable."
+        )

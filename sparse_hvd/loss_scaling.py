@@ -1,0 +1,66 @@
+"""Loss scaling for an inner ``keras.optimizers.LossScaleOptimizer`` (mixed precision).
+
+Gradients arrive multiplied by the loss scale (a power of two). Residuals and the exchange work
+on true gradients, so that a change of scale never mixes units in a residual, and dividing or
+multiplying by a power of two is exact both ways:
+
+1. :meth:`LossScaling.unscale` divides each incoming gradient by the scale;
+2. :meth:`LossScaling.rescale` multiplies the averaged gradients by it again before the inner
+   LossScaleOptimizer, which divides by it and checks for overflow itself;
+3. a step skipped on every rank for non-finite gradients must still lower the scale, or the
+   next steps would overflow again: :meth:`LossScaling.report_overflow` takes the inner
+   optimizer's own non-finite path with one NaN gradient.
+
+Without an inner LossScaleOptimizer each of these does nothing.
+"""
+
+import keras
+import tensorflow as tf
+
+
+def _times(grad, factor):
+    """``grad * factor`` for a dense tensor or the values of an IndexedSlices."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices,
+                                grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)
+
+
+def _divided(grad, divisor):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / tf.cast(divisor, grad.values.dtype), grad.indices,
+                                grad.dense_shape)
+    return grad / tf.cast(divisor, grad.dtype)
+
+
+class LossScaling:
+    """The loss scale of ``inner_optimizer`` if it is a LossScaleOptimizer (else inactive)."""
+
+    def __init__(self, inner_optimizer):
+        self.inner_optimizer = inner_optimizer
+
+    @property
+    def active(self) -> bool:
+        return isinstance(self.inner_optimizer, keras.optimizers.LossScaleOptimizer)
+
+    def scale(self):
+        """The current scale (a power of two), or None."""
+        return self.inner_optimizer.dynamic_scale if self.active else None
+
+    def unscale(self, grad):
+        """Step 1: a true gradient from a scaled one (dense or IndexedSlices)."""
+        return _divided(grad, self.scale()) if self.active else grad
+
+    def rescale(self, grads):
+        """Step 2: the averaged true gradients as the inner LossScaleOptimizer expects them."""
+        if not self.active:
+            return grads
+        scale = self.scale()
+        return [_times(g, scale) for g in grads]
+
+    def report_overflow(self, variables):
+        """Step 3: lower the inner optimizer's scale after a step skipped on every rank."""
+        if not self.active:
+            return
+        nan = tf.fill(variables[0].shape, tf.constant(float("nan"), variables[0].dtype))
+        self.inner_optimizer.apply([nan] + [None] * (len(variables) - 1), variables)
