@@ -3,10 +3,11 @@
 Every collective has a name that is identical on every rank (Horovod matches collectives by
 name) and independent of TensorFlow's name scopes. Two ways to group them:
 
-* ``"grouped"`` (the default): all values of one dtype travel in one ``grouped_allgather`` and
-  all int32 indices in another, so Horovod fuses each group into a single message however many
-  variables there are; dense-route tensors share one ``grouped_allreduce`` per dtype. Fewest
-  messages, but a group starts only when every variable's gradient is ready: after backprop.
+* ``"grouped"`` (the default): ONE Horovod collective per step (:meth:`Exchange.average`,
+  steps below). Every collective costs a negotiation round among the ranks before any byte
+  moves, so a step that needs one instead of four (values, indices, the dense-route gradients,
+  the non-finite check) saves three rounds. A group starts only when every variable's gradient
+  is ready: after backprop.
 * ``"layerwise"``: one allgather pair (or one allreduce) per variable. Each depends only on its
   own variable's gradient, so TensorFlow's executor starts it as soon as that gradient exists,
   while backprop of the layers below continues (the overlap LAGS-SGD relies on, Shi et al.
@@ -14,24 +15,55 @@ name) and independent of TensorFlow's name scopes. Two ways to group them:
   collective ops are not stateful in TensorFlow's sense, so automatic control dependencies do
   not chain them in program order.
 
-Sparse path: ranks may contribute different numbers of entries, none included. Each rank
-scatter-adds everything it received into a zero tensor and divides by the number of workers.
-Every rank receives the same gathered tensors in the same (rank) order and runs the same
-scatter-add over them, so on CPU every rank computes the same bits.
+The grouped exchange, step by step:
+
+1. pack (``sparse_hvd.wire``): a header (entries per sparse variable, and this rank's "all
+   finite" flag), the selected values as int32 words (one tensor per dtype), every selected
+   index, and the small dense-route gradients as int32 words: all int32, so that one
+   ``grouped_allgather`` carries them (a Horovod group holds one dtype);
+2. gather: every rank receives every rank's tensors, concatenated in rank order;
+3. unpack: the headers, one row per rank, say which variable each gathered entry belongs to;
+4. sum (:func:`average_entries`): each variable's entries are added into zeros rank by rank,
+   so every rank adds the same numbers in the same order: the same bits everywhere (no
+   atomics: the order does not depend on thread timing); then divided by the number of
+   workers. On CPU the native kernel (``sparse_hvd/kernels/scatter_mean.cc``) does this in one
+   walk over the entries and divides only where entries arrived (0 / N is 0 exactly); else
+   TensorFlow ops compute the same bits (``dynamic_partition`` keeps the order, a segment sum
+   adds in it, then the whole tensor is divided);
+5. the small dense-route gradients are summed over the ranks in rank order the same way;
+   dense-route gradients too large to gather (``DENSE_GATHER_LIMIT``) are averaged by one
+   ``grouped_allreduce`` per dtype instead, and embeddings' row-sparse gradients by allgathers
+   of their rows (:meth:`Exchange.slices_average`);
+6. the flags say whether every rank's gradients were finite (``nonfinite``): no extra
+   collective.
+
+Sparse path: ranks may contribute different numbers of entries, none included.
 
 With a single worker no collective is called at all.
 """
 
 from collections import OrderedDict
-from typing import List, Sequence
+from typing import List, NamedTuple, Sequence
 
 import tensorflow as tf
 
-from . import collectives, runtime
+from . import collectives, kernels, nonfinite, runtime, wire
 from .payload import Payload
 from .sparsifiers import Selection
 
 GROUPINGS = ("grouped", "layerwise")
+
+# Dense-route gradients travel in the fused allgather while (workers x their entries) stays
+# below this (1 MiB of float32 received): a separate allreduce would cost one more negotiation
+# round, gathering costs (N - 2) x their size in extra bytes, which wins only while small.
+DENSE_GATHER_LIMIT = 1 << 18
+
+
+class Averaged(NamedTuple):
+    """What the exchange hands back for one step."""
+
+    gradients: list  # the average of each gradient, by its position in the step
+    finite: tf.Tensor  # bool: every rank's gradients were finite (the same on every rank)
 
 
 def _group_positions_by_dtype(tensors):
@@ -42,14 +74,36 @@ def _group_positions_by_dtype(tensors):
     return groups
 
 
-def densify(selection: Selection, num_elements: int) -> tf.Tensor:
-    """A flat tensor of ``num_elements`` zeros with ``selection`` added at its indices.
+def average_entries(indices, values, counts, columns, sizes, divisor) -> List[tf.Tensor]:
+    """Step 4 of the module doc for the variables ``columns`` of ``counts``.
 
-    Indices may repeat (entries gathered from several ranks); repeated entries are summed, in
-    the order they come (on CPU). ``unsorted_segment_sum`` gives the same bits as
-    ``tf.scatter_nd`` here and took 40% less time on a 4 M-entry layer.
+    Args:
+        indices: int32 [entries]: every variable's gathered indices, rank by rank and within a
+            rank variable by variable (the columns of ``counts``).
+        values: [entries of ``columns``]: the values of the variables ``columns`` only, in the
+            same order.
+        counts: int32 [rows, variables]: entries of each variable in each row (rank).
+        columns: which variables to average; ``sizes``: their numbers of entries.
+        divisor: the number of workers.
+
+    Returns one flat tensor per column: the sum of its entries in order, divided by
+    ``divisor``.
     """
-    return tf.math.unsorted_segment_sum(selection.values, selection.indices, num_elements)
+    columns, sizes = list(columns), list(sizes)
+    native = kernels.scatter_mean() if values.dtype in (tf.float32, tf.float64) else None
+    if native is not None:
+        return native(indices, values, counts, tf.constant(divisor, values.dtype),
+                      columns=columns, num_elements=sizes, num_outputs=len(columns))
+    rows, variables = counts.shape
+    owners = _owners(counts, rows)
+    per_variable = tf.dynamic_partition(indices, owners, variables)
+    if len(columns) < variables:
+        owners = _owners(tf.gather(counts, columns, axis=1), rows)
+    averaged = []
+    for column, part, n in zip(columns, tf.dynamic_partition(values, owners, len(columns)), sizes):
+        total = tf.math.unsorted_segment_sum(part, per_variable[column], n)
+        averaged.append(total if divisor == 1 else total / tf.cast(divisor, total.dtype))
+    return averaged
 
 
 class Exchange:
@@ -73,26 +127,86 @@ class Exchange:
     def size(self) -> int:
         return runtime.size(self.process_set)
 
-    def average(self, payload: Payload, num_elements: Sequence[int]) -> list:
-        """The average over workers of every gradient in ``payload``, indexed by its position
-        in the step's list (None where the step had no gradient). ``num_elements``: entries of
-        each variable, by build index.
+    def average(self, payload: Payload, num_elements: Sequence[int]) -> Averaged:
+        """The average over workers of every gradient in ``payload`` (by its position in the
+        step's list) and whether every rank's gradients were finite. ``num_elements``: entries
+        of each variable, by build index.
 
         Sparse selections come back as flat dense tensors, dense gradients as they went,
         row-sparse gradients as IndexedSlices.
         """
         count = 1 + max(payload.sparse.positions + payload.dense.positions + payload.rows.positions,
                         default=-1)
-        averaged = [None] * count
-        sparse = self.sparse_average(payload.sparse.items,
-                                     [num_elements[key] for key in payload.sparse.keys],
-                                     payload.sparse.keys)
-        dense = self.dense_average(payload.dense.items, payload.dense.keys)
+        sizes = [num_elements[key] for key in payload.sparse.keys]
+        if self.size > 1 and self.grouping == "grouped":
+            sparse, dense, finite = self._fused_average(payload, sizes)
+        else:
+            sparse = self.sparse_average(payload.sparse.items, sizes, payload.sparse.keys)
+            dense = self.dense_average(payload.dense.items, payload.dense.keys)
+            finite = self._finite_everywhere(payload)
         rows = self.slices_average(payload.rows.items, payload.rows.keys)
+        averaged = [None] * count
         for part, results in ((payload.sparse, sparse), (payload.dense, dense), (payload.rows, rows)):
             for position, result in zip(part.positions, results):
                 averaged[position] = result
-        return averaged
+        return Averaged(averaged, finite)
+
+    def _finite_everywhere(self, payload: Payload) -> tf.Tensor:
+        """Whether every rank's gradients were finite, by one tiny allreduce (True, and no
+        collective, when they are not checked or the job has one worker)."""
+        if not payload.local_finite or self.size == 1:
+            return payload.finite_here()
+        return nonfinite.agree(payload.finite_here(), name=f"{self.name}.nonfinite",
+                               process_set=self.process_set)
+
+    def _fused_average(self, payload: Payload, sizes):
+        """Steps 1-6 of the module doc: ``(sparse averages, dense averages, finite)``."""
+        size = self.size
+        selections = payload.sparse.items
+        dense = list(payload.dense.items)
+        gather_dense = bool(dense) and size * sum(_static_size(t) for t in dense) <= DENSE_GATHER_LIMIT
+        # Step 1: pack
+        counts = [tf.size(s.indices, out_type=tf.int32) for s in selections]
+        flag = tf.cast(payload.finite_here(), tf.int32)
+        header = tf.stack(counts + [flag])
+        value_groups = _group_positions_by_dtype([s.values for s in selections])
+        dense_groups = _group_positions_by_dtype(dense) if gather_dense else {}
+        words = [tf.concat([wire.to_words(selections[p].values) for p in positions], 0)
+                 for positions in value_groups.values()]
+        indices = tf.concat([s.indices for s in selections] or [tf.zeros([0], tf.int32)], 0)
+        dense_words = [tf.concat([wire.to_words(tf.reshape(dense[p], [-1])) for p in positions], 0)
+                       for positions in dense_groups.values()]
+        # Step 2: gather
+        gathered = collectives.grouped_allgather(
+            [header, indices] + words + dense_words, name=f"{self.name}.fused",
+            process_set=self.process_set)
+        headers = tf.reshape(gathered[0], [size, len(selections) + 1])
+        all_indices, gathered_words = gathered[1], gathered[2:2 + len(words)]
+        gathered_dense = gathered[2 + len(words):]
+        # Step 6: every rank's flag
+        finite = tf.reduce_all(tf.equal(headers[:, -1], 1))
+        # Steps 3-4: each variable's entries in rank order, summed and averaged
+        sparse = [None] * len(selections)
+        counts = headers[:, :-1]
+        for (dtype, positions), group_words in zip(value_groups.items(), gathered_words):
+            averages = average_entries(all_indices, wire.from_words(group_words, dtype), counts,
+                                       positions, [sizes[p] for p in positions], size)
+            for position, average in zip(positions, averages):
+                sparse[position] = average
+        # Step 5: the dense route
+        if gather_dense:
+            averaged_dense = [None] * len(dense)
+            for (dtype, positions), group_words in zip(dense_groups.items(), gathered_dense):
+                lengths = [_static_size(dense[p]) for p in positions]
+                values = wire.from_words(group_words, dtype)
+                total = tf.math.unsorted_segment_sum(values, tf.tile(tf.range(sum(lengths)), [size]),
+                                                     sum(lengths))
+                average = total / tf.cast(size, dtype)
+                for position, piece in zip(positions, tf.split(average, lengths)):
+                    averaged_dense[position] = tf.reshape(piece, tf.shape(dense[position]))
+        else:
+            averaged_dense = self.dense_average(dense, payload.dense.keys)
+        return sparse, averaged_dense, finite
 
     def sparse_average(
         self, selections: Sequence[Selection], num_elements: Sequence[int], keys: Sequence[int]
@@ -106,11 +220,9 @@ class Exchange:
         size = self.size
         if size > 1:
             selections = self._allgather(selections, keys)
-        averaged = []
-        for selection, n in zip(selections, num_elements):
-            dense = densify(selection, n)
-            averaged.append(dense if size == 1 else dense / tf.cast(size, dense.dtype))
-        return averaged
+        return [average_entries(s.indices, s.values, tf.reshape(tf.size(s.indices), [1, 1]), [0],
+                                [n], size)[0]
+                for s, n in zip(selections, num_elements)]
 
     def dense_average(self, tensors: Sequence[tf.Tensor], keys: Sequence[int]) -> List[tf.Tensor]:
         """The element-wise average over workers of each tensor."""
@@ -177,3 +289,18 @@ class Exchange:
             for position, tensor in zip(positions, group):
                 results[position] = tensor
         return results
+
+
+def _static_size(tensor) -> int:
+    size = 1
+    for dim in tensor.shape:
+        size *= int(dim)
+    return size
+
+
+def _owners(counts, rows):
+    """For every gathered entry, the column of ``counts`` ([rows, variables]: entries each rank
+    sent of each variable) it belongs to: the entries arrive row by row, and within a row
+    variable by variable."""
+    columns = tf.shape(counts)[1]
+    return tf.repeat(tf.tile(tf.range(columns), [rows]), tf.reshape(counts, [-1]))

@@ -379,9 +379,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         """One step: the sparse exchange of ``grads``, then the inner optimizer's update.
 
         Step 1-3 (per variable, nothing written yet): compensate, select, remember (the payload).
-        Step 4: the exchange averages every gradient over the workers.
-        Step 5: every rank agrees whether all gradients were finite, and on that the residuals
-        are written and the inner optimizer applies the averages, or the step is skipped.
+        Step 4: the exchange averages every gradient over the workers, and tells whether every
+        rank's gradients were finite.
+        Step 5: on that, the residuals are written and the inner optimizer applies the
+        averages, or the step is skipped on every rank.
         With ``staleness`` the exchange runs in the background and a delayed step is applied.
         """
         checks.check_not_in_xla()
@@ -396,8 +397,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         with tf.name_scope("sparse_exchange"):
             payload = self._payload(grads_and_vars)  # Steps 1-3
             averaged = self._exchange.average(payload, self._num_elements())  # Step 4
-            grads, state_updates = self._inner_gradients(payload, averaged, variables)
-            finite = self._finite_on_every_rank(payload)  # Step 5
+            grads, state_updates = self._inner_gradients(payload, averaged.gradients, variables)
             self._counters.record(payload)
             self._counters.record_times(payload, grads)
             with tf.control_dependencies(grads):  # re-measure after this step's traffic
@@ -407,7 +407,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             write_state(state_updates)
             self._apply_inner(grads, variables)
 
-        nonfinite.guard(self.nonfinite, finite, go_ahead,
+        nonfinite.guard(self.nonfinite, averaged.finite, go_ahead,  # Step 5
                         lambda: self._skip_step("The step was skipped on every rank."))
 
     def _present(self, grads, trainable_variables):
@@ -484,13 +484,6 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             grads[position], updates = self._feedback.after_exchange(index, averaged[position])
             state_updates.extend(updates)
         return grads, state_updates
-
-    def _finite_on_every_rank(self, payload):
-        """True iff every rank's gradients are finite: one tiny allreduce, the same everywhere."""
-        if self.nonfinite == "ignore":
-            return tf.constant(True)
-        return nonfinite.agree(payload.finite_here(), name=f"{self._prefix}.nonfinite",
-                               process_set=self.process_set)
 
     def _apply_inner(self, grads, variables=None):
         """Hand averaged true gradients to the inner optimizer (re-scaled for an inner

@@ -168,18 +168,46 @@ def _compensate_and_cut(grad, residual, cut):
 _compensate_and_cut_xla = tf.function(_compensate_and_cut, jit_compile=True, reduce_retracing=True)
 
 
-def _magnitude_cut_step(flat_grad, flat_residual, cut, low, high, fallback_k, fuse):
+def _partial_sort_topk(k):
+    """Error feedback's steps 1-3 for the exact top-``k`` by a partial sort of the whole of
+    ``c = grad + residual``: ``(indices, values, remainder)``. About ten passes over the data
+    on a CPU: the last resort."""
+    def select(flat_grad, flat_residual):
+        compensated = flat_grad + flat_residual
+        _, largest = tf.math.top_k(tf.abs(compensated), k=k, sorted=False)
+        cleared = tf.where(_mask_of(largest, compensated.shape[0]), tf.zeros_like(compensated),
+                           compensated)
+        return largest, tf.gather(compensated, largest), cleared
+
+    return select
+
+
+def _candidate_topk(k, min_size):
+    """The exact top-``k`` as :class:`TopK` finds it (from candidates above a sampled cut, a
+    partial sort only if that misses, or for layers under ``min_size``): the same result as
+    :func:`_partial_sort_topk` at about the cost of one pass over the data."""
+    def select(flat_grad, flat_residual):
+        result = TopK(min_size=min_size).fused_compensate_select(flat_grad, flat_residual, k)
+        if result is None:
+            return _partial_sort_topk(k)(flat_grad, flat_residual)
+        selection, remainder = result
+        return selection.indices, selection.values, remainder
+
+    return select
+
+
+def _magnitude_cut_step(flat_grad, flat_residual, cut, low, high, fallback, fuse):
     """Error feedback's steps 1-3 for a rule "send every entry with |c| >= cut".
 
     1. one pass over the data: compensate, compare, the remainder and the selected positions
        (the native kernel of sparse_hvd/kernels where it is built, else XLA-fused TensorFlow
        ops when ``fuse``, else plain TensorFlow ops: all give the same bits);
     2. a count outside [low, high] is rejected (``high`` also bounds the kernel's memory);
-    3. then the exact top-``fallback_k`` is sent instead (the slow path, meant to be rare).
+    3. then ``fallback(flat_grad, flat_residual) -> (indices, values, remainder)`` (an exact
+       top-k: :func:`_candidate_topk` or :func:`_partial_sort_topk`) is sent instead.
 
     Returns ``(selection, remainder)``; ``selection.capped`` is True when step 3 ran.
     """
-    n = flat_grad.shape[0]
     native = kernels.compensate_cut() if fuse and flat_grad.dtype in (tf.float32, tf.float64) else None
     if native is not None:
         remainder, indices, values, too_many = native(
@@ -193,15 +221,8 @@ def _magnitude_cut_step(flat_grad, flat_residual, cut, low, high, fallback_k, fu
         # the same float additions as in the step: the same bits
         values = tf.gather(flat_grad, indices) + tf.gather(flat_residual, indices)
     rejected = tf.logical_or(too_many, tf.size(indices) < low)
-
-    def exact_topk():
-        compensated = flat_grad + flat_residual
-        _, largest = tf.math.top_k(tf.abs(compensated), k=fallback_k, sorted=False)
-        cleared = tf.where(_mask_of(largest, n), tf.zeros_like(compensated), compensated)
-        return largest, tf.gather(compensated, largest), cleared
-
     indices, values, remainder = tf.cond(
-        rejected, exact_topk, lambda: (indices, values, remainder)
+        rejected, lambda: fallback(flat_grad, flat_residual), lambda: (indices, values, remainder)
     )
     return Selection(values=values, indices=indices, capped=rejected), remainder
 
@@ -217,12 +238,15 @@ class TopK(Sparsifier):
     1. estimate a cut below the k-th largest magnitude: the ``round(2k (s+1)/(n+1))``-th
        largest of ``s`` sampled magnitudes of c (0.2% of n, at least 1024), about where 2k
        entries lie above;
-    2. one pass over the data (the native kernel of ``ApproxTopK``/``Threshold``): compensate,
-       and take the candidates ``|c| >= cut`` out of the remainder;
+    2. one pass over the data: compensate, and collect the candidates ``|c| >= cut``;
     3. if there are at least k and at most 8k candidates, the exact top-k of the candidates is
        the top-k of c (every entry of the top-k is at or above the k-th largest, which is at
-       or above the cut) and the candidates not chosen go back into the remainder with their
-       exact values; otherwise (a missed estimate) the whole of c is partially sorted.
+       or above the cut), and only those k are zeroed in the remainder; otherwise (a missed
+       estimate) the whole of c is partially sorted.
+
+    With the native kernel (``sparse_hvd/kernels``, built by scripts/setup.sh) steps 2-3 are
+    one op: a pass over the data and a linear-time selection among the candidates (ties: the
+    lower index, as the partial sort). Without it, TensorFlow ops do the same more slowly.
 
     Either way the selection and the remainder are those of the plain partial sort (tested).
     """
@@ -245,8 +269,18 @@ class TopK(Sparsifier):
         k = tf.convert_to_tensor(k, tf.int32)
         cut = _sampled_cut(flat_grad, flat_residual, 2 * k, _FIXED_SAMPLER)
         high = tf.minimum(8 * k, n)
+        native = (kernels.compensate_topk() if flat_grad.dtype in (tf.float32, tf.float64)
+                  else None)
+        if native is not None:
+            remainder, indices, values, missed = native(
+                flat_grad, flat_residual, tf.cast(cut, flat_grad.dtype), tf.cast(k, tf.int64),
+                tf.cast(high, tf.int64))
+            indices, values, remainder = tf.cond(
+                missed, lambda: _partial_sort_topk(k)(flat_grad, flat_residual),
+                lambda: (indices, values, remainder))
+            return Selection(values=values, indices=indices), remainder
         candidates, remainder = _magnitude_cut_step(
-            flat_grad, flat_residual, cut, k, high, k, fuse=True
+            flat_grad, flat_residual, cut, k, high, _partial_sort_topk(k), fuse=True
         )
         missed = candidates.capped  # True: the partial sort of the whole of c already ran
 
@@ -281,6 +315,10 @@ class Threshold(Sparsifier):
     differs per layer, per step and per rank, and a layer may send nothing in a step. The
     density policy's k is ignored.
 
+    One pass over the data selects the entries above lambda. When more pass than the cap
+    allows, the cap's largest are found the way :class:`TopK` finds its k (candidates above a
+    sampled cut): about one more pass, never a partial sort of the whole layer.
+
     Args:
         threshold: lambda, the magnitude an entry needs to be sent (> 0).
         max_density: the payload cap: at most ``ceil(max_density * n)`` entries of a layer per
@@ -312,7 +350,8 @@ class Threshold(Sparsifier):
         ``k`` is ignored: lambda decides."""
         cap = max(1, math.ceil(self.max_density * flat_grad.shape[0]))
         cut = tf.constant(self.threshold, flat_grad.dtype)
-        return _magnitude_cut_step(flat_grad, flat_residual, cut, 0, cap, cap, self.fuse)
+        return _magnitude_cut_step(flat_grad, flat_residual, cut, 0, cap,
+                                   _candidate_topk(cap, TopK().min_size), self.fuse)
 
     def __call__(self, flat, k):
         selection, _ = self.fused_compensate_select(flat, tf.zeros_like(flat), k)
@@ -397,7 +436,8 @@ class ApproxTopK(Sparsifier):
     2. in one pass (XLA-fused, as for :class:`Threshold`): every entry at or above the cut is
        selected, the rest is the remainder;
     3. the band: if the count is within ``[k / band, k * band]`` (default band 2) it is sent
-       as is; otherwise the estimate missed badly and the exact top-k is the correction.
+       as is; otherwise the estimate missed badly and the exact top-k (found as :class:`TopK`
+       finds it) is the correction.
 
     So the achieved count of a layer in a step is always within ``[k / band, k * band]``, and
     on average close to k (the estimate is unbiased up to sampling noise). Layers with fewer
@@ -444,7 +484,7 @@ class ApproxTopK(Sparsifier):
         low = tf.cast(tf.math.floor(tf.cast(k, tf.float64) / self.band), tf.int32)
         high = tf.cast(tf.math.ceil(tf.cast(k, tf.float64) * self.band), tf.int32)
         selection, remainder = _magnitude_cut_step(
-            flat_grad, flat_residual, cut, low, high, k, self.fuse
+            flat_grad, flat_residual, cut, low, high, _candidate_topk(k, self.min_size), self.fuse
         )
         return selection._replace(capped=None), remainder
 

@@ -83,3 +83,25 @@ def test_topk_falls_back_to_the_partial_sort_when_the_cut_misses():
 def test_topk_settings_serialise():
     config = sparse_hvd.TopK(min_size=1000, fast=False).get_config()
     assert sparse_hvd.TopK.from_config(config).get_config() == {"min_size": 1000, "fast": False}
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_capped_threshold_on_a_large_layer_sends_the_caps_top_entries_as_top_k_would(fuse):
+    # lambda so low that every entry passes: the cap decides. The cap's largest must be found
+    # (from candidates, not by a partial sort of the layer) with the same residual bits.
+    from sparse_hvd.error_feedback import compensate_and_select
+
+    n, cap_density = 200000, 0.01
+    rng = np.random.RandomState(3)
+    grad = (rng.standard_cauchy(n) * rng.rand(n)).astype("float32")
+    residual = (rng.randn(n) * 0.3).astype("float32")
+    capped, capped_rest = compensate_and_select(
+        tf.constant(grad), tf.constant(residual),
+        sparse_hvd.Threshold(threshold=1e-30, max_density=cap_density, fuse=fuse), None)
+    plain, plain_rest = compensate_and_select(tf.constant(grad), tf.constant(residual),
+                                              sparse_hvd.TopK(fast=False), int(cap_density * n))
+    assert bool(capped.capped)
+    order, plain_order = np.argsort(capped.indices.numpy()), np.argsort(plain.indices.numpy())
+    np.testing.assert_array_equal(capped.indices.numpy()[order], plain.indices.numpy()[plain_order])
+    np.testing.assert_array_equal(capped.values.numpy()[order], plain.values.numpy()[plain_order])
+    np.testing.assert_array_equal(capped_rest.numpy(), plain_rest.numpy())

@@ -1,9 +1,15 @@
 """Optional native CPU kernels, compiled against the installed TensorFlow by scripts/setup.sh.
 
-``compensate_cut()`` returns the ``SparseHvdCompensateCut`` op (see compensate_cut.cc: error
-feedback's compensate/select/remember for a magnitude cut in one pass over the data), or None
-when the library was not built here; callers then use the XLA-fused TensorFlow path, which
-computes the same bits more slowly. ``SPARSE_HVD_NATIVE=0`` turns the kernels off.
+* ``compensate_cut()``: the ``SparseHvdCompensateCut`` op (compensate_cut.cc: error feedback's
+  compensate/select/remember for a magnitude cut in one pass over the data);
+* ``compensate_topk()``: the ``SparseHvdCompensateTopK`` op (compensate_cut.cc: the same for
+  the exact top-k from the candidates above a cut, in one pass plus work on the candidates);
+* ``scatter_mean()``: the ``SparseHvdScatterMean`` op (scatter_mean.cc: the gathered entries of
+  every variable summed in rank order and divided where they arrived, in one walk).
+
+Each returns None when the library was not built here, or when a GPU is visible (these are CPU
+kernels: on GPU tensors they would force copies to the host); callers then use TensorFlow ops
+that compute the same bits more slowly. ``SPARSE_HVD_NATIVE=0`` turns the kernels off.
 """
 
 import os
@@ -21,6 +27,9 @@ def _library():
         if os.environ.get("SPARSE_HVD_NATIVE", "1") != "0" and os.path.exists(LIBRARY):
             import tensorflow as tf
 
+            if tf.config.list_physical_devices("GPU"):
+                return None
+
             try:
                 _loaded = tf.load_op_library(LIBRARY)
             except (tf.errors.NotFoundError, OSError) as error:
@@ -36,3 +45,15 @@ def compensate_cut():
     """The native compensate-and-cut op, or None."""
     library = _library()
     return None if library is None else library.sparse_hvd_compensate_cut
+
+
+def scatter_mean():
+    """The native scatter-and-average op, or None."""
+    library = _library()
+    return None if library is None else library.sparse_hvd_scatter_mean
+
+
+def compensate_topk():
+    """The native compensate-and-top-k op, or None."""
+    library = _library()
+    return None if library is None else library.sparse_hvd_compensate_top_k

@@ -14,7 +14,9 @@
 // and identical for any number of threads. The arithmetic is the same single float addition
 // per entry as the TensorFlow ops it replaces, so the results are the same bits.
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -88,13 +90,16 @@ class CompensateCutOp : public OpKernel {
         const int64_t end = std::min(n, begin + shard_size);
         auto& idx = shard_indices[s];
         auto& val = shard_values[s];
+        // Two loops over the shard: the first vectorises, the second reads it back from cache.
+        for (int64_t i = begin; i < end; ++i) out[i] = g[i] + r[i];
         for (int64_t i = begin; i < end; ++i) {
-          const T c = g[i] + r[i];
-          const bool selected = c >= cut || c <= -cut;
-          out[i] = selected ? T(0) : c;
-          if (selected && static_cast<int64_t>(idx.size()) <= cap) {
-            idx.push_back(static_cast<int32_t>(i));
-            val.push_back(c);
+          const T c = out[i];
+          if (c >= cut || c <= -cut) {  // never true for NaN
+            out[i] = T(0);
+            if (static_cast<int64_t>(idx.size()) <= cap) {
+              idx.push_back(static_cast<int32_t>(i));
+              val.push_back(c);
+            }
           }
         }
         total += static_cast<int64_t>(idx.size());
@@ -131,5 +136,130 @@ REGISTER_KERNEL_BUILDER(
 REGISTER_KERNEL_BUILDER(
     Name("SparseHvdCompensateCut").Device(DEVICE_CPU).TypeConstraint<double>("T"),
     CompensateCutOp<double>);
+
+
+// SparseHvdCompensateTopK: error feedback's compensate/select/remember for the exact top-k, in
+// one pass over the data plus work on the candidates only (sparse_hvd.sparsifiers.TopK):
+//
+//   1. one pass (sharded): c = grad + residual is written to ``remainder``, and the positions
+//      with |c| >= cut (the candidates, in index order) are collected, at most ``cap`` of them;
+//   2. if there are fewer than k or more than ``cap`` candidates, ``missed`` is set and the
+//      caller sorts the whole of c instead (the sampled cut missed: rare);
+//   3. else the k largest candidates by |c| are found with nth_element (ties: the lower index
+//      first, as the partial sort's rule), emitted in index order with their values, and their
+//      positions in ``remainder`` set to zero. The selection and the remainder are exactly those
+//      of a partial sort of the whole of c: every entry of the top k is at or above the k-th
+//      largest, which is at or above the cut. NaN never passes the cut, so it never enters the
+//      comparisons (a NaN gradient's step is skipped by the optimizer anyway).
+REGISTER_OP("SparseHvdCompensateTopK")
+    .Attr("T: {float, double}")
+    .Input("grad: T")
+    .Input("residual: T")
+    .Input("cut: T")
+    .Input("k: int64")
+    .Input("cap: int64")
+    .Output("remainder: T")
+    .Output("indices: int32")
+    .Output("values: T")
+    .Output("missed: bool")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      c->set_output(2, c->Vector(c->UnknownDim()));
+      c->set_output(3, c->Scalar());
+      return tsl::OkStatus();
+    });
+
+template <typename T>
+class CompensateTopKOp : public OpKernel {
+ public:
+  explicit CompensateTopKOp(OpKernelConstruction* context) : OpKernel(context) {}
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& grad = context->input(0);
+    const Tensor& residual = context->input(1);
+    OP_REQUIRES(context, grad.dims() == 1 && residual.shape() == grad.shape(),
+                InvalidArgumentError("grad and residual must be 1-D of the same length"));
+    OP_REQUIRES(context, grad.NumElements() < (int64_t{1} << 31),
+                InvalidArgumentError("more than 2^31 - 1 entries cannot be indexed with int32"));
+    const T cut = context->input(2).scalar<T>()();
+    const int64_t k = context->input(3).scalar<int64_t>()();
+    const int64_t cap = context->input(4).scalar<int64_t>()();
+    const int64_t n = grad.NumElements();
+
+    Tensor* remainder = nullptr;
+    OP_REQUIRES_OK(context, context->forward_input_or_allocate_output({1}, 0, grad.shape(),
+                                                                      &remainder));
+    const T* g = grad.flat<T>().data();
+    const T* r = residual.flat<T>().data();
+    T* out = remainder->flat<T>().data();
+
+    // Step 1
+    const int64_t shard_size = 1 << 16;
+    const int64_t shards = (n + shard_size - 1) / shard_size;
+    std::vector<std::vector<int32_t>> shard_indices(shards);
+    std::atomic<int64_t> total{0};
+    auto work = [&](int64_t first_shard, int64_t last_shard) {
+      for (int64_t s = first_shard; s < last_shard; ++s) {
+        const int64_t begin = s * shard_size;
+        const int64_t end = std::min(n, begin + shard_size);
+        auto& idx = shard_indices[s];
+        for (int64_t i = begin; i < end; ++i) out[i] = g[i] + r[i];  // vectorises
+        for (int64_t i = begin; i < end; ++i) {
+          const T c = out[i];
+          if ((c >= cut || c <= -cut) && static_cast<int64_t>(idx.size()) <= cap) {
+            idx.push_back(static_cast<int32_t>(i));
+          }
+        }
+        total += static_cast<int64_t>(idx.size());
+      }
+    };
+    auto* pool = context->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(pool->num_threads, pool->workers, shards, shard_size * 4, work);
+
+    // Step 2
+    const int64_t m = total.load();
+    const bool missed = m < k || m > cap || k <= 0;
+    const int64_t count = missed ? 0 : k;
+    Tensor* indices = nullptr;
+    Tensor* values = nullptr;
+    Tensor* missed_out = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(1, TensorShape({count}), &indices));
+    OP_REQUIRES_OK(context, context->allocate_output(2, TensorShape({count}), &values));
+    OP_REQUIRES_OK(context, context->allocate_output(3, TensorShape({}), &missed_out));
+    missed_out->scalar<bool>()() = missed;
+    if (missed) return;
+
+    // Step 3
+    std::vector<int32_t> candidates;
+    candidates.reserve(m);
+    for (const auto& idx : shard_indices) candidates.insert(candidates.end(), idx.begin(), idx.end());
+    auto larger = [out](int32_t a, int32_t b) {  // by |c| descending, then index ascending
+      const T x = std::abs(out[a]), y = std::abs(out[b]);
+      return x > y || (x == y && a < b);
+    };
+    std::vector<int32_t> order(candidates);
+    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), larger);
+    const int32_t kth = order[k - 1];
+    int32_t* idx_out = indices->flat<int32_t>().data();
+    T* val_out = values->flat<T>().data();
+    int64_t written = 0;
+    for (const int32_t i : candidates) {  // index order; the k not after the k-th
+      if (i == kth || larger(i, kth)) {
+        idx_out[written] = i;
+        val_out[written] = out[i];
+        ++written;
+      }
+    }
+    for (int64_t e = 0; e < written; ++e) out[idx_out[e]] = T(0);
+  }
+};
+
+REGISTER_KERNEL_BUILDER(
+    Name("SparseHvdCompensateTopK").Device(DEVICE_CPU).TypeConstraint<float>("T"),
+    CompensateTopKOp<float>);
+REGISTER_KERNEL_BUILDER(
+    Name("SparseHvdCompensateTopK").Device(DEVICE_CPU).TypeConstraint<double>("T"),
+    CompensateTopKOp<double>);
 
 }  // namespace sparse_hvd

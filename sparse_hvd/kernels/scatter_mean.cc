@@ -1,0 +1,187 @@
+// SparseHvdScatterMean: what every rank received in the fused allgather, turned into the
+// average of each variable in one walk over the entries (sparse_hvd/exchange.py, steps 3-4).
+//
+// Inputs: the gathered int32 ``indices`` of every sparse variable (rank by rank, and within a
+// rank variable by variable), the gathered ``values`` of the variables of one dtype (the
+// ``columns`` of ``counts``, in the same order), and ``counts`` [ranks, variables]: how many
+// entries each rank sent of each variable. Output ``i`` is variable ``columns[i]``'s average:
+//
+//   1. zeros of ``num_elements[i]`` entries (in parallel, in chunks);
+//   2. every entry added at its index, rank by rank in rank order (one thread per variable),
+//      so every rank adds the same numbers in the same order: the same bits everywhere;
+//   3. each position that received an entry divided by ``divisor`` once (0 / divisor is 0, so
+//      this equals dividing the whole output, without a pass over it).
+//
+// An index outside its variable is an error that names the variable, never a silent drop.
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace sparse_hvd {
+
+using absl::InvalidArgumentError;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::OpOutputList;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+
+REGISTER_OP("SparseHvdScatterMean")
+    .Attr("T: {float, double}")
+    .Attr("columns: list(int)")
+    .Attr("num_elements: list(int)")
+    .Attr("num_outputs: int >= 0")
+    .Input("indices: int32")
+    .Input("values: T")
+    .Input("counts: int32")
+    .Input("divisor: T")
+    .Output("averages: num_outputs * T")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      std::vector<int64_t> sizes;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_elements", &sizes));
+      for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->Vector(sizes[i]));
+      return tsl::OkStatus();
+    });
+
+template <typename T>
+class ScatterMeanOp : public OpKernel {
+ public:
+  explicit ScatterMeanOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("columns", &columns_));
+    OP_REQUIRES_OK(context, context->GetAttr("num_elements", &num_elements_));
+    OP_REQUIRES(context, columns_.size() == num_elements_.size(),
+                InvalidArgumentError("columns and num_elements differ in length"));
+  }
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& indices = context->input(0);
+    const Tensor& values = context->input(1);
+    const Tensor& counts = context->input(2);
+    const T divisor = context->input(3).scalar<T>()();
+    OP_REQUIRES(context, counts.dims() == 2,
+                InvalidArgumentError("counts must be [ranks, variables]"));
+    const int64_t ranks = counts.dim_size(0);
+    const int64_t variables = counts.dim_size(1);
+    const auto count = counts.matrix<int32_t>();
+    const int64_t outputs = static_cast<int64_t>(columns_.size());
+
+    // Where each (rank, output) run of entries starts in ``indices`` and in ``values``.
+    std::vector<int64_t> column_output(variables, -1);
+    for (int64_t i = 0; i < outputs; ++i) {
+      OP_REQUIRES(context, columns_[i] >= 0 && columns_[i] < variables,
+                  InvalidArgumentError("a column is outside counts"));
+      column_output[columns_[i]] = i;
+    }
+    std::vector<int64_t> index_start(ranks * outputs), value_start(ranks * outputs);
+    int64_t index_offset = 0, value_offset = 0;
+    for (int64_t r = 0; r < ranks; ++r) {
+      for (int64_t v = 0; v < variables; ++v) {
+        const int64_t n = count(r, v);
+        OP_REQUIRES(context, n >= 0, InvalidArgumentError("a negative count"));
+        const int64_t out = column_output[v];
+        if (out >= 0) {
+          index_start[r * outputs + out] = index_offset;
+          value_start[r * outputs + out] = value_offset;
+          value_offset += n;
+        }
+        index_offset += n;
+      }
+    }
+    OP_REQUIRES(context, index_offset == indices.NumElements(),
+                InvalidArgumentError(absl::StrCat("counts add up to ", index_offset, " entries, ",
+                                                  indices.NumElements(), " indices arrived")));
+    OP_REQUIRES(context, value_offset == values.NumElements(),
+                InvalidArgumentError(absl::StrCat("counts add up to ", value_offset, " values, ",
+                                                  values.NumElements(), " arrived")));
+
+    OpOutputList averages;
+    OP_REQUIRES_OK(context, context->output_list("averages", &averages));
+    std::vector<T*> out(outputs);
+    for (int64_t i = 0; i < outputs; ++i) {
+      Tensor* tensor = nullptr;
+      OP_REQUIRES_OK(context, averages.allocate(i, TensorShape({num_elements_[i]}), &tensor));
+      out[i] = tensor->flat<T>().data();
+    }
+    auto* pool = context->device()->tensorflow_cpu_worker_threads();
+
+    // Step 1: zeros, in chunks across the thread pool.
+    const int64_t chunk = 1 << 16;
+    std::vector<std::pair<int64_t, int64_t>> pieces;  // (output, first entry)
+    for (int64_t i = 0; i < outputs; ++i)
+      for (int64_t begin = 0; begin < num_elements_[i]; begin += chunk) pieces.emplace_back(i, begin);
+    tensorflow::Shard(pool->num_threads, pool->workers, pieces.size(), chunk * sizeof(T),
+                      [&](int64_t first, int64_t last) {
+                        for (int64_t p = first; p < last; ++p) {
+                          const int64_t i = pieces[p].first, begin = pieces[p].second;
+                          const int64_t end = std::min(num_elements_[i], begin + chunk);
+                          std::fill(out[i] + begin, out[i] + end, T(0));
+                        }
+                      });
+
+    // Steps 2-3: one thread per output, entries in rank order.
+    const int32_t* idx = indices.flat<int32_t>().data();
+    const T* val = values.flat<T>().data();
+    std::vector<int64_t> bad(outputs, -1);  // an out-of-range index seen, per output
+    tensorflow::Shard(
+        pool->num_threads, pool->workers, outputs, /*cost_per_unit=*/1 << 20,
+        [&](int64_t first, int64_t last) {
+          for (int64_t i = first; i < last; ++i) {
+            const int64_t n = num_elements_[i];
+            const int64_t v = columns_[i];
+            T* o = out[i];
+            for (int64_t r = 0; r < ranks; ++r) {
+              const int32_t* ri = idx + index_start[r * outputs + i];
+              const T* rv = val + value_start[r * outputs + i];
+              for (int64_t e = 0, m = count(r, v); e < m; ++e) {
+                const int64_t j = ri[e];
+                if (j < 0 || j >= n) {
+                  bad[i] = j;
+                  break;
+                }
+                o[j] += rv[e];
+              }
+            }
+            if (bad[i] >= 0 || divisor == T(1)) continue;
+            std::vector<uint64_t> divided((n + 63) / 64, 0);
+            for (int64_t r = 0; r < ranks; ++r) {
+              const int32_t* ri = idx + index_start[r * outputs + i];
+              for (int64_t e = 0, m = count(r, v); e < m; ++e) {
+                const int64_t j = ri[e];
+                uint64_t& word = divided[j >> 6];
+                const uint64_t bit = uint64_t{1} << (j & 63);
+                if (!(word & bit)) {
+                  word |= bit;
+                  o[j] /= divisor;
+                }
+              }
+            }
+          }
+        });
+    for (int64_t i = 0; i < outputs; ++i) {
+      OP_REQUIRES(context, bad[i] < 0,
+                  InvalidArgumentError(absl::StrCat("index ", bad[i], " is outside variable ",
+                                                    columns_[i], " of ", num_elements_[i],
+                                                    " entries")));
+    }
+  }
+
+ private:
+  std::vector<int64_t> columns_;
+  std::vector<int64_t> num_elements_;
+};
+
+REGISTER_KERNEL_BUILDER(
+    Name("SparseHvdScatterMean").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"),
+    ScatterMeanOp<float>);
+REGISTER_KERNEL_BUILDER(
+    Name("SparseHvdScatterMean").Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"),
+    ScatterMeanOp<double>);
+
+}  // namespace sparse_hvd

@@ -1,0 +1,106 @@
+"""The grouped exchange's single fused allgather, checked on every rank against NumPy.
+
+Its rule (sparse_hvd/exchange.py): every variable's entries are summed rank by rank, in rank
+order, and divided by the number of workers; small dense-route gradients are summed the same
+way; every rank's "finite" flag travels in the header. Because the order is fixed, the result
+is compared with NumPy's float arithmetic in the same order bit for bit, not to a tolerance.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from sparse_hvd import exchange as exchange_module
+from sparse_hvd.exchange import Exchange
+from sparse_hvd.payload import PayloadBuilder, Route
+from sparse_hvd.sparsifiers import Selection
+from conftest import digest, gather
+
+# (entries, dtype) of the sparse-route variables, then of the dense-route ones
+SPARSE = [(500, "float32"), (37, "float32"), (300, "float64"), (64, "float16")]
+DENSE = [((7, 3), "float32"), ((5,), "float64"), ((4,), "float32")]
+
+
+def _selection(rank, variable, n, dtype):
+    """Rank-dependent count (rank 0 sends nothing of variable 0), positions shared between
+    ranks (position 1 is sent by every rank that sends two or more), random values."""
+    count = (rank + variable) % 4 * 3 if (rank, variable) != (0, 0) else 0
+    count = min(count, n)
+    rng = np.random.RandomState(100 * variable + rank)
+    indices = np.sort(rng.choice(n, size=count, replace=False)).astype("int32")
+    if count >= 2:
+        indices[0], indices[1] = 0, 1
+        indices = np.unique(indices)
+    values = rng.randn(len(indices)).astype(dtype)
+    return indices, values
+
+
+def _dense(rank, variable, shape, dtype):
+    return np.random.RandomState(7000 + 10 * variable + rank).randn(*shape).astype(dtype)
+
+
+def _payload(rank, finite):
+    builder = PayloadBuilder(check_finite=True)
+    position = 0
+    for variable, (n, dtype) in enumerate(SPARSE):
+        indices, values = _selection(rank, variable, n, dtype)
+        route = Route(n, True, np.dtype(dtype).itemsize)
+        gradient = tf.constant(np.full(n, 1.0 if finite else np.nan, dtype))
+        builder.add_sparse(position, variable, route,
+                           gradient, Selection(tf.constant(values), tf.constant(indices)))
+        position += 1
+    for variable, (shape, dtype) in enumerate(DENSE, start=len(SPARSE)):
+        route = Route(int(np.prod(shape)), False, np.dtype(dtype).itemsize)
+        builder.add_dense(position, variable, route, tf.constant(_dense(rank, variable, shape, dtype)))
+        position += 1
+    return builder.build()
+
+
+def _expected(size):
+    """NumPy, rank by rank in rank order, then divided by the number of workers."""
+    out = []
+    for variable, (n, dtype) in enumerate(SPARSE):
+        total = np.zeros(n, dtype)
+        for r in range(size):
+            indices, values = _selection(r, variable, n, dtype)
+            total[indices] += values  # distinct within one rank
+        out.append(total / np.asarray(size, dtype))
+    for variable, (shape, dtype) in enumerate(DENSE, start=len(SPARSE)):
+        total = np.zeros(shape, dtype)
+        for r in range(size):
+            total = total + _dense(r, variable, shape, dtype)
+        out.append(total / np.asarray(size, dtype))
+    return out
+
+
+NUM_ELEMENTS = [n for n, _ in SPARSE] + [int(np.prod(s)) for s, _ in DENSE]
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_fused_average_is_the_rank_order_sum_bit_for_bit(hvd, mode):
+    rank, size = hvd.rank(), hvd.size()
+    exchange = Exchange(name=f"test.fused.{mode}")
+    run = lambda: exchange.average(_payload(rank, finite=True), NUM_ELEMENTS)  # noqa: E731
+    averaged = tf.function(run)() if mode == "function" else run()
+    results = [a.numpy().reshape(-1) for a in averaged.gradients]
+    for variable, (result, expected) in enumerate(zip(results, _expected(size))):
+        assert result.dtype == expected.dtype
+        np.testing.assert_array_equal(result, expected.reshape(-1), err_msg=f"variable {variable}")
+    assert bool(averaged.finite)
+    assert len(set(gather(hvd, digest(results), name=f"fused.digest.{mode}"))) == 1
+
+
+def test_one_rank_not_finite_is_seen_by_every_rank(hvd):
+    rank, size = hvd.rank(), hvd.size()
+    averaged = Exchange(name="test.fused.nonfinite").average(
+        _payload(rank, finite=rank != size - 1), NUM_ELEMENTS)
+    assert not bool(averaged.finite)
+
+
+def test_dense_route_too_large_to_gather_is_allreduced(hvd, monkeypatch):
+    rank, size = hvd.rank(), hvd.size()
+    monkeypatch.setattr(exchange_module, "DENSE_GATHER_LIMIT", 0)
+    averaged = Exchange(name="test.fused.allreduce").average(_payload(rank, True), NUM_ELEMENTS)
+    for result, expected in zip(averaged.gradients, _expected(size)):
+        np.testing.assert_allclose(result.numpy().reshape(-1), expected.reshape(-1), rtol=1e-3)
+    assert bool(averaged.finite)
