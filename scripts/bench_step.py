@@ -35,6 +35,7 @@ The MLP is the time-to-accuracy benchmark's (64-2048-2048-10, 4.35M parameters, 
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -294,9 +295,12 @@ def timeline_breakdown(path, methods):
     result = {}
     for method in methods:
         name, _ = parse_method(method)
-        tag = f"bench.{name}" if name in DENSE_METHODS else \
-            f"sparse_hvd.bench_{method.replace('@', '_').replace('.', '_')}."
-        mine = [s for n, s in spans.items() if n.startswith(tag) and "probe" not in n
+        if name in DENSE_METHODS:  # Horovod names a group's tensors <name>_<i>of<count>
+            pattern = re.compile(re.escape(f"bench.{name}_") + r"\d+of\d+$")
+        else:
+            pattern = re.compile(re.escape(
+                f"sparse_hvd.bench_{method.replace('@', '_').replace('.', '_')}."))
+        mine = [s for n, s in spans.items() if pattern.match(n) and "probe" not in n
                 and ".build_check" not in n and ".lags." not in n]
         if not mine:
             continue

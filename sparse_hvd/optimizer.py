@@ -67,9 +67,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
        ``k = ceil(density * n)`` (at least one);
     3. remember: ``residual = c`` with the selected entries set to zero, so that
        sent + residual == c exactly;
-    4. exchange: the selected (values, int32 indices) of all variables go to every worker in two
-       fused Horovod allgathers (values, indices); each worker scatter-adds what arrives and
-       divides by the number of workers;
+    4. exchange: the selected (values, int32 indices) of all variables, each rank's finiteness
+       flag and the small dense-route gradients go to every worker in ONE fused Horovod
+       allgather; each worker adds what arrives in rank order and divides by the number of
+       workers (``sparse_hvd.exchange``);
     5. apply: the averaged gradients go to the inner optimizer.
 
     Variables with fewer than ``min_elements`` entries, and those whose (value, index) pairs
@@ -94,8 +95,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             masking). Plain momentum applied after sparsification would instead keep pushing
             stale, already-sent values, which at 0.1% density and below costs accuracy.
             Dense-route variables get ordinary momentum on their averaged gradient.
-        grouping: ``"grouped"`` (default): one fused allgather for all values and one for all
-            indices per step, the fewest messages. ``"layerwise"``: each variable's exchange
+        grouping: ``"grouped"`` (default): one fused collective per step, the fewest
+            negotiation rounds. ``"layerwise"``: each variable's exchange
             starts as soon as its own gradient is ready, overlapping the rest of backprop
             (LAGS-SGD); use it with the adaptive density policy or on slow links.
         nonfinite: what a step with a NaN or infinite gradient on any rank does. "skip" (the
@@ -103,7 +104,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             optimizer's step count does not advance), counts it in
             ``communication_stats()["skipped_steps"]`` and rank 0 logs it. "raise": every rank
             stops with an InvalidArgumentError. "ignore": no check (one reduction per gradient
-            and one tiny allreduce per step saved), non-finite values then enter the residuals.
+            saved, and one tiny allreduce per step with the layer-wise exchange), non-finite values then enter the residuals.
         staleness: tau >= 0 (default 0: synchronous). With tau > 0 the average of step t is
             applied at step t + tau, and its exchange runs on a background thread while the next
             tau steps compute (Candela et al.: sparse updates with error feedback tolerate such
