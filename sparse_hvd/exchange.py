@@ -48,7 +48,7 @@ from typing import List, NamedTuple, Sequence
 import tensorflow as tf
 
 from . import collectives, kernels, nonfinite, runtime, wire
-from .payload import Payload
+from .payload import Payload, entries_in
 from .sparsifiers import Selection
 
 GROUPINGS = ("grouped", "layerwise")
@@ -164,7 +164,8 @@ class Exchange:
         size = self.size
         selections = payload.sparse.items
         dense = list(payload.dense.items)
-        gather_dense = bool(dense) and size * sum(_static_size(t) for t in dense) <= DENSE_GATHER_LIMIT
+        gather_dense = (bool(dense)
+                        and size * sum(entries_in(t.shape) for t in dense) <= DENSE_GATHER_LIMIT)
         # Step 1: pack
         counts = [tf.size(s.indices, out_type=tf.int32) for s in selections]
         flag = tf.cast(payload.finite_here(), tf.int32)
@@ -197,7 +198,7 @@ class Exchange:
         if gather_dense:
             averaged_dense = [None] * len(dense)
             for (dtype, positions), group_words in zip(dense_groups.items(), gathered_dense):
-                lengths = [_static_size(dense[p]) for p in positions]
+                lengths = [entries_in(dense[p].shape) for p in positions]
                 values = wire.from_words(group_words, dtype)
                 total = tf.math.unsorted_segment_sum(values, tf.tile(tf.range(sum(lengths)), [size]),
                                                      sum(lengths))
@@ -289,13 +290,6 @@ class Exchange:
             for position, tensor in zip(positions, group):
                 results[position] = tensor
         return results
-
-
-def _static_size(tensor) -> int:
-    size = 1
-    for dim in tensor.shape:
-        size *= int(dim)
-    return size
 
 
 def _owners(counts, rows):

@@ -28,13 +28,19 @@ class Route(NamedTuple):
     itemsize: int  # bytes per gradient value
 
 
+def entries_in(shape) -> int:
+    """Entries of a fully known shape."""
+    n = 1
+    for dim in shape:
+        n *= int(dim)
+    return n
+
+
 def route_for(variable, density: float, min_elements: int) -> Route:
     """Sparse when the variable has at least ``min_elements`` entries and its (value, index)
     pairs at ``density`` (the density the policy settles at; a warm-up may briefly send more)
     take fewer bytes than the dense gradient."""
-    n = 1
-    for dim in variable.shape:
-        n *= int(dim)
+    n = entries_in(variable.shape)
     itemsize = tf.as_dtype(variable.dtype).size
     k = elements_to_send(n, density)
     sparse = n >= min_elements and k * (itemsize + INDEX_BYTES) < n * itemsize

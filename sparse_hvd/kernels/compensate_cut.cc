@@ -35,6 +35,47 @@ using tensorflow::Tensor;
 using tensorflow::TensorShape;
 using absl::InvalidArgumentError;
 
+// Both ops: (remainder shaped like grad, indices, values, a flag).
+tsl::Status SelectionShapes(tensorflow::shape_inference::InferenceContext* c) {
+  c->set_output(0, c->input(0));
+  c->set_output(1, c->Vector(c->UnknownDim()));
+  c->set_output(2, c->Vector(c->UnknownDim()));
+  c->set_output(3, c->Scalar());
+  return tsl::OkStatus();
+}
+
+// Both ops: check grad (input 0) and residual (input 1), and give output 0, the remainder
+// (the residual's buffer when it can be reused).
+tsl::Status CheckedRemainder(OpKernelContext* context, Tensor** remainder) {
+  const Tensor& grad = context->input(0);
+  const Tensor& residual = context->input(1);
+  if (grad.dims() != 1 || residual.shape() != grad.shape()) {
+    return InvalidArgumentError(absl::StrCat("grad and residual must be 1-D of the same length, got ",
+                                             grad.shape().DebugString(), " and ",
+                                             residual.shape().DebugString()));
+  }
+  if (grad.NumElements() >= (int64_t{1} << 31)) {
+    return InvalidArgumentError("more than 2^31 - 1 entries cannot be indexed with int32");
+  }
+  return context->forward_input_or_allocate_output({1}, 0, grad.shape(), remainder);
+}
+
+constexpr int64_t kShardSize = 1 << 16;
+
+// Both ops: ``body(shard, begin, end)`` for every shard of kShardSize entries of [0, n), the
+// shards spread over the CPU thread pool.
+template <typename Body>
+void ForEachShard(OpKernelContext* context, int64_t n, Body body) {
+  const int64_t shards = (n + kShardSize - 1) / kShardSize;
+  auto* pool = context->device()->tensorflow_cpu_worker_threads();
+  tensorflow::Shard(pool->num_threads, pool->workers, shards, kShardSize * 4,
+                    [&](int64_t first, int64_t last) {
+                      for (int64_t s = first; s < last; ++s) {
+                        body(s, s * kShardSize, std::min(n, (s + 1) * kShardSize));
+                      }
+                    });
+}
+
 REGISTER_OP("SparseHvdCompensateCut")
     .Attr("T: {float, double}")
     .Input("grad: T")
@@ -45,13 +86,7 @@ REGISTER_OP("SparseHvdCompensateCut")
     .Output("indices: int32")
     .Output("values: T")
     .Output("rejected: bool")
-    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
-      c->set_output(0, c->input(0));
-      c->set_output(1, c->Vector(c->UnknownDim()));
-      c->set_output(2, c->Vector(c->UnknownDim()));
-      c->set_output(3, c->Scalar());
-      return tsl::OkStatus();
-    });
+    .SetShapeFn(SelectionShapes);
 
 template <typename T>
 class CompensateCutOp : public OpKernel {
@@ -59,55 +94,39 @@ class CompensateCutOp : public OpKernel {
   explicit CompensateCutOp(OpKernelConstruction* context) : OpKernel(context) {}
 
   void Compute(OpKernelContext* context) override {
+    Tensor* remainder = nullptr;
+    OP_REQUIRES_OK(context, CheckedRemainder(context, &remainder));
     const Tensor& grad = context->input(0);
     const Tensor& residual = context->input(1);
-    OP_REQUIRES(context, grad.dims() == 1 && residual.shape() == grad.shape(),
-                InvalidArgumentError(absl::StrCat("grad and residual must be 1-D of the same length, got ",
-                                grad.shape().DebugString(), " and ",
-                                residual.shape().DebugString())));
-    OP_REQUIRES(context, grad.NumElements() < (int64_t{1} << 31),
-                InvalidArgumentError("more than 2^31 - 1 entries cannot be indexed with int32"));
     const T cut = context->input(2).scalar<T>()();
     const int64_t cap = context->input(3).scalar<int64_t>()();
     const int64_t n = grad.NumElements();
-
-    Tensor* remainder = nullptr;
-    OP_REQUIRES_OK(context, context->forward_input_or_allocate_output({1}, 0, grad.shape(),
-                                                                      &remainder));
     const T* g = grad.flat<T>().data();
     const T* r = residual.flat<T>().data();
     T* out = remainder->flat<T>().data();
 
     // Shards of at least 64 Ki entries; each collects its selected entries.
-    const int64_t shard_size = 1 << 16;
-    const int64_t shards = (n + shard_size - 1) / shard_size;
+    const int64_t shards = (n + kShardSize - 1) / kShardSize;
     std::vector<std::vector<int32_t>> shard_indices(shards);
     std::vector<std::vector<T>> shard_values(shards);
     std::atomic<int64_t> total{0};
-    auto work = [&](int64_t first_shard, int64_t last_shard) {
-      for (int64_t s = first_shard; s < last_shard; ++s) {
-        const int64_t begin = s * shard_size;
-        const int64_t end = std::min(n, begin + shard_size);
-        auto& idx = shard_indices[s];
-        auto& val = shard_values[s];
-        // Two loops over the shard: the first vectorises, the second reads it back from cache.
-        for (int64_t i = begin; i < end; ++i) out[i] = g[i] + r[i];
-        for (int64_t i = begin; i < end; ++i) {
-          const T c = out[i];
-          if (c >= cut || c <= -cut) {  // never true for NaN
-            out[i] = T(0);
-            if (static_cast<int64_t>(idx.size()) <= cap) {
-              idx.push_back(static_cast<int32_t>(i));
-              val.push_back(c);
-            }
+    ForEachShard(context, n, [&](int64_t s, int64_t begin, int64_t end) {
+      auto& idx = shard_indices[s];
+      auto& val = shard_values[s];
+      // Two loops over the shard: the first vectorises, the second reads it back from cache.
+      for (int64_t i = begin; i < end; ++i) out[i] = g[i] + r[i];
+      for (int64_t i = begin; i < end; ++i) {
+        const T c = out[i];
+        if (c >= cut || c <= -cut) {  // never true for NaN
+          out[i] = T(0);
+          if (static_cast<int64_t>(idx.size()) <= cap) {
+            idx.push_back(static_cast<int32_t>(i));
+            val.push_back(c);
           }
         }
-        total += static_cast<int64_t>(idx.size());
       }
-    };
-    auto* pool = context->device()->tensorflow_cpu_worker_threads();
-    tensorflow::Shard(pool->num_threads, pool->workers, shards, /*cost_per_unit=*/shard_size * 4,
-                      work);
+      total += static_cast<int64_t>(idx.size());
+    });
 
     const bool rejected = total.load() > cap;
     const int64_t count = rejected ? 0 : total.load();
@@ -162,13 +181,7 @@ REGISTER_OP("SparseHvdCompensateTopK")
     .Output("indices: int32")
     .Output("values: T")
     .Output("missed: bool")
-    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
-      c->set_output(0, c->input(0));
-      c->set_output(1, c->Vector(c->UnknownDim()));
-      c->set_output(2, c->Vector(c->UnknownDim()));
-      c->set_output(3, c->Scalar());
-      return tsl::OkStatus();
-    });
+    .SetShapeFn(SelectionShapes);
 
 template <typename T>
 class CompensateTopKOp : public OpKernel {
@@ -176,46 +189,33 @@ class CompensateTopKOp : public OpKernel {
   explicit CompensateTopKOp(OpKernelConstruction* context) : OpKernel(context) {}
 
   void Compute(OpKernelContext* context) override {
+    Tensor* remainder = nullptr;
+    OP_REQUIRES_OK(context, CheckedRemainder(context, &remainder));
     const Tensor& grad = context->input(0);
     const Tensor& residual = context->input(1);
-    OP_REQUIRES(context, grad.dims() == 1 && residual.shape() == grad.shape(),
-                InvalidArgumentError("grad and residual must be 1-D of the same length"));
-    OP_REQUIRES(context, grad.NumElements() < (int64_t{1} << 31),
-                InvalidArgumentError("more than 2^31 - 1 entries cannot be indexed with int32"));
     const T cut = context->input(2).scalar<T>()();
     const int64_t k = context->input(3).scalar<int64_t>()();
     const int64_t cap = context->input(4).scalar<int64_t>()();
     const int64_t n = grad.NumElements();
-
-    Tensor* remainder = nullptr;
-    OP_REQUIRES_OK(context, context->forward_input_or_allocate_output({1}, 0, grad.shape(),
-                                                                      &remainder));
     const T* g = grad.flat<T>().data();
     const T* r = residual.flat<T>().data();
     T* out = remainder->flat<T>().data();
 
     // Step 1
-    const int64_t shard_size = 1 << 16;
-    const int64_t shards = (n + shard_size - 1) / shard_size;
+    const int64_t shards = (n + kShardSize - 1) / kShardSize;
     std::vector<std::vector<int32_t>> shard_indices(shards);
     std::atomic<int64_t> total{0};
-    auto work = [&](int64_t first_shard, int64_t last_shard) {
-      for (int64_t s = first_shard; s < last_shard; ++s) {
-        const int64_t begin = s * shard_size;
-        const int64_t end = std::min(n, begin + shard_size);
-        auto& idx = shard_indices[s];
-        for (int64_t i = begin; i < end; ++i) out[i] = g[i] + r[i];  // vectorises
-        for (int64_t i = begin; i < end; ++i) {
-          const T c = out[i];
-          if ((c >= cut || c <= -cut) && static_cast<int64_t>(idx.size()) <= cap) {
-            idx.push_back(static_cast<int32_t>(i));
-          }
+    ForEachShard(context, n, [&](int64_t s, int64_t begin, int64_t end) {
+      auto& idx = shard_indices[s];
+      for (int64_t i = begin; i < end; ++i) out[i] = g[i] + r[i];  // vectorises
+      for (int64_t i = begin; i < end; ++i) {
+        const T c = out[i];
+        if ((c >= cut || c <= -cut) && static_cast<int64_t>(idx.size()) <= cap) {
+          idx.push_back(static_cast<int32_t>(i));
         }
-        total += static_cast<int64_t>(idx.size());
       }
-    };
-    auto* pool = context->device()->tensorflow_cpu_worker_threads();
-    tensorflow::Shard(pool->num_threads, pool->workers, shards, shard_size * 4, work);
+      total += static_cast<int64_t>(idx.size());
+    });
 
     // Step 2
     const int64_t m = total.load();
