@@ -227,6 +227,71 @@ def _magnitude_cut_step(flat_grad, flat_residual, cut, low, high, fallback, fuse
     return Selection(values=values, indices=indices, capped=rejected), remainder
 
 
+def _largest_above(flat_grad, flat_residual, cut, k, low, high, slow, fuse=True):
+    """Error feedback's steps 1-3 for "the k largest entries of c = grad + residual among those
+    with |c| >= cut", in one pass over the data plus work on the candidates:
+
+    1. one pass: compensate, write the remainder, collect the candidates ``|c| >= cut`` in index
+       order (at most ``high`` of them: the memory bound);
+    2. fewer than ``low`` or more than ``high`` candidates: ``slow(flat_grad, flat_residual) ->
+       (selection, remainder)`` instead (the caller's exact path for a missed cut estimate);
+    3. at most k candidates: all are sent; more: the k largest (linear-time selection), and only
+       the sent entries are zeroed in the remainder.
+
+    The native kernel (``SparseHvdCompensateTopK``) does steps 1-3 in one op; without it (or with
+    ``fuse=False``) TensorFlow ops compute the same selection and remainder. Returns
+    ``(selection, remainder)``; ``selection.capped`` says whether k cut the candidates short.
+    """
+    k = tf.convert_to_tensor(k, tf.int32)
+    native = (kernels.compensate_topk() if fuse and flat_grad.dtype in (tf.float32, tf.float64)
+              else None)
+    if native is not None:
+        remainder, indices, values, missed, candidates = native(
+            flat_grad, flat_residual, tf.cast(cut, flat_grad.dtype), tf.cast(k, tf.int64),
+            tf.cast(low, tf.int64), tf.cast(high, tf.int64))
+        fast = Selection(values, indices, capped=candidates > tf.cast(k, tf.int64)), remainder
+    else:
+        step = _compensate_and_cut_xla if fuse else _compensate_and_cut
+        remainder, passed = step(flat_grad, flat_residual, cut)
+        indices = _indices_of(passed)
+        count = tf.size(indices)
+        missed = tf.logical_or(count < low, count > high)
+        # the same float additions as in the step: the same bits
+        values = tf.gather(flat_grad, indices) + tf.gather(flat_residual, indices)
+
+        def keep_largest():
+            _, chosen = tf.math.top_k(tf.abs(values), k=tf.minimum(k, count), sorted=False)
+            kept = tf.scatter_nd(tf.expand_dims(chosen, 1), tf.ones_like(chosen, tf.bool),
+                                 tf.shape(values))
+            returned = tf.logical_not(kept)
+            restored = tf.tensor_scatter_nd_update(
+                remainder, tf.expand_dims(tf.boolean_mask(indices, returned), 1),
+                tf.boolean_mask(values, returned))
+            return tf.gather(indices, chosen), tf.gather(values, chosen), restored
+
+        # skipped when missed (the slow path replaces it), so top_k never sees k > count
+        sent_indices, sent_values, remainder = tf.cond(
+            tf.logical_or(missed, count <= k), lambda: (indices, values, remainder), keep_largest)
+        fast = Selection(sent_values, sent_indices, capped=count > k), remainder
+
+    def slow_path():
+        selection, slow_remainder = slow(flat_grad, flat_residual)
+        return selection.values, selection.indices, selection.capped, slow_remainder
+
+    values, indices, capped, remainder = tf.cond(
+        missed, slow_path, lambda: (fast[0].values, fast[0].indices, fast[0].capped, fast[1]))
+    return Selection(values, indices, capped=capped), remainder
+
+
+def _exact_topk_path(k):
+    """A ``slow`` path for :func:`_largest_above`: the partial sort of the whole of c."""
+    def slow(flat_grad, flat_residual):
+        indices, values, remainder = _partial_sort_topk(k)(flat_grad, flat_residual)
+        return Selection(values, indices, capped=tf.constant(False)), remainder
+
+    return slow
+
+
 @register_sparsifier("topk")
 class TopK(Sparsifier):
     """Exact top-k by magnitude (Alistarh et al., NeurIPS 2018).
@@ -268,37 +333,9 @@ class TopK(Sparsifier):
             return None
         k = tf.convert_to_tensor(k, tf.int32)
         cut = _sampled_cut(flat_grad, flat_residual, 2 * k, _FIXED_SAMPLER)
-        high = tf.minimum(8 * k, n)
-        native = (kernels.compensate_topk() if flat_grad.dtype in (tf.float32, tf.float64)
-                  else None)
-        if native is not None:
-            remainder, indices, values, missed = native(
-                flat_grad, flat_residual, tf.cast(cut, flat_grad.dtype), tf.cast(k, tf.int64),
-                tf.cast(high, tf.int64))
-            indices, values, remainder = tf.cond(
-                missed, lambda: _partial_sort_topk(k)(flat_grad, flat_residual),
-                lambda: (indices, values, remainder))
-            return Selection(values=values, indices=indices), remainder
-        candidates, remainder = _magnitude_cut_step(
-            flat_grad, flat_residual, cut, k, high, _partial_sort_topk(k), fuse=True
-        )
-        missed = candidates.capped  # True: the partial sort of the whole of c already ran
-
-        def top_of_candidates():
-            _, chosen = tf.math.top_k(tf.abs(candidates.values), k=k, sorted=False)
-            kept = tf.scatter_nd(tf.expand_dims(chosen, 1), tf.ones_like(chosen, tf.bool),
-                                 tf.shape(candidates.values))
-            returned = tf.logical_not(kept)
-            restored = tf.tensor_scatter_nd_update(
-                remainder, tf.expand_dims(tf.boolean_mask(candidates.indices, returned), 1),
-                tf.boolean_mask(candidates.values, returned),
-            )
-            return tf.gather(candidates.indices, chosen), tf.gather(candidates.values, chosen), restored
-
-        indices, values, remainder = tf.cond(
-            missed, lambda: (candidates.indices, candidates.values, remainder), top_of_candidates
-        )
-        return Selection(values=values, indices=indices), remainder
+        selection, remainder = _largest_above(flat_grad, flat_residual, cut, k, low=k,
+                                              high=tf.minimum(8 * k, n), slow=_exact_topk_path(k))
+        return selection._replace(capped=None), remainder
 
 
 def topk(flat, k) -> Selection:
@@ -315,9 +352,10 @@ class Threshold(Sparsifier):
     differs per layer, per step and per rank, and a layer may send nothing in a step. The
     density policy's k is ignored.
 
-    One pass over the data selects the entries above lambda. When more pass than the cap
-    allows, the cap's largest are found the way :class:`TopK` finds its k (candidates above a
-    sampled cut): about one more pass, never a partial sort of the whole layer.
+    One pass over the data selects the entries above lambda; when a sample says more will pass
+    than the cap allows, the same pass collects the candidates above a sampled cut instead and
+    keeps the cap's largest, as :class:`TopK` finds its k: one pass either way, never a partial
+    sort of the whole layer.
 
     Args:
         threshold: lambda, the magnitude an entry needs to be sent (> 0).
@@ -347,11 +385,35 @@ class Threshold(Sparsifier):
 
     def fused_compensate_select(self, flat_grad, flat_residual, k=None):
         """Error feedback's steps 1-3 in one pass over the data: ``(selection, remainder)``.
-        ``k`` is ignored: lambda decides."""
-        cap = max(1, math.ceil(self.max_density * flat_grad.shape[0]))
-        cut = tf.constant(self.threshold, flat_grad.dtype)
-        return _magnitude_cut_step(flat_grad, flat_residual, cut, 0, cap,
-                                   _candidate_topk(cap, TopK().min_size), self.fuse)
+        ``k`` is ignored: lambda decides.
+
+        1. estimate from a fixed sample the magnitude m with about 2 x cap entries above it;
+        2. if m > lambda (the cap will be hit), candidates are the entries >= m, else >= lambda;
+        3. one pass (:func:`_largest_above`): the candidates; at most ``cap`` of them are all
+           sent, more are cut to the ``cap`` largest. With the raised cut it needs more than
+           ``cap`` candidates (then more than ``cap`` entries pass lambda, and the ``cap``
+           largest of them are among the candidates); too few, or more than 8 x cap, and the
+           exact path below runs instead (a missed estimate: rare).
+
+        Layers under ``TopK().min_size`` entries take the exact path directly: a pass with lambda,
+        and if the cap is hit the exact top-``cap``.
+        """
+        n = flat_grad.shape[0]
+        cap = max(1, math.ceil(self.max_density * n))
+        threshold = tf.constant(self.threshold, flat_grad.dtype)
+
+        def exact(grad, residual):
+            return _magnitude_cut_step(grad, residual, threshold, 0, cap,
+                                       _candidate_topk(cap, TopK().min_size), self.fuse)
+
+        if n < TopK().min_size:
+            return exact(flat_grad, flat_residual)
+        estimate = _sampled_cut(flat_grad, flat_residual, 2 * cap, _FIXED_SAMPLER)
+        raised = estimate > threshold
+        cut = tf.where(raised, estimate, threshold)
+        low = tf.where(raised, cap + 1, 0)
+        return _largest_above(flat_grad, flat_residual, cut, cap, low, min(8 * cap, n), exact,
+                              self.fuse)
 
     def __call__(self, flat, k):
         selection, _ = self.fused_compensate_select(flat, tf.zeros_like(flat), k)

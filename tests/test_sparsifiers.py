@@ -105,3 +105,77 @@ def test_a_capped_threshold_on_a_large_layer_sends_the_caps_top_entries_as_top_k
     np.testing.assert_array_equal(capped.indices.numpy()[order], plain.indices.numpy()[plain_order])
     np.testing.assert_array_equal(capped.values.numpy()[order], plain.values.numpy()[plain_order])
     np.testing.assert_array_equal(capped_rest.numpy(), plain_rest.numpy())
+
+
+def _numpy_threshold(compensated, threshold, cap):
+    """The hard threshold's rule in NumPy: every |c| >= lambda; more than ``cap`` of them: the
+    ``cap`` largest (ties: the lower index). (sorted indices, remainder, capped)."""
+    passing = np.flatnonzero(np.abs(compensated) >= threshold)
+    capped = passing.size > cap
+    if capped:
+        order = np.lexsort((passing, -np.abs(compensated[passing])))
+        passing = np.sort(passing[order[:cap]])
+    remainder = compensated.copy()
+    remainder[passing] = 0
+    return passing, remainder, capped
+
+
+def _sampled_positions(n):
+    """Where the sparsifiers' fixed sampler looks (sparsifiers._sampled_cut, 1024 samples here)."""
+    return (np.arange(1024, dtype=np.int64) * 2654435761) % n
+
+
+def _threshold_case(case, n, cap):
+    rng = np.random.RandomState(7)
+    grad = (rng.standard_cauchy(n) * rng.rand(n)).astype("float32")
+    residual = (rng.randn(n) * 0.3).astype("float32")
+    magnitudes = np.sort(np.abs(grad + residual))[::-1]
+    if case.startswith("passing_x"):  # lambda that about (factor x cap) entries pass
+        factor = float(case[len("passing_x"):])
+        return grad, residual, float(magnitudes[int(factor * cap)])
+    if case == "everything_passes":
+        return grad, residual, 1e-30
+    if case == "sample_overestimates":
+        # the sampled entries are large, the rest small but above lambda: the raised cut finds
+        # fewer than cap candidates and the exact path must run (ties decided by index)
+        grad = np.full(n, 1e-3, "float32")
+        grad[_sampled_positions(n)] = 10.0
+        return grad, np.zeros(n, "float32"), 5e-4
+    if case == "sample_underestimates":
+        # the sampled entries are 0, every other passes lambda: far more than 8 x cap candidates
+        grad = np.ones(n, "float32")
+        grad[_sampled_positions(n)] = 0.0
+        return grad, np.zeros(n, "float32"), 0.5
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("path", ["native", "xla", "plain"])
+@pytest.mark.parametrize("case", ["passing_x0.5", "passing_x1.5", "passing_x3", "passing_x20",
+                                  "everything_passes", "sample_overestimates",
+                                  "sample_underestimates"])
+def test_threshold_on_a_large_layer_follows_the_rule_in_one_pass(case, path, monkeypatch):
+    # Every branch of Threshold.fused_compensate_select (lambda or raised cut, all candidates
+    # sent or the cap's largest, a missed sample) against the rule computed in NumPy.
+    from sparse_hvd import kernels
+    from sparse_hvd.error_feedback import compensate_and_select
+
+    if path == "native" and kernels.compensate_topk() is None:
+        pytest.skip("native kernels not built")
+    if path == "xla":
+        monkeypatch.setattr(kernels, "compensate_topk", lambda: None)
+        monkeypatch.setattr(kernels, "compensate_cut", lambda: None)
+    n, cap_density = 200000, 0.01
+    cap = int(cap_density * n)
+    grad, residual, threshold = _threshold_case(case, n, cap)
+    selection, remainder = compensate_and_select(
+        tf.constant(grad), tf.constant(residual),
+        sparse_hvd.Threshold(threshold=threshold, max_density=cap_density, fuse=path != "plain"),
+        None)
+    compensated = grad + residual
+    expected, expected_remainder, expected_capped = _numpy_threshold(compensated, threshold, cap)
+    indices, values = selection.indices.numpy(), selection.values.numpy()
+    order = np.argsort(indices)
+    np.testing.assert_array_equal(indices[order], expected)
+    np.testing.assert_array_equal(values[order], compensated[expected])
+    np.testing.assert_array_equal(remainder.numpy(), expected_remainder)
+    assert bool(selection.capped) == expected_capped

@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -76,6 +78,29 @@ void ForEachShard(OpKernelContext* context, int64_t n, Body body) {
                     });
 }
 
+// Both ops: out[i] = g[i] + r[i] for i in [begin, end), and hit(i, c) for each i with
+// |c| >= cut, in index order. Per block of kBlock entries, a first loop adds and counts the hits
+// (it vectorises); the second, scalar loop runs only over blocks with a hit: at a density of
+// 1% most blocks have none, so most of the data is touched by vector instructions only.
+constexpr int64_t kBlock = 16;
+
+template <typename T, typename Hit>
+void CompensateAndScan(const T* g, const T* r, T* out, int64_t begin, int64_t end, T cut, Hit hit) {
+  for (int64_t b = begin; b < end; b += kBlock) {
+    const int64_t stop = std::min(end, b + kBlock);
+    int hits = 0;
+    for (int64_t i = b; i < stop; ++i) {
+      const T c = g[i] + r[i];
+      out[i] = c;
+      hits += std::abs(c) >= cut;  // never true for NaN
+    }
+    if (hits == 0) continue;
+    for (int64_t i = b; i < stop; ++i) {
+      if (std::abs(out[i]) >= cut) hit(i, out[i]);
+    }
+  }
+}
+
 REGISTER_OP("SparseHvdCompensateCut")
     .Attr("T: {float, double}")
     .Input("grad: T")
@@ -113,18 +138,13 @@ class CompensateCutOp : public OpKernel {
     ForEachShard(context, n, [&](int64_t s, int64_t begin, int64_t end) {
       auto& idx = shard_indices[s];
       auto& val = shard_values[s];
-      // Two loops over the shard: the first vectorises, the second reads it back from cache.
-      for (int64_t i = begin; i < end; ++i) out[i] = g[i] + r[i];
-      for (int64_t i = begin; i < end; ++i) {
-        const T c = out[i];
-        if (c >= cut || c <= -cut) {  // never true for NaN
-          out[i] = T(0);
-          if (static_cast<int64_t>(idx.size()) <= cap) {
-            idx.push_back(static_cast<int32_t>(i));
-            val.push_back(c);
-          }
+      CompensateAndScan(g, r, out, begin, end, cut, [&](int64_t i, T c) {
+        out[i] = T(0);
+        if (static_cast<int64_t>(idx.size()) <= cap) {
+          idx.push_back(static_cast<int32_t>(i));
+          val.push_back(c);
         }
-      }
+      });
       total += static_cast<int64_t>(idx.size());
     });
 
@@ -157,31 +177,103 @@ REGISTER_KERNEL_BUILDER(
     CompensateCutOp<double>);
 
 
-// SparseHvdCompensateTopK: error feedback's compensate/select/remember for the exact top-k, in
-// one pass over the data plus work on the candidates only (sparse_hvd.sparsifiers.TopK):
+// SparseHvdCompensateTopK: error feedback's compensate/select/remember for "the k largest of
+// the entries at or above a cut", in one pass over the data plus work on the candidates only
+// (sparse_hvd.sparsifiers.TopK, and Threshold when its cap is hit):
 //
 //   1. one pass (sharded): c = grad + residual is written to ``remainder``, and the positions
 //      with |c| >= cut (the candidates, in index order) are collected, at most ``cap`` of them;
-//   2. if there are fewer than k or more than ``cap`` candidates, ``missed`` is set and the
-//      caller sorts the whole of c instead (the sampled cut missed: rare);
-//   3. else the k largest candidates by |c| are found with nth_element (ties: the lower index
-//      first, as the partial sort's rule), emitted in index order with their values, and their
-//      positions in ``remainder`` set to zero. The selection and the remainder are exactly those
-//      of a partial sort of the whole of c: every entry of the top k is at or above the k-th
-//      largest, which is at or above the cut. NaN never passes the cut, so it never enters the
-//      comparisons (a NaN gradient's step is skipped by the optimizer anyway).
+//   2. if there are fewer than ``low`` or more than ``cap`` candidates, ``missed`` is set and the
+//      caller takes its exact slow path instead (a sampled cut missed: rare);
+//   3. if there are at most k candidates, all are selected; else the k largest by |c| are found
+//      with nth_element (ties: the lower index first, as the partial sort's rule). The selected
+//      entries are emitted in index order with their values, and their positions in
+//      ``remainder`` set to zero. ``candidates`` is the number of candidates (exact when not
+//      missed), so the caller knows whether k cut the selection short.
+//
+// With low = k this is the exact top-k of c, the same selection and remainder as a partial sort
+// of the whole of c: every entry of the top k is at or above the k-th largest, which is at or
+// above the cut. With cut = lambda and low = 0 it is a hard threshold whose cap k is applied
+// exactly. NaN never passes the cut, so it never enters the comparisons (a NaN gradient's step
+// is skipped by the optimizer anyway).
+// An entry of c that passed the cut, with its position.
+template <typename T>
+struct Candidate {
+  T c;
+  int32_t i;
+};
+
+// The selection order: |c| descending, then the lower index first (the partial sort's rule).
+template <typename T>
+bool Larger(const Candidate<T>& a, const Candidate<T>& b) {
+  const T x = std::abs(a.c), y = std::abs(b.c);
+  return x > y || (x == y && a.i < b.i);
+}
+
+// The bits of |c|: for non-negative, non-NaN floats their order is the order of the numbers.
+inline uint32_t MagnitudeKey(float c) {
+  uint32_t bits;
+  std::memcpy(&bits, &c, sizeof bits);
+  return bits & 0x7fffffffu;
+}
+inline uint64_t MagnitudeKey(double c) {
+  uint64_t bits;
+  std::memcpy(&bits, &c, sizeof bits);
+  return bits & 0x7fffffffffffffffull;
+}
+
+// The k-th of ``candidates`` (1 <= k <= size) in the order of Larger, by a radix step instead
+// of a comparison sort of all of them (branchy, several passes):
+//   1. the range [lo, hi] of the magnitude keys, one pass;
+//   2. a histogram of (key - lo) >> shift over at most kBuckets buckets, one pass;
+//   3. from the largest bucket down, the bucket where the count reaches k: every candidate in
+//      a higher bucket is before the k-th, every one in a lower bucket after it;
+//   4. nth_element (with Larger, so ties are exact) among that bucket's candidates only.
+template <typename T>
+Candidate<T> KthLargest(const std::vector<Candidate<T>>& candidates, int64_t k) {
+  using Key = decltype(MagnitudeKey(T(0)));
+  constexpr int kBuckets = 4096;
+  Key lo = MagnitudeKey(candidates[0].c), hi = lo;
+  for (const auto& e : candidates) {
+    const Key key = MagnitudeKey(e.c);
+    lo = std::min(lo, key);
+    hi = std::max(hi, key);
+  }
+  int shift = 0;
+  while (((hi - lo) >> shift) >= static_cast<Key>(kBuckets)) ++shift;
+  std::vector<int64_t> histogram(kBuckets, 0);
+  for (const auto& e : candidates) ++histogram[(MagnitudeKey(e.c) - lo) >> shift];
+  int64_t before = 0;  // candidates in buckets above the current one
+  int bucket = kBuckets - 1;
+  while (before + histogram[bucket] < k) before += histogram[bucket--];
+  std::vector<Candidate<T>> tied;
+  tied.reserve(histogram[bucket]);
+  for (const auto& e : candidates) {
+    if (static_cast<int>((MagnitudeKey(e.c) - lo) >> shift) == bucket) tied.push_back(e);
+  }
+  const int64_t rank = k - before;  // 1-based within the bucket
+  std::nth_element(tied.begin(), tied.begin() + (rank - 1), tied.end(), Larger<T>);
+  return tied[rank - 1];
+}
+
 REGISTER_OP("SparseHvdCompensateTopK")
     .Attr("T: {float, double}")
     .Input("grad: T")
     .Input("residual: T")
     .Input("cut: T")
     .Input("k: int64")
+    .Input("low: int64")
     .Input("cap: int64")
     .Output("remainder: T")
     .Output("indices: int32")
     .Output("values: T")
     .Output("missed: bool")
-    .SetShapeFn(SelectionShapes);
+    .Output("candidates: int64")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      TF_RETURN_IF_ERROR(SelectionShapes(c));
+      c->set_output(4, c->Scalar());
+      return tsl::OkStatus();
+    });
 
 template <typename T>
 class CompensateTopKOp : public OpKernel {
@@ -195,63 +287,61 @@ class CompensateTopKOp : public OpKernel {
     const Tensor& residual = context->input(1);
     const T cut = context->input(2).scalar<T>()();
     const int64_t k = context->input(3).scalar<int64_t>()();
-    const int64_t cap = context->input(4).scalar<int64_t>()();
+    const int64_t low = context->input(4).scalar<int64_t>()();
+    const int64_t cap = context->input(5).scalar<int64_t>()();
     const int64_t n = grad.NumElements();
     const T* g = grad.flat<T>().data();
     const T* r = residual.flat<T>().data();
     T* out = remainder->flat<T>().data();
 
-    // Step 1
+    // Step 1: each candidate with its value, so that step 3 reads contiguous memory instead
+    // of c at scattered positions of a large tensor.
     const int64_t shards = (n + kShardSize - 1) / kShardSize;
-    std::vector<std::vector<int32_t>> shard_indices(shards);
+    std::vector<std::vector<Candidate<T>>> shard_candidates(shards);
     std::atomic<int64_t> total{0};
     ForEachShard(context, n, [&](int64_t s, int64_t begin, int64_t end) {
-      auto& idx = shard_indices[s];
-      for (int64_t i = begin; i < end; ++i) out[i] = g[i] + r[i];  // vectorises
-      for (int64_t i = begin; i < end; ++i) {
-        const T c = out[i];
-        if ((c >= cut || c <= -cut) && static_cast<int64_t>(idx.size()) <= cap) {
-          idx.push_back(static_cast<int32_t>(i));
-        }
-      }
-      total += static_cast<int64_t>(idx.size());
+      auto& found = shard_candidates[s];
+      CompensateAndScan(g, r, out, begin, end, cut, [&](int64_t i, T c) {
+        if (static_cast<int64_t>(found.size()) <= cap) found.push_back({c, static_cast<int32_t>(i)});
+      });
+      total += static_cast<int64_t>(found.size());
     });
 
     // Step 2
     const int64_t m = total.load();
-    const bool missed = m < k || m > cap || k <= 0;
-    const int64_t count = missed ? 0 : k;
+    const bool missed = m < low || m > cap || k <= 0;
+    const int64_t count = missed ? 0 : std::min(m, k);
     Tensor* indices = nullptr;
     Tensor* values = nullptr;
     Tensor* missed_out = nullptr;
+    Tensor* candidates_out = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(1, TensorShape({count}), &indices));
     OP_REQUIRES_OK(context, context->allocate_output(2, TensorShape({count}), &values));
     OP_REQUIRES_OK(context, context->allocate_output(3, TensorShape({}), &missed_out));
+    OP_REQUIRES_OK(context, context->allocate_output(4, TensorShape({}), &candidates_out));
     missed_out->scalar<bool>()() = missed;
+    candidates_out->scalar<int64_t>()() = m;
     if (missed) return;
 
     // Step 3
-    std::vector<int32_t> candidates;
+    std::vector<Candidate<T>> candidates;
     candidates.reserve(m);
-    for (const auto& idx : shard_indices) candidates.insert(candidates.end(), idx.begin(), idx.end());
-    auto larger = [out](int32_t a, int32_t b) {  // by |c| descending, then index ascending
-      const T x = std::abs(out[a]), y = std::abs(out[b]);
-      return x > y || (x == y && a < b);
-    };
-    std::vector<int32_t> order(candidates);
-    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), larger);
-    const int32_t kth = order[k - 1];
+    for (const auto& found : shard_candidates) {
+      candidates.insert(candidates.end(), found.begin(), found.end());
+    }
+    const bool keep_all = m <= k;
+    const Candidate<T> kth = keep_all ? Candidate<T>{} : KthLargest(candidates, k);
     int32_t* idx_out = indices->flat<int32_t>().data();
     T* val_out = values->flat<T>().data();
     int64_t written = 0;
-    for (const int32_t i : candidates) {  // index order; the k not after the k-th
-      if (i == kth || larger(i, kth)) {
-        idx_out[written] = i;
-        val_out[written] = out[i];
+    for (const Candidate<T>& e : candidates) {  // index order; all, or the k not after the k-th
+      if (keep_all || e.i == kth.i || Larger(e, kth)) {
+        idx_out[written] = e.i;
+        val_out[written] = e.c;
+        out[e.i] = T(0);
         ++written;
       }
     }
-    for (int64_t e = 0; e < written; ++e) out[idx_out[e]] = T(0);
   }
 };
 
