@@ -16,7 +16,9 @@ Methods (``--methods``, comma-separated):
   (``max_density=d``) decides; ``adaptive@<d>``: LAGS with ``grouping="layerwise"``.
 
 For each method: the median step (median over ranks of each rank's median), x floor, x dense,
-bytes this rank handed to the exchange per step, the optimizer's own spans per step
+bytes this rank handed to the exchange per step and, separately, what the density policy sent
+for its own measurements (AdaptiveDensity's probes, per step over the whole run, the probe at
+build included), the optimizer's own spans per step
 (``sparsify``: gradients -> selections; ``exchange``: selections -> averaged gradients, from
 ``communication_stats()``), and with ``--timeline`` what Horovod's timeline shows per step:
 the number of collectives, their negotiation time (waiting until every rank has submitted) and
@@ -26,6 +28,7 @@ commit) and drawn as a stacked bar chart (floor | sparsify | exchange | rest).
     .venv/bin/python scripts/bench_step.py                          # MLP, 2 workers, loopback
     .venv/bin/python scripts/bench_step.py --model resnet50 --rounds 3 --steps 5
     .venv/bin/python scripts/bench_step.py --timeline --publish docs  # + breakdown, docs/ files
+    .venv/bin/python scripts/bench_step.py --np 4 --rate 1gbit        # emulated cluster (root)
 
 The MLP is the time-to-accuracy benchmark's (64-2048-2048-10, 4.35M parameters, digits, batch
 64 per worker, SGD momentum 0.9); ResNet-50 is ``keras.applications.ResNet50(weights=None)``
@@ -44,6 +47,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+import emulated_cluster as ec  # noqa: E402  (standard library only)
 import launching  # noqa: E402  (scripts/launching.py: the launcher command lines)
 
 DEFAULT_METHODS = ("floor,dense,dense_fp16,topk@0.01,approx_topk@0.01,threshold@0.01,"
@@ -57,6 +61,10 @@ def parse_args(argv=None):
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--np", type=int, default=2, help="workers (mpirun on this machine)")
+    parser.add_argument("--rate", default=None,
+                        help="run on the emulated cluster (scripts/emulated_cluster.py, needs root) "
+                        "with every worker's link shaped to this rate, e.g. 1gbit; default: "
+                        "loopback")
     parser.add_argument("--model", choices=("mlp", "resnet50"), default="mlp")
     parser.add_argument("--methods", default=DEFAULT_METHODS)
     parser.add_argument("--batch-size", type=int, default=None, help="per worker (mlp 64, resnet50 8)")
@@ -204,6 +212,11 @@ def worker(args):
                     "capped_selections"):
             if run["stats"]:
                 entry[key] = float(np.median([s[key] for s in run["stats"]]))
+        if run["sparse"]:
+            # the policy's probes (AdaptiveDensity), averaged over every step of this run,
+            # build-time probe included
+            totals = run["sparse"].communication_stats()
+            entry["measurement_bytes"] = totals["measurement_bytes"] / max(totals["steps"], 1)
         mine[method] = entry
     replicas = {m: weights_digest(run["model"]) for m, run in runs.items()}
     everyone = gather((mine, replicas), "bench.results")
@@ -327,8 +340,17 @@ def run_job(args, json_path, extra_env=None, rounds=None, steps=None):
             "--steps", str(steps or args.steps), "--warmup-steps", str(args.warmup_steps),
             "--threads", str(args.threads)]
     env = launching.mpi_environment(dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(extra_env or {})))
-    command = launching.mpirun_command(args.np, argv, export=list(extra_env or {}))
-    subprocess.run(command, env=env, check=True, timeout=args.timeout, cwd=ROOT)
+    if args.rate is None:
+        command = launching.mpirun_command(args.np, argv, export=list(extra_env or {}))
+        subprocess.run(command, env=env, check=True, timeout=args.timeout, cwd=ROOT)
+    else:
+        reason = ec.namespaces_unavailable()
+        if reason:
+            raise SystemExit(f"--rate needs the emulated cluster, which is unavailable: {reason}")
+        with ec.EmulatedCluster(args.np, rate=args.rate) as cluster:
+            rc, timed_out = ec.run_command(cluster.mpirun_command(argv), args.timeout, env=env)
+        if rc != 0:
+            raise SystemExit(f"the benchmark job failed ({'timed out' if timed_out else f'exit {rc}'})")
     with open(json_path) as handle:
         return json.load(handle)
 
@@ -350,13 +372,15 @@ def table(result):
     floor = methods.get("floor", {}).get("median_step")
     dense = methods.get("dense", {}).get("median_step")
     breakdown = result.get("timeline", {})
-    lines = [f"{result['model']} ({result['parameters']:,} parameters), {result['workers']} workers, "
+    lines = [f"{result['model']} ({result['parameters']:,} parameters), {result['workers']} workers "
+             f"({result.get('link') or 'loopback'}), "
              f"batch {result['batch_size']} per worker, commit {result.get('commit')}, "
              f"load {result.get('load')}",
              "",
-             "| method | step ms | x floor | x dense | payload kB/step | sparsify ms | exchange ms "
-             "| tensors | negotiation ms | transfer ms | replicas identical |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| method | step ms | x floor | x dense | payload kB/step | probes kB/step "
+             "| sparsify ms | exchange ms | tensors | negotiation ms | transfer ms "
+             "| replicas identical |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for method, m in methods.items():
         step = m["median_step"]
         t = breakdown.get(method, {})
@@ -367,6 +391,7 @@ def table(result):
             method, f"{step * 1e3:.1f}",
             f"{step / floor:.2f}" if floor else "", f"{step / dense:.2f}" if dense else "",
             f"{payload / 1e3:,.0f}" if payload is not None else "",
+            f"{m['measurement_bytes'] / 1e3:,.1f}" if "measurement_bytes" in m else "",
             f"{m['sparsify_seconds'] * 1e3:.1f}" if "sparsify_seconds" in m else "",
             f"{m['exchange_seconds'] * 1e3:.1f}" if "exchange_seconds" in m else "",
             str(t.get("tensors", "")),
@@ -425,14 +450,16 @@ def main(argv=None):
         run_job(args, os.path.join(args.out, f"step_{args.model}_timeline.json"),
                 extra_env={"HOROVOD_TIMELINE": timeline}, rounds=1, steps=min(args.steps, 10))
         result["timeline"] = timeline_breakdown(timeline, args.methods)
-    result.update(commit=git_commit(), load=f"{load[0]:.1f} (1-min average at start)",
+    result.update(link=f"emulated cluster, {args.rate} links" if args.rate else "loopback",
+                  commit=git_commit(), load=f"{load[0]:.1f} (1-min average at start)",
                   seconds=round(time.time() - started, 1))
     text = table(result)
     print(text)
     targets = [args.out] + ([args.publish] if args.publish else [])
     for folder in targets:
         os.makedirs(folder, exist_ok=True)
-        stem = os.path.join(folder, f"bench_step_{args.model}_np{result['workers']}")
+        link = f"_{args.rate}" if args.rate else ""
+        stem = os.path.join(folder, f"bench_step_{args.model}_np{result['workers']}{link}")
         with open(stem + ".json", "w") as handle:
             json.dump(result, handle, indent=1)
         with open(stem + ".md", "w") as handle:

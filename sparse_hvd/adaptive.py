@@ -7,8 +7,11 @@ layer whose gradient comes last (the input layers) has no time left and should s
 live job:
 
 * communication cost: a latency/bandwidth model ``t(bytes) = alpha + beta * bytes`` fitted to
-  timed Horovod allgathers of several sizes (:func:`probe_allgather_costs`,
-  :func:`fit_latency_bandwidth`) at start-up and again at every refresh;
+  timed Horovod allgathers of two sizes (:func:`probe_allgather_costs`,
+  :func:`fit_latency_bandwidth`) at start-up and again every ``probe_steps``. The probes are
+  sized from the job's own payload (a layer's selection at ``density``) and are rare, so that
+  measuring costs far less than it saves: by default under 1% of the bytes the selections put
+  on the wire (counted in ``communication_stats()["measurement_bytes"]``);
 * compute left after each layer: inside the training step, a timestamp is taken when each
   gradient becomes available; the window of layer i is the time from its gradient to the last
   gradient of the step (the end of backprop), smoothed over steps.
@@ -22,10 +25,20 @@ with checkpoints, visible in ``optimizer.layer_stats()``.
 import tensorflow as tf
 
 from . import collectives, runtime
-from .density import DensityPolicy, register_density_policy, validate_density
+from .density import DensityPolicy, elements_to_send, register_density_policy, validate_density
 from .payload import INDEX_BYTES
 
-DEFAULT_PROBE_BYTES = (4096, 65536, 524288, 2097152)
+DEFAULT_PROBE_BYTES = (4096, 65536, 524288, 2097152)  # for the probe functions called alone
+
+
+def probe_sizes_for(payload_bytes):
+    """Two allgather sizes that bracket the per-layer payloads ``payload_bytes`` of a job: the
+    smallest (at least 1 KiB, at most 64 KiB) and the largest (at least 4x the smallest, at most
+    1 MiB): the range where the model is used, with no megabyte probes for a kilobyte payload."""
+    payload_bytes = [int(b) for b in payload_bytes] or [4096]
+    small = min(max(min(payload_bytes), 1024), 65536)
+    large = min(max(max(payload_bytes), 4 * small), 1 << 20)
+    return small - small % 4, large - large % 4
 
 
 def fit_latency_bandwidth(sizes, times):
@@ -126,18 +139,24 @@ class AdaptiveDensity(DensityPolicy):
             optimizer uses to decide which variables are worth sparsifying.
         min_density, max_density: the clamp for every layer's density.
         budget_bytes: optional cap on one rank's payload per step, in bytes.
-        refresh_steps: re-measure and re-decide every this many steps.
+        refresh_steps: re-decide every this many steps, from the backward windows measured
+            in the steps (no extra traffic).
         first_refresh: the step of the first decision (the first steps trace and warm up).
-        probe_bytes: per-rank allgather sizes timed for the cost model.
-        probe_repeats: timings per size (the median is used).
+        probe_bytes: per-rank allgather sizes timed for the cost model; None (the default):
+            two sizes bracketing the job's per-layer payloads at ``density``
+            (:func:`probe_sizes_for`).
+        probe_repeats: timings per size (the median is used), after one untimed warm-up.
+        probe_steps: re-fit the cost model at the refreshes on multiples of this many steps
+            (default ``10 * refresh_steps``); it is also fitted once when the optimizer is
+            built. The network changes far more slowly than the backward windows.
     """
 
     requires_layerwise = True
     supports_staleness = False
 
     def __init__(self, density=0.01, min_density=0.001, max_density=0.1, budget_bytes=None,
-                 refresh_steps=200, first_refresh=10, probe_bytes=DEFAULT_PROBE_BYTES,
-                 probe_repeats=5):
+                 refresh_steps=200, first_refresh=10, probe_bytes=None, probe_repeats=3,
+                 probe_steps=None):
         self.final_density = validate_density(density)
         self.min_density = validate_density(min_density, "min_density")
         self.max_density = validate_density(max_density, "max_density")
@@ -148,16 +167,22 @@ class AdaptiveDensity(DensityPolicy):
             )
         if budget_bytes is not None and not budget_bytes > 0:
             raise ValueError(f"`budget_bytes` must be positive, got {budget_bytes!r}")
-        for argument, value in (("refresh_steps", refresh_steps), ("first_refresh", first_refresh)):
+        if probe_steps is None:
+            probe_steps = 10 * refresh_steps if isinstance(refresh_steps, int) else refresh_steps
+        for argument, value in (("refresh_steps", refresh_steps), ("first_refresh", first_refresh),
+                                ("probe_repeats", probe_repeats), ("probe_steps", probe_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{argument}` must be a positive int, got {value!r}")
-        if len(probe_bytes) < 2 or any(int(b) < 4 for b in probe_bytes):
-            raise ValueError(f"`probe_bytes` needs at least two sizes of >= 4 bytes, got {probe_bytes!r}")
+        if probe_bytes is not None and (len(probe_bytes) < 2 or any(int(b) < 4 for b in probe_bytes)
+                                        or len(set(probe_bytes)) < 2):
+            raise ValueError("`probe_bytes` needs at least two different sizes of >= 4 bytes, got "
+                             f"{probe_bytes!r}")
         self.budget_bytes = budget_bytes
         self.refresh_steps = refresh_steps
         self.first_refresh = first_refresh
-        self.probe_bytes = tuple(int(b) for b in probe_bytes)
+        self.probe_bytes = None if probe_bytes is None else tuple(int(b) for b in probe_bytes)
         self.probe_repeats = int(probe_repeats)
+        self.probe_steps = probe_steps
         self.densities = None
 
     def get_config(self):
@@ -168,8 +193,9 @@ class AdaptiveDensity(DensityPolicy):
             "budget_bytes": self.budget_bytes,
             "refresh_steps": self.refresh_steps,
             "first_refresh": self.first_refresh,
-            "probe_bytes": list(self.probe_bytes),
+            "probe_bytes": None if self.probe_bytes is None else list(self.probe_bytes),
             "probe_repeats": self.probe_repeats,
+            "probe_steps": self.probe_steps,
         }
 
     # ---- hooks called by the optimizer ---------------------------------------------------------
@@ -181,6 +207,10 @@ class AdaptiveDensity(DensityPolicy):
         self._num_elements = [r.num_elements for r in routes]
         self._bytes_per_entry = [r.itemsize + INDEX_BYTES for r in routes]
         self._sparse = [r.sparse for r in routes]
+        self._probe_sizes = self.probe_bytes or probe_sizes_for(
+            [elements_to_send(n, self.final_density) * b
+             for n, b, sparse in zip(self._num_elements, self._bytes_per_entry, self._sparse)
+             if sparse])
         # Decisions and the cost model: identical on every rank, saved with the optimizer.
         self.densities = optimizer.add_variable(
             shape=(count,), dtype="float32", name="lags_density",
@@ -192,6 +222,7 @@ class AdaptiveDensity(DensityPolicy):
             self.windows = tf.Variable(tf.zeros([count], tf.float64), trainable=False)
             self.measured_steps = tf.Variable(tf.zeros([], tf.int64), trainable=False)
             self._probe_sink = tf.Variable(tf.zeros([], tf.float64), trainable=False)
+            self.probe_bytes_sent = tf.Variable(tf.zeros([], tf.int64), trainable=False)
             self.cost_model.assign(self._fit_cost_model())
         self._ready = {}
 
@@ -218,7 +249,7 @@ class AdaptiveDensity(DensityPolicy):
             tf.equal(step, self.first_refresh),
             tf.logical_and(step > self.first_refresh, tf.equal(step % self.refresh_steps, 0)),
         )
-        tf.cond(due, self._refresh, lambda: None)
+        tf.cond(due, lambda: self._refresh(step), lambda: None)
 
     def k(self, index, num_elements, step):
         k = tf.cast(tf.math.ceil(tf.cast(self.densities[index], tf.float64) * num_elements), tf.int32)
@@ -226,6 +257,9 @@ class AdaptiveDensity(DensityPolicy):
 
     def current_density(self, index, step):
         return float(self.densities[index].numpy())
+
+    def measurement_bytes(self):
+        return int(self.probe_bytes_sent.numpy()) if self.densities is not None else 0
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -237,14 +271,17 @@ class AdaptiveDensity(DensityPolicy):
 
     def _fit_cost_model(self):
         times, keep_alive = probe_allgather_costs(
-            self._name, self.probe_bytes, self.probe_repeats, self._process_set
+            self._name, self._probe_sizes, self.probe_repeats, self._process_set
         )
         self._probe_sink.assign(keep_alive)
-        alpha, beta = fit_latency_bandwidth(tf.constant(self.probe_bytes, tf.float64), times)
+        if runtime.size(self._process_set) > 1:
+            self.probe_bytes_sent.assign_add(sum(self._probe_sizes) * (self.probe_repeats + 1))
+        alpha, beta = fit_latency_bandwidth(tf.constant(self._probe_sizes, tf.float64), times)
         return self._average_over_ranks(tf.stack([alpha, beta]), "cost_model")
 
-    def _refresh(self):
-        cost_model = self._fit_cost_model()
+    def _refresh(self, step):
+        cost_model = tf.cond(tf.equal(step % self.probe_steps, 0), self._fit_cost_model,
+                             lambda: tf.convert_to_tensor(self.cost_model))
         self.cost_model.assign(cost_model)
         windows = self._average_over_ranks(tf.convert_to_tensor(self.windows), "windows")
         densities = solve_densities(

@@ -58,6 +58,10 @@ class DensityPolicy:
         """The density asked of variable ``index`` at ``step`` (for statistics)."""
         return self.final_density
 
+    def measurement_bytes(self) -> int:
+        """Bytes this rank has sent for the policy's own measurements (probes), not gradients."""
+        return 0
+
     # Hooks for policies that measure the running job (see sparse_hvd.adaptive); no-ops here.
 
     def prepare(self, optimizer, variables, routes):

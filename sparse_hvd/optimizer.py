@@ -363,9 +363,13 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         ``exchange_seconds``: from there to all averaged gradients (with the layer-wise
         exchange the two overlap backprop and each other, so they are spans, not costs). With
         ``staleness`` > 0, ``exchange_seconds`` is the time steps spent waiting for a delayed
-        average: the part of the exchange the computation did not hide.
+        average: the part of the exchange the computation did not hide. ``measurement_bytes``:
+        what the density policy sent for its own measurements (``AdaptiveDensity``'s probes),
+        on top of ``bytes_sent``.
         """
-        return dict(EMPTY) if self._counters is None else self._counters.as_dict()
+        stats = dict(EMPTY) if self._counters is None else self._counters.as_dict()
+        stats["measurement_bytes"] = self.density_policy.measurement_bytes()
+        return stats
 
     def layer_stats(self):
         """Per variable (by path): entries, route, and entries/density sent in the last step."""

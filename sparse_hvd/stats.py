@@ -10,7 +10,8 @@ import tensorflow as tf
 from .payload import Payload
 
 EMPTY = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "capped_selections": 0,
-         "skipped_steps": 0, "sparsify_seconds": 0.0, "exchange_seconds": 0.0}
+         "skipped_steps": 0, "sparsify_seconds": 0.0, "exchange_seconds": 0.0,
+         "measurement_bytes": 0}
 
 
 class CommunicationCounters:

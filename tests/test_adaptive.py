@@ -136,3 +136,31 @@ def test_adaptive_without_layerwise_exchange_warns_and_bad_settings_fail():
         AdaptiveDensity(refresh_steps=0)
     with pytest.raises(ValueError, match="`budget_bytes` must be positive"):
         AdaptiveDensity(budget_bytes=-5)
+
+
+def test_probe_sizes_bracket_the_jobs_payloads_within_limits():
+    from sparse_hvd.adaptive import probe_sizes_for
+
+    assert probe_sizes_for([12_000, 300_000, 80]) == (1024, 300_000)
+    assert probe_sizes_for([100_000, 200_000]) == (65536, 262144)  # 4x apart at least
+    assert probe_sizes_for([5000, 50_000_000]) == (5000, 1 << 20)  # never megabyte probes
+    assert probe_sizes_for([2000]) == (2000, 8000)  # one layer: still two sizes, 4x apart
+    assert probe_sizes_for([]) == (4096, 16384)
+
+
+def test_probe_settings_are_checked_and_round_trip():
+    policy = AdaptiveDensity(refresh_steps=20)
+    assert policy.probe_steps == 200 and policy.probe_bytes is None
+    assert AdaptiveDensity.from_config(policy.get_config()).get_config() == policy.get_config()
+    with pytest.raises(ValueError, match="`probe_steps` must be a positive int"):
+        AdaptiveDensity(probe_steps=0)
+    with pytest.raises(ValueError, match="`probe_bytes` needs at least two different sizes"):
+        AdaptiveDensity(probe_bytes=(4096, 4096))
+
+
+def test_one_process_sends_no_probes():
+    policy = AdaptiveDensity(0.01, first_refresh=2, refresh_steps=2, probe_steps=2)
+    model, optimizer = _model_and_optimizer(policy)
+    rng = np.random.RandomState(1)
+    model.fit(rng.randn(128, 64).astype("float32"), rng.randint(0, 10, 128), batch_size=32, verbose=0)
+    assert optimizer.communication_stats()["measurement_bytes"] == 0

@@ -1,5 +1,7 @@
 """The averaged gradient every rank applies equals an independent NumPy computation."""
 
+import math
+
 import keras
 import numpy as np
 import pytest
@@ -173,7 +175,7 @@ def test_warmup_decisions_are_identical_on_every_rank(hvd):
 def test_adaptive_decisions_and_cost_model_are_identical_on_every_rank(hvd):
     rank = hvd.rank()
     policy = sparse_hvd.AdaptiveDensity(0.01, min_density=0.002, max_density=0.2, first_refresh=3,
-                                        refresh_steps=4)
+                                        refresh_steps=4, probe_steps=8, probe_repeats=2)
     big = keras.Variable(np.zeros(BIG, "float32"))
     other = keras.Variable(np.zeros((40, 40), "float32"))
     optimizer = sparse_hvd.SparseDistributedOptimizer(
@@ -192,6 +194,10 @@ def test_adaptive_decisions_and_cost_model_are_identical_on_every_rank(hvd):
     alpha, beta = policy.cost_model.numpy()
     assert alpha >= 0 and beta > 0
     assert all(0.002 - 1e-9 <= d <= 0.2 + 1e-9 for d in policy.densities.numpy())
+    # probes sized from the payloads (8 bytes per entry at 1%: the larger is under 4 KiB, so
+    # 1 KiB and 4 KiB), timed at build and at step 8 only, three allgathers of each size
+    assert 8 * math.ceil(0.01 * np.prod(BIG)) < 4096
+    assert optimizer.communication_stats()["measurement_bytes"] == 2 * 3 * (1024 + 4096)
 
 
 def test_embedding_rows_on_the_dense_route_are_averaged_as_rows(hvd):
