@@ -21,7 +21,11 @@ What it measures
       residual magnitude, i.e. the cut-off top-k effectively used; ``--threshold`` overrides),
       at most ``--max-density`` of a layer per step;
     * ``adaptive``: sparse_hvd's LAGS policy (``AdaptiveDensity(0.01, 0.001..0.1)``,
-      ``grouping="layerwise"``).
+      ``grouping="layerwise"``);
+    * ``topk_0.01_warmup``: top-k 1% after DGC's warm-up (``WarmupDensity`` from 25% down to 1%
+      over the first fifth of the steps); ``topk_0.01_mc``: top-k 1% with DGC's momentum
+      correction (the momentum moves into the wrapper, the inner SGD has none);
+      ``approx_topk_0.01_warmup_mc``: approx top-k 1% with both.
 
     The digits are split 50/50 (899 test images: one image is 0.11 points, so the 0.5-point
     margin below is resolved; ``--test-fraction``). After the training runs, one more job times
@@ -87,8 +91,10 @@ TARGET_MARGIN = 0.005  # target accuracy = dense final accuracy - 0.5 points
 SPEEDUP_TARGET = 3.0
 FLOOR_TARGET = 1.3
 BYTES_TARGET = 30.0
-SPARSE_METHODS = ("topk_0.01", "topk_0.001", "approx_topk_0.01", "threshold", "adaptive")
-ONE_PERCENT = ("topk_0.01", "approx_topk_0.01")
+SPARSE_METHODS = ("topk_0.01", "topk_0.001", "approx_topk_0.01", "threshold", "adaptive",
+                  "topk_0.01_warmup", "topk_0.01_mc", "approx_topk_0.01_warmup_mc")
+ONE_PERCENT = ("topk_0.01", "approx_topk_0.01", "topk_0.01_warmup", "topk_0.01_mc",
+               "approx_topk_0.01_warmup_mc")
 LABELS = {
     "floor": "compute-only floor",
     "dense": "dense allreduce",
@@ -98,6 +104,9 @@ LABELS = {
     "approx_topk_0.01": "sparse_hvd approx top-k 1%",
     "threshold": "sparse_hvd threshold",
     "adaptive": "sparse_hvd adaptive (LAGS)",
+    "topk_0.01_warmup": "sparse_hvd top-k 1%, warm-up from 25%",
+    "topk_0.01_mc": "sparse_hvd top-k 1%, momentum correction",
+    "approx_topk_0.01_warmup_mc": "sparse_hvd approx top-k 1%, warm-up + momentum correction",
 }
 
 

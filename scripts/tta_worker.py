@@ -51,7 +51,7 @@ import sys
 import time
 
 METHODS = ("floor", "dense", "dense_fp16", "topk_0.01", "topk_0.001", "approx_topk_0.01",
-           "threshold", "adaptive")
+           "threshold", "adaptive", "topk_0.01_warmup", "topk_0.01_mc", "approx_topk_0.01_warmup_mc")
 
 
 def parse_args(argv=None):
@@ -162,8 +162,14 @@ def main(argv=None):
         lr = args.lr
         if args.lr_schedule == "cosine":
             lr = keras.optimizers.schedules.CosineDecay(args.lr, decay_steps=args.steps)
-        inner = keras.optimizers.SGD(lr, momentum=args.momentum)
+        # momentum correction (DGC) applies the momentum in the wrapper: the inner SGD has none
+        corrected = method.endswith("_mc")
+        inner = keras.optimizers.SGD(lr, momentum=0.0 if corrected else args.momentum)
         sparse = None
+        def warmup():
+            return sparse_hvd.WarmupDensity(0.01, initial_density=0.25,
+                                            warmup_steps=max(1, args.steps // 5))
+
         if method not in ("floor", "dense", "dense_fp16"):
             if method == "threshold" and args.threshold is None:
                 raise SystemExit("method threshold needs --threshold LAMBDA")
@@ -180,6 +186,10 @@ def main(argv=None):
                                                                 max_density=0.1, refresh_steps=50,
                                                                 first_refresh=5),
                              "topk", "layerwise"),
+                # DGC's warm-up: 25% decaying exponentially to 1% over the first fifth of the run
+                "topk_0.01_warmup": (warmup, "topk", "grouped"),
+                "topk_0.01_mc": (0.01, "topk", "grouped"),
+                "approx_topk_0.01_warmup_mc": (warmup, "approx_topk", "grouped"),
             }
             density, sparsifier, grouping = settings[method]
             sparse = sparse_hvd.SparseDistributedOptimizer(
@@ -188,6 +198,7 @@ def main(argv=None):
                 sparsifier=sparsifier() if callable(sparsifier) else sparsifier,
                 grouping=grouping,
                 min_elements=args.min_elements,
+                momentum_correction=args.momentum if corrected else 0.0,
                 name=f"sparse_{method.replace('.', '_')}",
                 **({"dense_fallback": True} if args.dense_fallback else {}),
             )
