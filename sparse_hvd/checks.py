@@ -109,6 +109,31 @@ def check_staleness(staleness, momentum_correction, policy):
         )
 
 
+EXCHANGES = ("allgather", "sparse_allreduce", "auto")
+
+
+def check_exchange(exchange, grouping, staleness, policy):
+    """``exchange`` is known and composes with ``grouping``, ``staleness`` and the policy."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"`exchange` must be one of {EXCHANGES}, got {exchange!r}")
+    if exchange == "allgather":
+        return
+    if grouping == "layerwise":
+        raise ValueError(
+            f"exchange={exchange!r} cannot be combined with grouping='layerwise': the sparse "
+            "allreduce exchanges every variable in one alltoall. Use grouping='grouped' or "
+            "exchange='allgather'.")
+    if staleness:
+        raise ValueError(
+            f"exchange={exchange!r} cannot be combined with `staleness` > 0 (the delayed "
+            "pipeline gathers every rank's selections). Use staleness=0 or exchange='allgather'.")
+    if policy.requires_layerwise:
+        raise ValueError(
+            f"exchange={exchange!r} cannot be combined with {type(policy).__name__}, which sizes "
+            "each layer's own exchange (grouping='layerwise'). Use a constant or warm-up "
+            "density, or exchange='allgather'.")
+
+
 def warn_about_poor_combinations(optimizer, policy, grouping, density):
     """Warnings for settings that work but are unlikely to be what the user wants."""
     import warnings

@@ -60,6 +60,15 @@ def grouped_allgather(tensors, name, process_set=None):
                                  process_set=process_set)
 
 
+def alltoall(tensor, splits, name, process_set=None):
+    """Rows ``splits[r]`` of ``tensor`` (in order) go to rank r; returns what this rank
+    received from every rank, concatenated in rank order."""
+    hvd, process_set = _horovod_and_set(process_set)
+    received, _ = hvd.alltoall(tensor, splits=splits, name=name, ignore_name_scope=True,
+                               process_set=process_set)
+    return received
+
+
 def broadcast(tensor, root_rank, name, process_set=None):
     """``root_rank``'s ``tensor`` on every rank."""
     hvd, process_set = _horovod_and_set(process_set)

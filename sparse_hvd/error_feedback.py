@@ -173,6 +173,23 @@ class ErrorFeedback:
                 tf.convert_to_tensor(values, flat.dtype))
             residual.assign(tf.reshape(flat, residual.shape))
 
+    def take_back(self, state_updates, keys, returned):
+        """The step's state writes with ``returned`` (per key: ``(values, flat indices)`` this
+        rank sent that the exchange did not apply) added into the residuals' new values: those
+        positions were zeroed when sent, so the residual gets them back exactly. Without error
+        feedback there is no residual and they are dropped, as everything unsent is."""
+        back = {id(self.residuals[key]): item for key, item in zip(keys, returned)
+                if self.enabled}
+        updated = []
+        for variable, value in state_updates:
+            item = back.get(id(variable))
+            if item is not None:
+                values, indices = item
+                value = tf.tensor_scatter_nd_add(tf.reshape(value, [-1]),
+                                                 tf.expand_dims(indices, 1), values)
+            updated.append((variable, value))
+        return updated
+
     def share(self, process_set=None, name="sparse_hvd.share_residuals"):
         """Make every rank's state its mean over the ranks (eager; a collective).
 

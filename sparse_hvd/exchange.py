@@ -47,11 +47,14 @@ from typing import List, NamedTuple, Sequence
 
 import tensorflow as tf
 
-from . import collectives, kernels, nonfinite, runtime, wire
+from . import collectives, nonfinite, runtime, wire
+from .averaging import average_entries
 from .payload import Payload, entries_in
+from .sparse_allreduce import SparseAllreduce
 from .sparsifiers import Selection
 
 GROUPINGS = ("grouped", "layerwise")
+METHODS = ("allgather", "sparse_allreduce")
 
 # Dense-route gradients travel in the fused allgather while (workers x their entries) stays
 # below this (1 MiB of float32 received): a separate allreduce would cost one more negotiation
@@ -64,6 +67,9 @@ class Averaged(NamedTuple):
 
     gradients: list  # the average of each gradient, by its position in the step
     finite: tf.Tensor  # bool: every rank's gradients were finite (the same on every rank)
+    # sparse allreduce: per sparse selection, the (values, indices) this rank sent that were not
+    # kept, for its residual; empty for the allgather exchange (everything sent is applied)
+    returned: tuple = ()
 
 
 def _group_positions_by_dtype(tensors):
@@ -74,38 +80,6 @@ def _group_positions_by_dtype(tensors):
     return groups
 
 
-def average_entries(indices, values, counts, columns, sizes, divisor) -> List[tf.Tensor]:
-    """Step 4 of the module doc for the variables ``columns`` of ``counts``.
-
-    Args:
-        indices: int32 [entries]: every variable's gathered indices, rank by rank and within a
-            rank variable by variable (the columns of ``counts``).
-        values: [entries of ``columns``]: the values of the variables ``columns`` only, in the
-            same order.
-        counts: int32 [rows, variables]: entries of each variable in each row (rank).
-        columns: which variables to average; ``sizes``: their numbers of entries.
-        divisor: the number of workers.
-
-    Returns one flat tensor per column: the sum of its entries in order, divided by
-    ``divisor``.
-    """
-    columns, sizes = list(columns), list(sizes)
-    native = kernels.scatter_mean() if values.dtype in (tf.float32, tf.float64) else None
-    if native is not None:
-        return native(indices, values, counts, tf.constant(divisor, values.dtype),
-                      columns=columns, num_elements=sizes, num_outputs=len(columns))
-    rows, variables = counts.shape
-    owners = _owners(counts, rows)
-    per_variable = tf.dynamic_partition(indices, owners, variables)
-    if len(columns) < variables:
-        owners = _owners(tf.gather(counts, columns, axis=1), rows)
-    averaged = []
-    for column, part, n in zip(columns, tf.dynamic_partition(values, owners, len(columns)), sizes):
-        total = tf.math.unsorted_segment_sum(part, per_variable[column], n)
-        averaged.append(total if divisor == 1 else total / tf.cast(divisor, total.dtype))
-    return averaged
-
-
 class Exchange:
     """Averages gradients over the workers of one Horovod process set.
 
@@ -114,18 +88,34 @@ class Exchange:
             different names.
         process_set: Horovod process set (the global one by default).
         grouping: ``"grouped"`` or ``"layerwise"`` (see the module docstring).
+        method: ``"allgather"`` (every rank gathers every selection, this module) or
+            ``"sparse_allreduce"`` (``sparse_hvd.sparse_allreduce``: regions summed by their
+            owners, a global selection kept; grouped only).
     """
 
-    def __init__(self, name: str, process_set=None, grouping="grouped"):
+    def __init__(self, name: str, process_set=None, grouping="grouped", method="allgather"):
         if grouping not in GROUPINGS:
             raise ValueError(f"`grouping` must be one of {GROUPINGS}, got {grouping!r}")
+        if method not in METHODS:
+            raise ValueError(f"`exchange` must be one of {METHODS + ('auto',)}, got {method!r}")
         self.name = name
         self.process_set = process_set
         self.grouping = grouping
+        self.method = method
+        self.sparse_allreduce = None
+        self.use(method)
 
     @property
     def size(self) -> int:
         return runtime.size(self.process_set)
+
+    def use(self, method):
+        """Switch to ``method`` (before the first step: ``exchange="auto"``'s choice)."""
+        if method not in METHODS:
+            raise ValueError(f"unknown exchange method {method!r}")
+        self.method = method
+        self.sparse_allreduce = (SparseAllreduce(self.name, self.process_set)
+                                 if method == METHODS[1] else None)
 
     def average(self, payload: Payload, num_elements: Sequence[int]) -> Averaged:
         """The average over workers of every gradient in ``payload`` (by its position in the
@@ -138,7 +128,10 @@ class Exchange:
         count = 1 + max(payload.sparse.positions + payload.dense.positions + payload.rows.positions,
                         default=-1)
         sizes = [num_elements[key] for key in payload.sparse.keys]
-        if self.size > 1 and self.grouping == "grouped":
+        returned = ()
+        if self.size > 1 and self.sparse_allreduce is not None and payload.sparse.items:
+            sparse, dense, finite, returned = self._sparse_allreduce(payload, sizes)
+        elif self.size > 1 and self.grouping == "grouped":
             sparse, dense, finite = self._fused_average(payload, sizes)
         else:
             sparse = self.sparse_average(payload.sparse.items, sizes, payload.sparse.keys)
@@ -149,7 +142,7 @@ class Exchange:
         for part, results in ((payload.sparse, sparse), (payload.dense, dense), (payload.rows, rows)):
             for position, result in zip(part.positions, results):
                 averaged[position] = result
-        return Averaged(averaged, finite)
+        return Averaged(averaged, finite, tuple(returned))
 
     def _finite_everywhere(self, payload: Payload) -> tf.Tensor:
         """Whether every rank's gradients were finite, by one tiny allreduce (True, and no
@@ -164,19 +157,15 @@ class Exchange:
         size = self.size
         selections = payload.sparse.items
         dense = list(payload.dense.items)
-        gather_dense = (bool(dense)
-                        and size * sum(entries_in(t.shape) for t in dense) <= DENSE_GATHER_LIMIT)
+        dense_groups, dense_words = self._pack_dense(dense)
         # Step 1: pack
         counts = [tf.size(s.indices, out_type=tf.int32) for s in selections]
         flag = tf.cast(payload.finite_here(), tf.int32)
         header = tf.stack(counts + [flag])
         value_groups = _group_positions_by_dtype([s.values for s in selections])
-        dense_groups = _group_positions_by_dtype(dense) if gather_dense else {}
         words = [tf.concat([wire.to_words(selections[p].values) for p in positions], 0)
                  for positions in value_groups.values()]
         indices = tf.concat([s.indices for s in selections] or [tf.zeros([0], tf.int32)], 0)
-        dense_words = [tf.concat([wire.to_words(tf.reshape(dense[p], [-1])) for p in positions], 0)
-                       for positions in dense_groups.values()]
         # Step 2: gather
         gathered = collectives.grouped_allgather(
             [header, indices] + words + dense_words, name=f"{self.name}.fused",
@@ -195,19 +184,47 @@ class Exchange:
             for position, average in zip(positions, averages):
                 sparse[position] = average
         # Step 5: the dense route
-        if gather_dense:
-            averaged_dense = [None] * len(dense)
-            for (dtype, positions), group_words in zip(dense_groups.items(), gathered_dense):
-                lengths = [entries_in(dense[p].shape) for p in positions]
-                values = wire.from_words(group_words, dtype)
-                total = tf.math.unsorted_segment_sum(values, tf.tile(tf.range(sum(lengths)), [size]),
-                                                     sum(lengths))
-                average = total / tf.cast(size, dtype)
-                for position, piece in zip(positions, tf.split(average, lengths)):
-                    averaged_dense[position] = tf.reshape(piece, tf.shape(dense[position]))
-        else:
-            averaged_dense = self.dense_average(dense, payload.dense.keys)
+        averaged_dense = self._unpack_dense(dense, dense_groups, gathered_dense, payload.dense.keys)
         return sparse, averaged_dense, finite
+
+    def _sparse_allreduce(self, payload: Payload, sizes):
+        """The sparse allreduce (``sparse_hvd.sparse_allreduce``) with the small dense-route
+        gradients in its allgather: ``(sparse averages, dense averages, finite, returned)``."""
+        dense = list(payload.dense.items)
+        dense_groups, dense_words = self._pack_dense(dense)
+        result = self.sparse_allreduce.step(
+            payload.sparse.items, payload.sparse.keys, sizes, payload.budgets,
+            payload.finite_here(), dense_words)
+        averaged_dense = self._unpack_dense(dense, dense_groups, result.dense_words,
+                                            payload.dense.keys)
+        return result.averages, averaged_dense, result.finite, result.returned
+
+    def _pack_dense(self, dense):
+        """Dense-route gradients small enough to travel in a fused allgather: ``(groups, words)``,
+        one int32 tensor per dtype; none when they are too large (``DENSE_GATHER_LIMIT``)."""
+        if not dense or self.size * sum(entries_in(t.shape) for t in dense) > DENSE_GATHER_LIMIT:
+            return {}, []
+        groups = _group_positions_by_dtype(dense)
+        words = [tf.concat([wire.to_words(tf.reshape(dense[p], [-1])) for p in positions], 0)
+                 for positions in groups.values()]
+        return groups, words
+
+    def _unpack_dense(self, dense, groups, gathered, keys):
+        """The averages of ``dense``: summed over the ranks in rank order from what was gathered
+        (:meth:`_pack_dense`), or by one ``grouped_allreduce`` per dtype if nothing was."""
+        if not groups:
+            return self.dense_average(dense, keys)
+        size = self.size
+        averaged = [None] * len(dense)
+        for (dtype, positions), group_words in zip(groups.items(), gathered):
+            lengths = [entries_in(dense[p].shape) for p in positions]
+            values = wire.from_words(group_words, dtype)
+            total = tf.math.unsorted_segment_sum(values, tf.tile(tf.range(sum(lengths)), [size]),
+                                                 sum(lengths))
+            average = total / tf.cast(size, dtype)
+            for position, piece in zip(positions, tf.split(average, lengths)):
+                averaged[position] = tf.reshape(piece, tf.shape(dense[position]))
+        return averaged
 
     def sparse_average(
         self, selections: Sequence[Selection], num_elements: Sequence[int], keys: Sequence[int]
@@ -290,11 +307,3 @@ class Exchange:
             for position, tensor in zip(positions, group):
                 results[position] = tensor
         return results
-
-
-def _owners(counts, rows):
-    """For every gathered entry, the column of ``counts`` ([rows, variables]: entries each rank
-    sent of each variable) it belongs to: the entries arrive row by row, and within a row
-    variable by variable."""
-    columns = tf.shape(counts)[1]
-    return tf.repeat(tf.tile(tf.range(columns), [rows]), tf.reshape(counts, [-1]))

@@ -123,6 +123,18 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             on the live job, averaged over the ranks, printed by rank 0). On a fast network
             this keeps sparse_hvd from being slower than dense averaging. Off by default: the
             decision depends on timings, so two runs may route differently.
+        exchange: how the selections meet. ``"allgather"`` (default): every rank gathers every
+            rank's selection and applies their average: (N - 1) k entries received per worker
+            and step, best for a few workers. ``"sparse_allreduce"`` (``sparse_hvd.
+            sparse_allreduce``, after Ok-Topk and SparCML): each rank sums one region of the
+            index space and keeps the entries whose sum passes a global threshold (about k per
+            layer), so about 2k (N - 1) / N entries per worker, flat in N; it applies a global
+            top-k of the SUM of the selections, not the average of every selection, and what
+            was sent but not kept goes back to the sender's residual. Grouped exchange only;
+            not with ``staleness`` or the adaptive policy. ``"auto"``: when the optimizer is
+            built, one of the two or a dense allreduce of every layer, whichever a latency /
+            bandwidth model timed on the live job says is fastest for this N and density
+            (the same choice on every rank, printed by rank 0, in ``layer_stats()``).
         min_elements: variables smaller than this are exchanged densely (default 1024: below a
             few kilobytes a message costs its latency, whatever its size).
         process_set: Horovod process set to average over (the whole job by default). Not
@@ -145,6 +157,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         nonfinite="skip",
         staleness=0,
         dense_fallback=False,
+        exchange="allgather",
         process_set=None,
         name=None,
         **kwargs,
@@ -159,6 +172,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         checks.check_nonfinite(nonfinite)
         checks.check_staleness(staleness, momentum_correction, policy)
         checks.check_dense_fallback(dense_fallback)
+        checks.check_exchange(exchange, grouping, staleness, policy)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
         self.density_policy = policy
@@ -170,7 +184,9 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self.dense_fallback = dense_fallback
         self.min_elements = min_elements
         self.process_set = process_set
-        self._exchange = Exchange(name=self._prefix, process_set=process_set, grouping=grouping)
+        self.exchange = exchange
+        self._exchange = Exchange(name=self._prefix, process_set=process_set, grouping=grouping,
+                                  method="allgather" if exchange == "auto" else exchange)
         self._feedback = ErrorFeedback(self.error_feedback, self.momentum_correction)
         self._loss_scaling = LossScaling(optimizer)
         self._delayed = DelayedUpdates(self.staleness) if self.staleness else None
@@ -209,7 +225,25 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         )
         if self.dense_fallback:
             self._route_densely_where_faster(var_list)
+        if self.exchange == "auto":
+            self._choose_exchange()
         self.density_policy.prepare(self, var_list, self._routes)
+        if self._exchange.sparse_allreduce is not None:
+            self._exchange.sparse_allreduce.build(self, self._routes, runtime.size(self.process_set))
+
+    def _choose_exchange(self):
+        """``exchange="auto"``: the exchange the cost model says is fastest on this job
+        (``sparse_hvd.exchange_choice``; the same on every rank). "dense" routes every layer
+        densely."""
+        from .exchange_choice import choose_exchange
+
+        with tf.init_scope():
+            choice, _ = choose_exchange(self._routes, self.density, name=self._prefix,
+                                        process_set=self.process_set)
+        if choice == "dense":
+            self._routes = [route._replace(sparse=False) for route in self._routes]
+        else:
+            self._exchange.use(choice)
 
     def _route_densely_where_faster(self, var_list):
         """``dense_fallback``: the layers a dense allreduce moves faster go dense
@@ -242,6 +276,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             "nonfinite": self.nonfinite,
             "staleness": self.staleness,
             "dense_fallback": self.dense_fallback,
+            "exchange": self.exchange,
         }
 
     @property
@@ -376,7 +411,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         if self._counters is None:
             return {}
         return layer_stats(self._trainable_variables, self._routes, self._counters,
-                           self.density_policy, self.inner_optimizer.iterations)
+                           self.density_policy, self.inner_optimizer.iterations,
+                           self._exchange.method)
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -403,6 +439,9 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             payload = self._payload(grads_and_vars)  # Steps 1-3
             averaged = self._exchange.average(payload, self._num_elements())  # Step 4
             grads, state_updates = self._inner_gradients(payload, averaged.gradients, variables)
+            if averaged.returned:  # sparse allreduce: what was sent but not kept
+                state_updates = self._feedback.take_back(state_updates, payload.sparse.keys,
+                                                         averaged.returned)
             self._counters.record(payload)
             self._counters.record_times(payload, grads)
             with tf.control_dependencies(grads):  # re-measure after this step's traffic
@@ -473,7 +512,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             elif route.sparse:
                 k = self.density_policy.k(index, route.num_elements, step)
                 selection, updates = self._feedback.select(index, grad, self.sparsifier, k)
-                builder.add_sparse(position, index, route, grad, selection, updates)
+                builder.add_sparse(position, index, route, grad, selection, updates, budget=k)
             else:
                 builder.add_dense(position, index, route, grad)
         return builder.build()

@@ -68,6 +68,7 @@ class Payload(NamedTuple):
     dense_bytes: int  # what a dense float32 exchange would send
     bytes_sent: tf.Tensor  # int64: this rank's payload in bytes
     capped: tf.Tensor  # int64: selections a payload cap cut short
+    budgets: tuple = ()  # the density policy's k of each selection in ``sparse``
 
     @property
     def selected(self):
@@ -95,6 +96,7 @@ class PayloadBuilder:
         self._dense_bytes = 0
         self._bytes_sent = tf.constant(0, tf.int64)
         self._capped = tf.constant(0, tf.int64)
+        self._budgets = []
 
     def _add(self, kind, position, key, item, route: Route, values, sent, bytes_sent):
         positions, keys, items = self._parts[kind]
@@ -110,8 +112,10 @@ class PayloadBuilder:
         self._sent.append((key, sent))
 
     def add_sparse(self, position, key, route: Route, gradient, selection: Selection,
-                   state_updates=()):
-        """A selection of ``gradient`` (as the sparsifier saw it) and the state writes it needs."""
+                   state_updates=(), budget=None):
+        """A selection of ``gradient`` (as the sparsifier saw it), the state writes it needs and
+        the density policy's k for it."""
+        self._budgets.append(budget)
         sent = tf.cast(tf.size(selection.values), tf.int64)
         self._add("sparse", position, key, selection, route, gradient, sent,
                   sent * (route.itemsize + INDEX_BYTES))
@@ -136,6 +140,7 @@ class PayloadBuilder:
             state_updates=tuple(self._state_updates), local_finite=tuple(self._local_finite),
             gradients=tuple(self._gradients), sent_per_variable=tuple(self._sent),
             dense_bytes=self._dense_bytes, bytes_sent=self._bytes_sent, capped=self._capped,
+            budgets=tuple(self._budgets),
         )
 
 

@@ -76,14 +76,17 @@ class CommunicationCounters:
         }
 
 
-def layer_stats(variables, routes, counters: CommunicationCounters, policy, step):
-    """Per variable (by path): entries, route, and entries/density sent in the last step."""
+def layer_stats(variables, routes, counters: CommunicationCounters, policy, step,
+                exchange="allgather"):
+    """Per variable (by path): entries, route, how it is exchanged ("allgather",
+    "sparse_allreduce" or "dense"), and entries/density sent in the last step."""
     last = counters.last_sent.numpy()
     stats = {}
     for index, (variable, route) in enumerate(zip(variables, routes)):
         stats[variable.path] = {
             "elements": route.num_elements,
             "route": "sparse" if route.sparse else "dense",
+            "exchange": exchange if route.sparse else "dense",
             "target_density": policy.current_density(index, step) if route.sparse else 1.0,
             "last_sent": int(last[index]),
             "last_density": float(last[index]) / route.num_elements,

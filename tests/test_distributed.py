@@ -29,3 +29,22 @@ def test_rank_tests_pass_on_every_rank(launcher, num_ranks):
     assert len(summaries) == num_ranks, f"expected a pytest summary from each rank:\n{result.output[-6000:]}"
     assert len(set(summaries)) == 1 and int(summaries[0]) > 0
     assert not re.search(r"\d+ (failed|errors?)\b", result.output), result.output[-10000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("num_ranks", [4, 5])
+def test_sparse_allreduce_rank_tests_pass_at_more_ranks(num_ranks):
+    # the sparse allreduce's regions and alltoall at more ranks than the whole folder runs at
+    reason = launcher_available("mpirun")
+    if reason:
+        pytest.skip(reason)
+    result = run_job(
+        "mpirun", num_ranks,
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no",
+         os.path.join(RANK_TESTS, "test_sparse_allreduce.py")],
+        timeout=JOB_TIMEOUT, env={"SPARSE_HVD_RANK_TESTS": "1"},
+    )
+    assert not result.timed_out, f"job hung for {JOB_TIMEOUT}s:\n{result.output[-6000:]}"
+    assert result.returncode == 0, result.output[-10000:]
+    summaries = re.findall(r"(\d+) passed in ", result.output)
+    assert len(summaries) == num_ranks and len(set(summaries)) == 1, result.output[-6000:]

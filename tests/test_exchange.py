@@ -5,8 +5,8 @@ import pytest
 import tensorflow as tf
 
 from sparse_hvd import kernels
-from sparse_hvd import exchange as exchange_module
-from sparse_hvd.exchange import average_entries
+from sparse_hvd import averaging as averaging_module
+from sparse_hvd.averaging import average_entries
 
 SIZES = [1000, 70000, 33]
 
@@ -44,7 +44,7 @@ def test_average_entries_is_the_rank_order_sum_divided(monkeypatch, native, dtyp
     if native and kernels.scatter_mean() is None:
         pytest.skip("the native kernels are not built here (scripts/setup.sh builds them)")
     if not native:
-        monkeypatch.setattr(exchange_module.kernels, "scatter_mean", lambda: None)
+        monkeypatch.setattr(averaging_module.kernels, "scatter_mean", lambda: None)
     counts, indices, values = _gathered(rows, dtype)
     columns = [0, 2]  # variable 1 has another dtype: its values are not in this call
     group_values = [values[r * len(SIZES) + c] for r in range(rows) for c in columns]

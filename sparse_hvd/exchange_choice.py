@@ -1,0 +1,69 @@
+"""``exchange="auto"``: which exchange moves a step's gradients fastest on this job.
+
+When the optimizer is built, every rank times Horovod allgathers of two sizes bracketing the
+step's payload (``sparse_hvd.adaptive.probe_allgather_costs``) and fits ``t = alpha + beta x
+bytes`` per rank's share; the fit is averaged over the ranks, so every rank decides the same.
+With P the payload one rank sends per step (values and int32 indices at the density), D the
+dense bytes of the same variables and N the workers, the fitted allgather of ``s`` bytes per
+rank moves (N - 1) s bytes into every worker, so one worker's link carries ``beta / (N - 1)``
+seconds per byte. The modelled step exchanges:
+
+1. allgather: one allgather of P: ``alpha + beta P``;
+2. sparse allreduce: an alltoall of P ((N - 1) / N of it on the wire) and an allgather of the
+   kept entries (about P / N per rank): ``2 alpha + 2 beta P / N``;
+3. dense: a ring allreduce of D (2 (N - 1) / N of it through every link):
+   ``alpha + 2 beta D / N``.
+
+The smallest wins; a tie goes to dense, which also skips the selection. The model leaves out
+the CPU work around each exchange (selection, summing), which is about the same for the two
+sparse ones: it counts the network only.
+"""
+
+import tensorflow as tf
+
+from . import collectives, runtime
+from .adaptive import fit_latency_bandwidth, probe_allgather_costs, probe_sizes_for
+from .density import elements_to_send
+from .payload import INDEX_BYTES
+
+def modelled_seconds(alpha, beta, payload_bytes, dense_bytes, workers):
+    """Step 1-3 of the module doc: ``{"allgather", "sparse_allreduce", "dense"}: seconds``."""
+    return {
+        "allgather": alpha + beta * payload_bytes,
+        "sparse_allreduce": 2 * alpha + 2 * beta * payload_bytes / workers,
+        "dense": alpha + 2 * beta * dense_bytes / workers,
+    }
+
+
+def decide(seconds):
+    """The fastest of :func:`modelled_seconds` (ties: dense, then allgather)."""
+    sparse = min(("allgather", "sparse_allreduce"), key=lambda m: (seconds[m], m))
+    return "dense" if seconds["dense"] <= seconds[sparse] else sparse
+
+
+def choose_exchange(routes, density, name, process_set=None):
+    """``(choice, details)`` for the sparse ``routes`` at ``density`` (eager; collectives on
+    every rank). Rank 0 prints the choice and the model."""
+    workers = runtime.size(process_set)
+    sparse = [r for r in routes if r.sparse]
+    payload = sum(elements_to_send(r.num_elements, density) * (r.itemsize + INDEX_BYTES)
+                  for r in sparse)
+    dense = sum(r.num_elements * r.itemsize for r in sparse)
+    if workers == 1 or not sparse:
+        return "allgather", {"workers": workers, "payload_bytes": payload}
+    sizes = probe_sizes_for([payload // 4, payload])
+    times, _ = probe_allgather_costs(f"{name}.auto", sizes, repeats=3, process_set=process_set)
+    alpha, beta = fit_latency_bandwidth(tf.constant(sizes, tf.float64), times)
+    model = collectives.allreduce(tf.stack([alpha, beta]), name=f"{name}.auto.model",
+                                  process_set=process_set)
+    alpha, beta = float(model[0]), float(model[1])
+    seconds = modelled_seconds(alpha, beta, payload, dense, workers)
+    choice = decide(seconds)
+    details = {"workers": workers, "payload_bytes": payload, "dense_bytes": dense,
+               "alpha": alpha, "beta": beta, "modelled_seconds": seconds, "choice": choice}
+    if runtime.rank(process_set) == 0:
+        print(f"sparse_hvd: exchange='auto' chose {choice!r} for {workers} workers "
+              f"(modelled ms per step: "
+              + ", ".join(f"{m} {t * 1e3:.2f}" for m, t in seconds.items())
+              + f"; alpha {alpha * 1e6:.0f} us, beta {beta * 1e9:.3f} ns/B)", flush=True)
+    return choice, details

@@ -1,0 +1,192 @@
+"""exchange="sparse_allreduce" on every rank, against a NumPy re-computation of its rule."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparse_hvd
+from conftest import digest, gather
+from helpers import classification_data, mlp, numpy_topk_indices, weights_of
+
+LEVELS = (1.0, 2 ** -0.5, 0.5, 2 ** -1.5, 0.25)
+SHAPES = [(60, 50), (40, 40)]  # sparse route (3000 and 1600 entries); the bias goes dense
+DENSITY = 0.02
+
+
+class NumpyRule:
+    """The documented rule (sparse_hvd/sparse_allreduce.py, steps 2-8) for every rank at once."""
+
+    def __init__(self, size, select):
+        self.size, self.select = size, select
+        self.sizes = [int(np.prod(s)) for s in SHAPES]
+        self.budgets = [math.ceil(DENSITY * n) for n in self.sizes]
+        self.theta = [0.0] * len(SHAPES)
+        self.residuals = [[np.zeros(n) for n in self.sizes] for _ in range(size)]
+
+    def step(self, grads):
+        """``grads[rank][variable]`` (flat): the averages every rank applies."""
+        averages = []
+        for v, n in enumerate(self.sizes):
+            sent = []
+            for r in range(self.size):
+                compensated = grads[r][v] + self.residuals[r][v]
+                chosen = self.select(r, compensated, self.budgets[v])
+                sent.append((chosen, compensated[chosen]))
+                self.residuals[r][v] = compensated.copy()
+                self.residuals[r][v][chosen] = 0.0
+            sums = {}
+            for chosen, values in sent:  # rank order, from 0.0 as the segment sum does
+                for i, x in zip(chosen.tolist(), values.tolist()):
+                    sums[i] = sums.get(i, 0.0) + x
+            theta = self.theta[v]
+            kept = {i: s for i, s in sums.items() if abs(s) >= theta}
+            average = np.zeros(n)
+            for i, s in kept.items():
+                average[i] = s / self.size
+            averages.append(average)
+            for r, (chosen, values) in enumerate(sent):
+                for i, x in zip(chosen.tolist(), values.tolist()):
+                    if i not in kept:
+                        self.residuals[r][v][i] += x
+            counts = [sum(abs(s) >= theta * level for s in sums.values()) for level in LEVELS]
+            magnitudes = sorted((abs(s) for s in kept.values()), reverse=True)
+            k = self.budgets[v]
+            if len(magnitudes) >= k:
+                self.theta[v] = magnitudes[k - 1]
+            elif theta > 0:
+                reached = [level for level, c in zip(LEVELS[1:], counts[1:]) if c >= k]
+                self.theta[v] = theta * (reached[0] if reached else LEVELS[-1])
+        return averages
+
+
+def _gradients(rank, step, silent_rank=None):
+    rng = np.random.RandomState(1000 * step + rank)
+    grads = [rng.randn(n) * 0.1 for n in (3000, 1600)]
+    grads[0][5] = 10.0 + rank  # an index every rank selects
+    grads[0][:400] += rng.randn(400)  # most selections fall in the first region
+    if rank == silent_rank:
+        grads = [g * 1e-6 for g in grads]
+    return grads
+
+
+def _run(hvd, sparsifier, select, steps, silent_rank, name):
+    rank, size = hvd.rank(), hvd.size()
+    variables = [keras.Variable(np.zeros(s), dtype="float64") for s in SHAPES]
+    bias = keras.Variable(np.zeros(10), dtype="float64")
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(1.0), density=DENSITY, sparsifier=sparsifier,
+        exchange="sparse_allreduce", name=name)
+    step = tf.function(lambda a, b, c: optimizer.apply_gradients(
+        [(a, variables[0]), (b, variables[1]), (c, bias)]))
+    rule = NumpyRule(size, select)
+    expected = [np.zeros(int(np.prod(s))) for s in SHAPES]
+    state = optimizer._exchange.sparse_allreduce
+    for t in range(steps):
+        everyone = [_gradients(r, t, silent_rank) for r in range(size)]
+        mine = everyone[rank]
+        step(tf.constant(mine[0].reshape(SHAPES[0])), tf.constant(mine[1].reshape(SHAPES[1])),
+             tf.constant(np.full(10, float(rank))))
+        for v, average in enumerate(rule.step(everyone)):
+            expected[v] = expected[v] - average
+            np.testing.assert_array_equal(variables[v].numpy().reshape(-1), expected[v],
+                                          err_msg=f"weights of variable {v} at step {t}")
+            np.testing.assert_array_equal(optimizer.residuals[v].numpy().reshape(-1),
+                                          rule.residuals[rank][v],
+                                          err_msg=f"residual of variable {v} at step {t}")
+        np.testing.assert_array_equal(state.thresholds.numpy()[:2], rule.theta)
+    np.testing.assert_allclose(bias.numpy(), -steps * (size - 1) / 2 * np.ones(10))
+    bounds = gather(hvd, state.boundaries.numpy().tolist(), name=f"{name}.bounds")
+    assert all(b == bounds[0] for b in bounds)
+    return rule, bounds[0]
+
+
+def test_each_step_applies_the_kept_sums_and_returns_the_rest(hvd):
+    # top-k on every rank: index 5 chosen by all; the thresholds go from 0 (everything summed
+    # is kept) to the exact k-th largest sum, and the regions re-balance toward index 0
+    rule, bounds = _run(hvd, "topk", lambda r, c, k: numpy_topk_indices(c, k), steps=4,
+                        silent_rank=None, name="sar_topk")
+    assert all(theta > 0 for theta in rule.theta)
+    assert bounds[0] == 0 and bounds[-1] == 4600 and bounds == sorted(bounds)
+    assert bounds[1] < 4600 // hvd.size(), "the regions did not follow the selections"
+
+
+def test_a_rank_that_sends_nothing_and_empty_regions(hvd):
+    # a hard threshold: the last rank's gradients never pass lambda, so it sends nothing, and
+    # most regions receive nothing (the selections lie in the first 400 entries)
+    lam = 0.5
+    size = hvd.size()
+    rule, _ = _run(hvd, sparse_hvd.Threshold(threshold=lam, max_density=0.5),
+                   lambda r, c, k: np.flatnonzero(np.abs(c) >= lam), steps=4,
+                   silent_rank=size - 1, name="sar_threshold")
+    assert np.count_nonzero(rule.residuals[size - 1][0]) > 0  # it keeps everything
+
+
+def test_nothing_of_any_gradient_is_lost_at_any_step(hvd):
+    rank, size = hvd.rank(), hvd.size()
+    variable = keras.Variable(np.zeros((80, 70)), dtype="float64")
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(1.0), density=0.01, sparsifier="approx_topk",
+        exchange="sparse_allreduce", name="sar_conservation")
+    step = tf.function(lambda g: optimizer.apply_gradients([(g, variable)]))
+    rng = np.random.RandomState(rank)
+    total = np.zeros((80, 70))
+    for t in range(15):
+        g = rng.standard_cauchy((80, 70)) * 0.01
+        total += g
+        step(tf.constant(g))
+        residuals = hvd.allreduce(tf.constant(optimizer.residuals[0].numpy()), op=hvd.Sum,
+                                  name=f"sar_conservation.r{t}").numpy()
+        gradients = hvd.allreduce(tf.constant(total), op=hvd.Sum, name=f"sar_conservation.g{t}").numpy()
+        # sum of residuals + N x (everything applied) == sum of every gradient so far
+        np.testing.assert_allclose(residuals + size * -variable.numpy(), gradients,
+                                   rtol=0, atol=1e-12, err_msg=f"step {t}")
+
+
+def test_model_fit_keeps_replicas_identical_and_resumes_exactly(hvd, tmp_path_factory):
+    rank = hvd.rank()
+    x, y = classification_data(n=64, seed=rank)
+
+    def compiled(model):
+        model.compile(sparse_hvd.SparseDistributedOptimizer(
+            keras.optimizers.SGD(0.05, momentum=0.9), density=0.01,
+            exchange="sparse_allreduce", name="sar_fit"),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+        return model
+
+    callbacks = [sparse_hvd.BroadcastGlobalVariablesCallback(0), sparse_hvd.ShareResidualsCallback()]
+    model = compiled(mlp(seed=rank))
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    assert len(set(gather(hvd, digest(weights_of(model)), name="sar_fit.digest"))) == 1
+    thresholds = model.optimizer._exchange.sparse_allreduce.thresholds.numpy()
+    assert len(set(gather(hvd, digest([thresholds]), name="sar_fit.thresholds"))) == 1
+    assert np.count_nonzero(thresholds) > 0
+
+    directory = gather(hvd, str(tmp_path_factory.mktemp("sar_resume")), name="sar_fit.dir")[0]
+    path = f"{directory}/epoch1.keras"
+    if rank == 0:
+        model.save(path)
+    gather(hvd, "saved", name="sar_fit.barrier")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=callbacks[1:])
+    uninterrupted = weights_of(model)
+    resumed = keras.models.load_model(path)
+    assert resumed.optimizer.exchange == "sparse_allreduce"
+    np.testing.assert_array_equal(resumed.optimizer._exchange.sparse_allreduce.thresholds.numpy(),
+                                  thresholds)
+    resumed.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    for a, b in zip(uninterrupted, weights_of(resumed)):
+        np.testing.assert_array_equal(a, b)
+    assert len(set(gather(hvd, digest(weights_of(resumed)), name="sar_fit.resumed"))) == 1
+
+
+def test_auto_makes_the_same_choice_on_every_rank(hvd):
+    model = mlp(seed=0)
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.05), density=0.01,
+                                                      exchange="auto", name="sar_auto")
+    optimizer.build(model.trainable_variables)
+    choice = sorted({s["exchange"] for s in optimizer.layer_stats().values()})
+    everyone = gather(hvd, choice, name="sar_auto.choice")
+    assert all(c == everyone[0] for c in everyone)
+    assert set(choice) <= {"allgather", "sparse_allreduce", "dense"}

@@ -1,0 +1,90 @@
+"""The sparse allreduce's pieces in one process: regions, the threshold rule, the choice of
+exchange, and the options it refuses."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparse_hvd
+from sparse_hvd.exchange_choice import decide, modelled_seconds
+from sparse_hvd.sparse_allreduce import LEVELS, even_boundaries, next_threshold, owners_of
+
+
+def test_even_boundaries_cover_the_index_space():
+    assert even_boundaries(10, 3) == [0, 3, 6, 10]
+    assert even_boundaries(2, 4) == [0, 0, 1, 1, 2]  # more ranks than entries: empty regions
+
+
+def test_each_index_goes_to_the_region_that_holds_it_and_empty_regions_get_nothing():
+    boundaries = tf.constant([0, 4, 4, 9, 12], tf.int64)  # rank 1's region is empty
+    owners = owners_of(tf.constant([0, 3, 4, 8, 9, 11], tf.int64), boundaries)
+    np.testing.assert_array_equal(owners.numpy(), [0, 0, 2, 2, 3, 3])
+
+
+def _threshold(theta, kept, counts, budget):
+    return float(next_threshold(tf.constant(theta, tf.float64), tf.constant(kept, tf.float64),
+                                tf.constant(counts, tf.int32), budget))
+
+
+def test_the_next_threshold_is_the_kth_largest_kept_sum_when_enough_were_kept():
+    assert _threshold(0.0, [5.0, 1.0, 3.0, 2.0], [4, 4, 4, 4, 4], 3) == 2.0
+    assert _threshold(1.5, [5.0, 3.0, 2.0], [3, 3, 4, 4, 9], 3) == 2.0
+
+
+def test_too_few_kept_lowers_the_threshold_to_the_level_k_sums_reached():
+    assert len(LEVELS) == 5
+    # 2 kept, k = 4: the level 1/2 (third) is the first with at least 4 sums
+    assert _threshold(8.0, [9.0, 8.5], [2, 3, 4, 6, 9], 4) == 8.0 * 0.5
+    # not even a quarter of theta has k sums: a quarter, and the search goes on
+    assert _threshold(8.0, [9.0], [1, 1, 1, 2, 2], 4) == 2.0
+    # theta 0 keeps every sum: fewer than k exist, it stays 0
+    assert _threshold(0.0, [1.0], [1, 1, 1, 1, 1], 4) == 0.0
+
+
+def test_auto_prefers_allgather_for_few_workers_and_sparse_allreduce_for_many():
+    alpha, beta = 50e-6, 1e-9  # 50 us, 1 ns per byte per rank's share
+    payload, dense = 350_000, 17_400_000
+    assert decide(modelled_seconds(alpha, beta, payload, dense, 2)) == "allgather"
+    assert decide(modelled_seconds(alpha, beta, payload, dense, 64)) == "sparse_allreduce"
+    # at density 1 the payload is twice the dense bytes: dense wins
+    assert decide(modelled_seconds(alpha, beta, 2 * dense, dense, 8)) == "dense"
+
+
+@pytest.mark.parametrize("settings,words", [
+    ({"grouping": "layerwise"}, "grouping='layerwise'"),
+    ({"staleness": 2}, "`staleness`"),
+    ({"density": sparse_hvd.AdaptiveDensity(), "grouping": "grouped"}, "AdaptiveDensity"),
+])
+def test_options_that_cannot_compose_are_refused_naming_both(settings, words):
+    with pytest.raises(ValueError, match=f"exchange='sparse_allreduce'.*{words}|{words}.*exchange"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1),
+                                              exchange="sparse_allreduce", **settings)
+
+
+def test_an_unknown_exchange_is_refused():
+    with pytest.raises(ValueError, match="`exchange` must be one of"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), exchange="ring")
+
+
+def test_the_exchange_round_trips_through_the_config():
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                      exchange="sparse_allreduce")
+    clone = sparse_hvd.SparseDistributedOptimizer.from_config(optimizer.get_config())
+    assert clone.exchange == "sparse_allreduce"
+
+
+def test_one_worker_applies_its_own_selection_as_the_allgather_exchange_does():
+    # alone there is nothing to exchange: the same step as exchange="allgather"
+    results = []
+    for exchange in ("allgather", "sparse_allreduce"):
+        variable = keras.Variable(np.zeros((50, 40)), dtype="float64")
+        optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(1.0),
+                                                          exchange=exchange)
+        rng = np.random.RandomState(0)
+        for _ in range(3):
+            optimizer.apply_gradients([(tf.constant(rng.randn(50, 40)), variable)])
+        results.append((variable.numpy(), optimizer.residuals[0].numpy()))
+        assert [s["exchange"] for s in optimizer.layer_stats().values()] == [exchange]
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
