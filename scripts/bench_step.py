@@ -13,10 +13,12 @@ Methods (``--methods``, comma-separated):
   ``approx_topk``, ``randomk``) at that density; ``threshold@<d>``: a hard threshold whose
   lambda gives about density d (calibrated on the job's own top-k residuals in the warm-up);
   ``threshold_capped@<d>``: a threshold so low that every entry passes and the cap
-  (``max_density=d``) decides; ``adaptive@<d>``: LAGS with ``grouping="layerwise"``.
+  (``max_density=d``) decides; ``adaptive@<d>``: LAGS with ``grouping="layerwise"``;
+  ``sar_<sparsifier>@<d>``: the same with ``exchange="sparse_allreduce"``.
 
 For each method: the median step (median over ranks of each rank's median), x floor, x dense,
-bytes this rank handed to the exchange per step and, separately, what the density policy sent
+bytes this rank handed to the exchange per step, on the emulated cluster (``--rate``) the
+bytes its link received and sent per step (interface counters: the wire), and separately what the density policy sent
 for its own measurements (AdaptiveDensity's probes, per step over the whole run, the probe at
 build included), the optimizer's own spans per step
 (``sparsify``: gradients -> selections; ``exchange``: selections -> averaged gradients, from
@@ -97,6 +99,21 @@ def parse_method(method):
     return method, None
 
 
+def link_bytes():
+    """(received, sent) bytes so far on the emulated cluster's link of this worker, or None
+    outside the emulated cluster (the interface counters of its network namespace)."""
+    iface = os.environ.get("EMULATED_CLUSTER_IFACE")
+    if not iface:
+        return None
+    with open("/proc/net/dev") as handle:
+        for line in handle:
+            name, _, fields = line.partition(":")
+            if name.strip() == iface:
+                fields = fields.split()
+                return int(fields[0]), int(fields[8])
+    return None
+
+
 def worker(args):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import sparse_hvd
@@ -134,7 +151,10 @@ def worker(args):
         inner = keras.optimizers.SGD(0.01, momentum=0.9)
         sparse = None
         if name not in DENSE_METHODS:
-            grouping, policy, sparsifier = "grouped", density, name
+            grouping, policy, sparsifier, exchange = "grouped", density, name, "allgather"
+            if name.startswith("sar_"):
+                exchange, name = "sparse_allreduce", name[len("sar_"):]
+                sparsifier = name
             if name == "threshold":
                 sparsifier = sparse_hvd.Threshold(threshold=thresholds[density], max_density=0.05)
             elif name == "threshold_capped":
@@ -144,7 +164,7 @@ def worker(args):
                 policy = sparse_hvd.AdaptiveDensity(density, min_density=density / 10,
                                                     max_density=min(1.0, density * 10))
             sparse = sparse_hvd.SparseDistributedOptimizer(
-                inner, density=policy, sparsifier=sparsifier, grouping=grouping,
+                inner, density=policy, sparsifier=sparsifier, grouping=grouping, exchange=exchange,
                 name=label or f"bench_{method.replace('@', '_').replace('.', '_')}")
         optimizer = sparse if sparse is not None else inner
         optimizer.build(variables)
@@ -191,15 +211,20 @@ def worker(args):
         model, sparse, step = build(method)
         for _ in range(args.warmup_steps):
             float(step(next(stream)))
-        runs[method] = {"model": model, "step": step, "sparse": sparse, "times": [], "stats": []}
+        runs[method] = {"model": model, "step": step, "sparse": sparse, "times": [], "stats": [],
+                        "link": []}
     for _ in range(args.rounds):
         for method, run in runs.items():
             before = run["sparse"].communication_stats() if run["sparse"] else None
+            link_before = link_bytes()
             for _ in range(args.steps):
                 indices = next(stream)
                 t0 = time.perf_counter()
                 float(run["step"](indices))
                 run["times"].append(time.perf_counter() - t0)
+            if link_before is not None:
+                link_after = link_bytes()
+                run["link"].append([(a - b) / args.steps for a, b in zip(link_after, link_before)])
             if before is not None:
                 after = run["sparse"].communication_stats()
                 run["stats"].append({k: (after[k] - before[k]) / args.steps for k in
@@ -212,6 +237,9 @@ def worker(args):
                     "capped_selections"):
             if run["stats"]:
                 entry[key] = float(np.median([s[key] for s in run["stats"]]))
+        if run["link"]:
+            entry["wire_received_bytes"] = float(np.median([r for r, _ in run["link"]]))
+            entry["wire_sent_bytes"] = float(np.median([t for _, t in run["link"]]))
         if run["sparse"]:
             # the policy's probes (AdaptiveDensity), averaged over every step of this run,
             # build-time probe included
@@ -378,9 +406,10 @@ def table(result):
              f"load {result.get('load')}",
              "",
              "| method | step ms | x floor | x dense | payload kB/step | probes kB/step "
-             "| sparsify ms | exchange ms | tensors | negotiation ms | transfer ms "
-             "| replicas identical |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| wire in/out kB/step | sparsify ms | exchange ms | tensors | negotiation ms "
+             "| transfer ms | replicas identical |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| --- |"]
     for method, m in methods.items():
         step = m["median_step"]
         t = breakdown.get(method, {})
@@ -392,6 +421,8 @@ def table(result):
             f"{step / floor:.2f}" if floor else "", f"{step / dense:.2f}" if dense else "",
             f"{payload / 1e3:,.0f}" if payload is not None else "",
             f"{m['measurement_bytes'] / 1e3:,.1f}" if "measurement_bytes" in m else "",
+            (f"{m['wire_received_bytes'] / 1e3:,.0f} / {m['wire_sent_bytes'] / 1e3:,.0f}"
+             if "wire_received_bytes" in m else ""),
             f"{m['sparsify_seconds'] * 1e3:.1f}" if "sparsify_seconds" in m else "",
             f"{m['exchange_seconds'] * 1e3:.1f}" if "exchange_seconds" in m else "",
             str(t.get("tensors", "")),

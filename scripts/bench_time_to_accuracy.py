@@ -25,7 +25,8 @@ What it measures
     * ``topk_0.01_warmup``: top-k 1% after DGC's warm-up (``WarmupDensity`` from 25% down to 1%
       over the first fifth of the steps); ``topk_0.01_mc``: top-k 1% with DGC's momentum
       correction (the momentum moves into the wrapper, the inner SGD has none);
-      ``approx_topk_0.01_warmup_mc``: approx top-k 1% with both.
+      ``approx_topk_0.01_warmup_mc``: approx top-k 1% with both; ``sar_topk_0.01``,
+      ``sar_topk_0.001``: top-k with ``exchange="sparse_allreduce"``.
 
     The digits are split 50/50 (899 test images: one image is 0.11 points, so the 0.5-point
     margin below is resolved; ``--test-fraction``). After the training runs, one more job times
@@ -92,7 +93,8 @@ SPEEDUP_TARGET = 3.0
 FLOOR_TARGET = 1.3
 BYTES_TARGET = 30.0
 SPARSE_METHODS = ("topk_0.01", "topk_0.001", "approx_topk_0.01", "threshold", "adaptive",
-                  "topk_0.01_warmup", "topk_0.01_mc", "approx_topk_0.01_warmup_mc")
+                  "topk_0.01_warmup", "topk_0.01_mc", "approx_topk_0.01_warmup_mc",
+                  "sar_topk_0.01", "sar_topk_0.001")
 ONE_PERCENT = ("topk_0.01", "approx_topk_0.01", "topk_0.01_warmup", "topk_0.01_mc",
                "approx_topk_0.01_warmup_mc")
 LABELS = {
@@ -107,6 +109,8 @@ LABELS = {
     "topk_0.01_warmup": "sparse_hvd top-k 1%, warm-up from 25%",
     "topk_0.01_mc": "sparse_hvd top-k 1%, momentum correction",
     "approx_topk_0.01_warmup_mc": "sparse_hvd approx top-k 1%, warm-up + momentum correction",
+    "sar_topk_0.01": "sparse_hvd top-k 1%, sparse allreduce",
+    "sar_topk_0.001": "sparse_hvd top-k 0.1%, sparse allreduce",
 }
 
 

@@ -51,7 +51,8 @@ import sys
 import time
 
 METHODS = ("floor", "dense", "dense_fp16", "topk_0.01", "topk_0.001", "approx_topk_0.01",
-           "threshold", "adaptive", "topk_0.01_warmup", "topk_0.01_mc", "approx_topk_0.01_warmup_mc")
+           "threshold", "adaptive", "topk_0.01_warmup", "topk_0.01_mc", "approx_topk_0.01_warmup_mc",
+           "sar_topk_0.01", "sar_topk_0.001")
 
 
 def parse_args(argv=None):
@@ -190,6 +191,9 @@ def main(argv=None):
                 "topk_0.01_warmup": (warmup, "topk", "grouped"),
                 "topk_0.01_mc": (0.01, "topk", "grouped"),
                 "approx_topk_0.01_warmup_mc": (warmup, "approx_topk", "grouped"),
+                # exchange="sparse_allreduce"
+                "sar_topk_0.01": (0.01, "topk", "grouped"),
+                "sar_topk_0.001": (0.001, "topk", "grouped"),
             }
             density, sparsifier, grouping = settings[method]
             sparse = sparse_hvd.SparseDistributedOptimizer(
@@ -199,6 +203,7 @@ def main(argv=None):
                 grouping=grouping,
                 min_elements=args.min_elements,
                 momentum_correction=args.momentum if corrected else 0.0,
+                exchange="sparse_allreduce" if method.startswith("sar_") else "allgather",
                 name=f"sparse_{method.replace('.', '_')}",
                 **({"dense_fallback": True} if args.dense_fallback else {}),
             )

@@ -17,19 +17,23 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
 5. ONE ``allgather`` of the kept entries, a small header per rank (whether its gradients were
    finite; per variable, how many of its summed entries reach theta x 1, 2^-1/2, 1/2, 2^-3/2,
    1/4; where its own selected indices fall), and the small dense-route gradients;
-6. every rank builds the same averages: the kept sums divided by N;
-7. error feedback stays exact: an entry this rank sent whose sum was not kept goes back into its
-   residual, so nothing of any gradient is lost: the sum over ranks of the residuals plus N times
-   the applied average equals the sum over ranks of the previous residuals and the gradients;
-8. from the header, every rank computes the same next theta per variable: the k-th largest kept
-   magnitude when at least k were kept (the exact global top-k of this step's sums), else theta
-   times the largest level that k summed entries reached (at least 1/4: the search goes on next
-   step); and the same next boundaries: the mean over ranks of where each rank's selected
-   indices divide into N equal parts (so each owner receives about as many entries).
+6. every rank computes the same next theta per variable from what was gathered: the k-th
+   largest kept magnitude when at least k sums were kept, else theta times the largest level
+   that k summed entries reached (at least 1/4: the search goes on next step); and applies the
+   same averages: of the kept sums, those at or above the next theta (the k largest: the exact
+   global top-k of this step's sums, ties included) or all of them if fewer than k were kept,
+   divided by N;
+7. error feedback stays exact: an entry this rank sent whose sum was not applied goes back into
+   its residual, so nothing of any gradient is lost: the sum over ranks of the residuals plus N
+   times the applied average equals the sum over ranks of the previous residuals and the
+   gradients;
+8. the next boundaries: the mean over ranks of where each rank's selected indices divide into N
+   equal parts (so each owner receives about as many entries).
 
-What it computes is therefore a global top-k of the SUM of the workers' selections (with a
-one-step-lagged threshold), not the average of every local top-k. Per worker, the wire carries
-about k (N - 1) / N entries out and at most that many kept entries in: about 2 k (N - 1) / N,
+What it computes is therefore a global top-k of the SUM of the workers' selections (found
+with a threshold lagged by one step), not the average of every local top-k. Per worker, the
+wire carries about k (N - 1) / N entries out and the kept entries in: while gradients grow the
+lagged threshold keeps more than k (measured: up to about 2k), so 2-3 k (N - 1) / N in all,
 flat in N, where the allgather's grows as (N - 1) k.
 
 The thresholds are optimizer variables (saved with checkpoints; they do not depend on N). The
@@ -203,7 +207,19 @@ class SparseAllreduce:
         level_counts = tf.reduce_sum(
             tf.reshape(headers[:, 1:1 + levels * len(keys)], [size, len(keys), levels]), 0)
 
-        # Step 6: the averages (each variable's kept entries are a slice of the ascending list)
+        # Step 6: per variable (a slice of the ascending kept entries), the next threshold and
+        # what is applied: the k largest kept sums (ties included), or all if fewer were kept
+        cuts = tf.searchsorted(kept, tf.concat([starts, [tf.int32.max]], 0), side="left")
+        next_theta, applied = [], []
+        for place, j in enumerate(order):
+            magnitudes = tf.abs(tf.cast(kept_values[cuts[place]:cuts[place + 1]], tf.float64))
+            theta_next = next_threshold(thresholds[place], magnitudes, level_counts[place],
+                                        budgets[j])
+            enough = tf.size(magnitudes) >= tf.cast(budgets[j], tf.int32)
+            applied.append(tf.logical_or(tf.logical_not(enough), magnitudes >= theta_next))
+            next_theta.append(theta_next)
+        applied = tf.concat(applied, 0)
+        kept, kept_values = tf.boolean_mask(kept, applied), tf.boolean_mask(kept_values, applied)
         cuts = tf.searchsorted(kept, tf.concat([starts, [tf.int32.max]], 0), side="left")
         per_variable = tf.reshape(cuts[1:] - cuts[:-1], [1, len(keys)])
         local = kept - tf.gather(starts, tf.searchsorted(starts, kept, side="right") - 1)
@@ -213,10 +229,10 @@ class SparseAllreduce:
         for place, j in enumerate(order):
             averages[j] = in_order[place]
 
-        # Step 7: what this rank sent that was not kept goes back
+        # Step 7: what this rank sent that was not applied goes back
         returned = []
         last = tf.maximum(tf.size(kept) - 1, 0)
-        padded = tf.concat([kept, [-1]], 0)  # never equal to an index: no kept entries at all
+        padded = tf.concat([kept, [-1]], 0)  # never equal to an index: nothing applied at all
         for selection, global_indices in zip(selections, sent):
             at = tf.minimum(tf.searchsorted(kept, global_indices, side="left"), last)
             at = tf.where(tf.size(kept) > 0, at, tf.size(kept))
@@ -225,13 +241,8 @@ class SparseAllreduce:
                              tf.boolean_mask(selection.indices, back)))
 
         # Step 8: the next thresholds and boundaries, identical on every rank
-        next_theta = tf.stack([
-            next_threshold(thresholds[place],
-                           tf.abs(tf.cast(kept_values[cuts[place]:cuts[place + 1]], tf.float64)),
-                           level_counts[place], budgets[j])
-            for place, j in enumerate(order)])
         updated = tf.tensor_scatter_nd_update(tf.convert_to_tensor(self.thresholds),
-                                              [[keys[j]] for j in order], next_theta)
+                                              [[keys[j]] for j in order], tf.stack(next_theta))
         self.thresholds.assign(tf.where(finite, updated, self.thresholds))
         quantiles = tf.cast(headers[:, 1 + levels * len(keys):], tf.int64)
         self.boundaries.assign(tf.concat(

@@ -43,6 +43,15 @@ class NumpyRule:
                     sums[i] = sums.get(i, 0.0) + x
             theta = self.theta[v]
             kept = {i: s for i, s in sums.items() if abs(s) >= theta}
+            counts = [sum(abs(s) >= theta * level for s in sums.values()) for level in LEVELS]
+            magnitudes = sorted((abs(s) for s in kept.values()), reverse=True)
+            k = self.budgets[v]
+            if len(magnitudes) >= k:
+                self.theta[v] = magnitudes[k - 1]
+                kept = {i: s for i, s in kept.items() if abs(s) >= self.theta[v]}  # the top k
+            elif theta > 0:
+                reached = [level for level, c in zip(LEVELS[1:], counts[1:]) if c >= k]
+                self.theta[v] = theta * (reached[0] if reached else LEVELS[-1])
             average = np.zeros(n)
             for i, s in kept.items():
                 average[i] = s / self.size
@@ -51,14 +60,6 @@ class NumpyRule:
                 for i, x in zip(chosen.tolist(), values.tolist()):
                     if i not in kept:
                         self.residuals[r][v][i] += x
-            counts = [sum(abs(s) >= theta * level for s in sums.values()) for level in LEVELS]
-            magnitudes = sorted((abs(s) for s in kept.values()), reverse=True)
-            k = self.budgets[v]
-            if len(magnitudes) >= k:
-                self.theta[v] = magnitudes[k - 1]
-            elif theta > 0:
-                reached = [level for level, c in zip(LEVELS[1:], counts[1:]) if c >= k]
-                self.theta[v] = theta * (reached[0] if reached else LEVELS[-1])
         return averages
 
 
