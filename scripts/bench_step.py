@@ -296,7 +296,8 @@ def task(args, rank, size):
     y = rng.integers(0, 10, count)
 
     def make_model():
-        return keras.applications.ResNet50(weights=None, input_shape=x.shape[1:], classes=10)
+        return keras.applications.ResNet50(weights=None, input_shape=x.shape[1:], classes=10,
+                                           classifier_activation=None)  # logits, as the loss expects
 
     return tf.constant(x), tf.constant(y), make_model
 

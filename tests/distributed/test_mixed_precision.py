@@ -2,17 +2,20 @@
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import sparse_hvd
 from conftest import digest, gather
 
 
-def test_an_overflow_on_the_last_rank_skips_the_step_and_halves_the_scale_everywhere(hvd):
+@pytest.mark.parametrize("exchange", ["allgather", "sparse_allreduce"])
+def test_an_overflow_on_the_last_rank_skips_the_step_and_halves_the_scale_everywhere(hvd, exchange):
     rank, size = hvd.rank(), hvd.size()
     variable = keras.Variable(np.ones((50, 40), "float32"))
     inner = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=256.0)
-    optimizer = sparse_hvd.SparseDistributedOptimizer(inner, density=0.1, name="mixed_overflow")
+    optimizer = sparse_hvd.SparseDistributedOptimizer(inner, density=0.1, exchange=exchange,
+                                                      name=f"mixed_overflow_{exchange}")
     optimizer.build([variable])
     step = tf.function(lambda g: optimizer.apply_gradients([(g, variable)]))
 
@@ -26,5 +29,5 @@ def test_an_overflow_on_the_last_rank_skips_the_step_and_halves_the_scale_everyw
     assert float(inner.dynamic_scale.numpy()) == 128.0
     assert inner.iterations.numpy() == 3
     mine = digest([variable.numpy(), inner.dynamic_scale.numpy()])
-    assert set(gather(hvd, mine, name="mixed_overflow.digest")) == {mine}
+    assert set(gather(hvd, mine, name=f"mixed_overflow.digest.{exchange}")) == {mine}
     assert np.all(np.isfinite(optimizer.residuals[0].numpy()))

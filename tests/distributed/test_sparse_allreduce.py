@@ -191,3 +191,21 @@ def test_auto_makes_the_same_choice_on_every_rank(hvd):
     everyone = gather(hvd, choice, name="sar_auto.choice")
     assert all(c == everyone[0] for c in everyone)
     assert set(choice) <= {"allgather", "sparse_allreduce", "dense"}
+
+
+def test_it_composes_with_momentum_correction_warmup_approx_topk_and_dense_fallback(hvd):
+    rank = hvd.rank()
+    x, y = classification_data(n=64, seed=rank)
+    model = mlp(seed=rank)
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(0.05), momentum_correction=0.9, sparsifier="approx_topk",
+        density=sparse_hvd.WarmupDensity(0.01, initial_density=0.2, warmup_steps=4),
+        dense_fallback=True, exchange="sparse_allreduce", name="sar_combo")
+    model.compile(optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[sparse_hvd.BroadcastGlobalVariablesCallback(0)])
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert len(set(gather(hvd, digest(weights_of(model)), name="sar_combo.digest"))) == 1
+    exchanges = {s["exchange"] for s in optimizer.layer_stats().values()}
+    assert exchanges <= {"sparse_allreduce", "dense"}
