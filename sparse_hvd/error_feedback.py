@@ -9,6 +9,7 @@ The functions are the arithmetic of one variable's step; :class:`ErrorFeedback` 
 state (residuals, DGC velocities) and its whole lifecycle.
 """
 
+import math
 import sys
 from typing import Dict, List, Tuple
 
@@ -80,6 +81,13 @@ def velocity_after_sending(velocity_value, selection: Selection) -> tf.Tensor:
     same contribution again on every later step.
     """
     return zeroed_at(tf.reshape(velocity_value, [-1]), selection.indices)
+
+
+def _coordinates(flat_indices, shape):
+    """[n, rank] coordinates in ``shape`` of row-major ``flat_indices`` (none is fine)."""
+    shape = [int(d) for d in shape]
+    strides = [math.prod(shape[axis + 1:]) for axis in range(len(shape))]
+    return tf.stack([(flat_indices // stride) % size for stride, size in zip(strides, shape)], 1)
 
 
 class ErrorFeedback:
@@ -173,22 +181,23 @@ class ErrorFeedback:
                 tf.convert_to_tensor(values, flat.dtype))
             residual.assign(tf.reshape(flat, residual.shape))
 
-    def take_back(self, state_updates, keys, returned):
-        """The step's state writes with ``returned`` (per key: ``(values, flat indices)`` this
-        rank sent that the exchange did not apply) added into the residuals' new values: those
-        positions were zeroed when sent, so the residual gets them back exactly. Without error
-        feedback there is no residual and they are dropped, as everything unsent is."""
-        back = {id(self.residuals[key]): item for key, item in zip(keys, returned)
-                if self.enabled}
-        updated = []
-        for variable, value in state_updates:
-            item = back.get(id(variable))
-            if item is not None:
-                values, indices = item
-                value = tf.tensor_scatter_nd_add(tf.reshape(value, [-1]),
-                                                 tf.expand_dims(indices, 1), values)
-            updated.append((variable, value))
-        return updated
+    def add_back(self, keys, returned):
+        """Add ``returned`` (per key: ``(values, flat indices)`` this rank sent that the exchange
+        did not apply) into the residuals, after the step's state is written: those positions
+        were zeroed when sent, so each residual gets them back exactly. A scatter into the
+        variable, not a new copy of it. Without error feedback there is no residual and they are
+        dropped, as everything unsent is."""
+        if not self.enabled:
+            return
+        for key, (values, indices) in zip(keys, returned):
+            residual = self.residuals[key]
+            target = residual.value
+            if isinstance(target, tf.Variable):
+                target.scatter_nd_add(_coordinates(indices, residual.shape), values)
+            else:  # a cast view (autocast scope): write the whole residual
+                flat = tf.tensor_scatter_nd_add(tf.reshape(tf.convert_to_tensor(residual), [-1]),
+                                                tf.expand_dims(indices, 1), values)
+                residual.assign(tf.reshape(flat, residual.shape))
 
     def share(self, process_set=None, name="sparse_hvd.share_residuals"):
         """Make every rank's state its mean over the ranks (eager; a collective).

@@ -439,9 +439,6 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             payload = self._payload(grads_and_vars)  # Steps 1-3
             averaged = self._exchange.average(payload, self._num_elements())  # Step 4
             grads, state_updates = self._inner_gradients(payload, averaged.gradients, variables)
-            if averaged.returned:  # sparse allreduce: what was sent but not kept
-                state_updates = self._feedback.take_back(state_updates, payload.sparse.keys,
-                                                         averaged.returned)
             self._counters.record(payload)
             self._counters.record_times(payload, grads)
             with tf.control_dependencies(grads):  # re-measure after this step's traffic
@@ -449,6 +446,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
 
         def go_ahead():
             write_state(state_updates)
+            # sparse allreduce: what was sent but not applied goes back to the residuals
+            self._feedback.add_back(payload.sparse.keys, averaged.returned)
             self._apply_inner(grads, variables)
 
         nonfinite.guard(self.nonfinite, averaged.finite, go_ahead,  # Step 5

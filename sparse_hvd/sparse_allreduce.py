@@ -83,9 +83,9 @@ def next_threshold(theta, kept_magnitudes, level_counts, budget):
     budget = tf.cast(budget, tf.int32)
     kept = tf.size(kept_magnitudes)
     take = tf.maximum(tf.minimum(budget, kept), 1)
-    largest = tf.math.top_k(tf.concat([kept_magnitudes, tf.zeros([1], tf.float64)], 0),
-                            k=take, sorted=True).values
-    exact = largest[take - 1]
+    # the k-th largest is the smallest of the k largest (unsorted: no sort of the k)
+    exact = tf.reduce_min(tf.math.top_k(
+        tf.concat([kept_magnitudes, tf.zeros([1], tf.float64)], 0), k=take, sorted=False).values)
     factors = tf.constant(LEVELS[1:], tf.float64)
     reached = tf.cast(level_counts[1:], tf.int32) >= budget
     # the first (largest) level k entries reached, else the lowest level
