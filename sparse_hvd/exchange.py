@@ -23,13 +23,9 @@ The grouped exchange, step by step:
    ``grouped_allgather`` carries them (a Horovod group holds one dtype);
 2. gather: every rank receives every rank's tensors, concatenated in rank order;
 3. unpack: the headers, one row per rank, say which variable each gathered entry belongs to;
-4. sum (:func:`average_entries`): each variable's entries are added into zeros rank by rank,
-   so every rank adds the same numbers in the same order: the same bits everywhere (no
-   atomics: the order does not depend on thread timing); then divided by the number of
-   workers. On CPU the native kernel (``sparse_hvd/kernels/scatter_mean.cc``) does this in one
-   walk over the entries and divides only where entries arrived (0 / N is 0 exactly); else
-   TensorFlow ops compute the same bits (``dynamic_partition`` keeps the order, a segment sum
-   adds in it, then the whole tensor is divided);
+4. sum (``sparse_hvd.averaging``): each variable's entries are added into zeros rank by rank,
+   so every rank adds the same numbers in the same order: the same bits everywhere; then
+   divided by the number of workers;
 5. the small dense-route gradients are summed over the ranks in rank order the same way;
    dense-route gradients too large to gather (``DENSE_GATHER_LIMIT``) are averaged by one
    ``grouped_allreduce`` per dtype instead, and embeddings' row-sparse gradients by allgathers
@@ -37,7 +33,10 @@ The grouped exchange, step by step:
 6. the flags say whether every rank's gradients were finite (``nonfinite``): no extra
    collective.
 
-Sparse path: ranks may contribute different numbers of entries, none included.
+Sparse path: ranks may contribute different numbers of entries, none included. With
+``method="sparse_allreduce"`` steps 1-4 are ``sparse_hvd.sparse_allreduce``'s instead (an
+alltoall to the owners of index regions, then an allgather of the kept sums); the dense route
+travels in its allgather the same way.
 
 With a single worker no collective is called at all.
 """
