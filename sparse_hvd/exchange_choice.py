@@ -26,6 +26,7 @@ from .adaptive import fit_latency_bandwidth, probe_allgather_costs, probe_sizes_
 from .density import elements_to_send
 from .payload import INDEX_BYTES
 
+
 def modelled_seconds(alpha, beta, payload_bytes, dense_bytes, workers):
     """Step 1-3 of the module doc: ``{"allgather", "sparse_allreduce", "dense"}: seconds``."""
     return {

@@ -41,7 +41,6 @@ boundaries only decide who sums what, never the result: they are re-derived (equ
 the optimizer is built and re-balanced every step.
 """
 
-import math
 from typing import List, NamedTuple, Sequence
 
 import tensorflow as tf
@@ -60,7 +59,7 @@ class Result(NamedTuple):
     """One step of the sparse allreduce."""
 
     averages: List[tf.Tensor]  # flat average per selection, in the payload's order
-    returned: List[tuple]  # per selection: (values, indices) this rank sent that were not kept
+    returned: List[tuple]  # per selection: (values, indices) this rank sent, not applied
     finite: tf.Tensor  # every rank's gradients were finite
     dense_words: List[tf.Tensor]  # what every rank gathered of the packed dense gradients
 
@@ -78,7 +77,7 @@ def owners_of(indices, boundaries):
 
 
 def next_threshold(theta, kept_magnitudes, level_counts, budget):
-    """Step 8 for one variable (float64 scalars; ``kept_magnitudes`` 1-D, every rank's kept
+    """Step 6's next theta for one variable (float64 scalars; ``kept_magnitudes`` 1-D, every rank's kept
     entries; ``level_counts`` [len(LEVELS)] summed over the owners; ``budget`` k)."""
     budget = tf.cast(budget, tf.int32)
     kept = tf.size(kept_magnitudes)
@@ -126,12 +125,10 @@ class SparseAllreduce:
         """Fix the index space of the sparse routes (step 1) and create the state: the global
         thresholds (an optimizer variable, one per variable) and the boundaries."""
         self.offsets, total = {}, 0
-        dtypes = set()
         for key, route in enumerate(routes):
             if route.sparse:
                 self.offsets[key] = total
                 total += route.num_elements
-                dtypes.add(route.itemsize)
         if total > MAX_INDEX_SPACE:
             raise ValueError(
                 f"exchange='sparse_allreduce' indexes all sparse variables together: {total} "
@@ -240,7 +237,7 @@ class SparseAllreduce:
             returned.append((tf.boolean_mask(selection.values, back),
                              tf.boolean_mask(selection.indices, back)))
 
-        # Step 8: the next thresholds and boundaries, identical on every rank
+        # Steps 6 and 8: the next thresholds and boundaries, identical on every rank
         updated = tf.tensor_scatter_nd_update(tf.convert_to_tensor(self.thresholds),
                                               [[keys[j]] for j in order], tf.stack(next_theta))
         self.thresholds.assign(tf.where(finite, updated, self.thresholds))

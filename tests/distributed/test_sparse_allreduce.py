@@ -4,7 +4,6 @@ import math
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import sparse_hvd
