@@ -16,7 +16,7 @@ from . import kernels
 
 
 def average_entries(indices, values, counts, columns, sizes, divisor) -> List[tf.Tensor]:
-    """Step 4 of the module doc for the variables ``columns`` of ``counts``.
+    """The sum and division of the module doc for the variables ``columns`` of ``counts``.
 
     Args:
         indices: int32 [entries]: every variable's gathered indices, rank by rank and within a

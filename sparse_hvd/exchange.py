@@ -67,7 +67,7 @@ class Averaged(NamedTuple):
     gradients: list  # the average of each gradient, by its position in the step
     finite: tf.Tensor  # bool: every rank's gradients were finite (the same on every rank)
     # sparse allreduce: per sparse selection, the (values, indices) this rank sent that were not
-    # kept, for its residual; empty for the allgather exchange (everything sent is applied)
+    # applied, for its residual; empty for the allgather exchange (everything sent is applied)
     returned: tuple = ()
 
 
