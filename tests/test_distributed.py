@@ -46,5 +46,6 @@ def test_sparse_allreduce_rank_tests_pass_at_more_ranks(num_ranks):
     )
     assert not result.timed_out, f"job hung for {JOB_TIMEOUT}s:\n{result.output[-6000:]}"
     assert result.returncode == 0, result.output[-10000:]
-    summaries = re.findall(r"(\d+) passed in ", result.output)
+    summaries = re.findall(r"(\d+) passed(?:, \d+ \w+)* in ", result.output)
     assert len(summaries) == num_ranks and len(set(summaries)) == 1, result.output[-6000:]
+    assert not re.search(r"\d+ (failed|errors?)\b", result.output), result.output[-10000:]
