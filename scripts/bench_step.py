@@ -265,12 +265,14 @@ def worker(args):
 
 
 def weights_digest(model):
-    """A hash of a model's weights (equal on every rank iff the replicas agree)."""
+    """A hash of a model's trainable weights (equal on every rank iff the replicas agree).
+    Non-trainable ones are left out: BatchNormalization's moving statistics follow each rank's
+    own batches, with any exchange (``AverageNonTrainableCallback`` averages them)."""
     import hashlib
 
     h = hashlib.sha256()
-    for weight in model.get_weights():
-        h.update(weight.tobytes())
+    for weight in model.trainable_weights:
+        h.update(weight.numpy().tobytes())
     return h.hexdigest()
 
 
