@@ -47,6 +47,7 @@ import tensorflow as tf
 
 from . import collectives, wire
 from .averaging import average_entries
+from .sparsifiers import spread_positions
 
 # theta x these: the levels every owner counts (step 5); the first is the kept set itself
 LEVELS = (1.0, 2 ** -0.5, 0.5, 2 ** -1.5, 0.25)
@@ -101,7 +102,7 @@ def _sampled_quantiles(indices, parts, current):
 
     def quantiles():
         samples = tf.minimum(count, BOUNDARY_SAMPLES)
-        positions = tf.math.floormod(tf.range(samples) * 2654435761, count)
+        positions = spread_positions(samples, count)
         ordered = tf.sort(tf.gather(tf.cast(indices, tf.int64), positions))
         return tf.gather(ordered, tf.range(1, parts, dtype=tf.int64) * samples // parts)
 

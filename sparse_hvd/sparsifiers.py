@@ -466,16 +466,20 @@ class _Sampler(NamedTuple):
 _FIXED_SAMPLER = _Sampler(None)
 
 
+def spread_positions(count, n):
+    """``count`` int64 positions in [0, n): i * p mod n for a large prime p. Deterministic and
+    stateless (the same on every rank), and unlike an even stride they do not line up with the
+    rows of a flattened matrix."""
+    return tf.math.floormod(tf.range(count, dtype=tf.int64) * 2654435761, n)
+
+
 def _sampled_cut(flat_grad, flat_residual, count, sampler: _Sampler):
     """A magnitude with about ``count`` entries of |grad + residual| at or above it, estimated
     from ``s`` sampled entries: the r-th largest of s samples has about r (n+1)/(s+1) above."""
     n = flat_grad.shape[0]
     samples = min(n, max(sampler.minimum, math.ceil(sampler.fraction * n)))
     if sampler.generator is None:
-        # i * p mod n for a large prime p: deterministic, stateless, and unlike an even stride
-        # it does not line up with the rows of a flattened matrix.
-        spread = tf.range(samples, dtype=tf.int64) * 2654435761
-        positions = tf.cast(tf.math.floormod(spread, n), tf.int32)
+        positions = tf.cast(spread_positions(samples, n), tf.int32)
     else:
         positions = sampler.generator.uniform([samples], 0, n, dtype=tf.int32)
     sampled = tf.abs(tf.gather(flat_grad, positions) + tf.gather(flat_residual, positions))

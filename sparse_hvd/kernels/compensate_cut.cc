@@ -101,6 +101,36 @@ void CompensateAndScan(const T* g, const T* r, T* out, int64_t begin, int64_t en
   }
 }
 
+// An entry of c that passed the cut, with its position.
+template <typename T>
+struct Candidate {
+  T c;
+  int32_t i;
+};
+
+// Both ops, the pass over the data: c = g + r into ``out``, and per shard, in index order, the
+// entries with |c| >= cut, at most cap + 1 of them (enough to tell "more than cap"), with their
+// values so later work reads contiguous memory. ``zero_passed``: also zero every passing entry
+// in ``out``. Returns the shards' lists (their concatenation is ascending) and their total.
+template <typename T>
+std::vector<std::vector<Candidate<T>>> CollectCandidates(OpKernelContext* context, const T* g,
+                                                         const T* r, T* out, int64_t n, T cut,
+                                                         int64_t cap, bool zero_passed,
+                                                         int64_t* total) {
+  std::vector<std::vector<Candidate<T>>> shard_candidates((n + kShardSize - 1) / kShardSize);
+  std::atomic<int64_t> count{0};
+  ForEachShard(context, n, [&](int64_t s, int64_t begin, int64_t end) {
+    auto& found = shard_candidates[s];
+    CompensateAndScan(g, r, out, begin, end, cut, [&](int64_t i, T c) {
+      if (zero_passed) out[i] = T(0);
+      if (static_cast<int64_t>(found.size()) <= cap) found.push_back({c, static_cast<int32_t>(i)});
+    });
+    count += static_cast<int64_t>(found.size());
+  });
+  *total = count.load();
+  return shard_candidates;
+}
+
 REGISTER_OP("SparseHvdCompensateCut")
     .Attr("T: {float, double}")
     .Input("grad: T")
@@ -130,26 +160,10 @@ class CompensateCutOp : public OpKernel {
     const T* r = residual.flat<T>().data();
     T* out = remainder->flat<T>().data();
 
-    // Shards of at least 64 Ki entries; each collects its selected entries.
-    const int64_t shards = (n + kShardSize - 1) / kShardSize;
-    std::vector<std::vector<int32_t>> shard_indices(shards);
-    std::vector<std::vector<T>> shard_values(shards);
-    std::atomic<int64_t> total{0};
-    ForEachShard(context, n, [&](int64_t s, int64_t begin, int64_t end) {
-      auto& idx = shard_indices[s];
-      auto& val = shard_values[s];
-      CompensateAndScan(g, r, out, begin, end, cut, [&](int64_t i, T c) {
-        out[i] = T(0);
-        if (static_cast<int64_t>(idx.size()) <= cap) {
-          idx.push_back(static_cast<int32_t>(i));
-          val.push_back(c);
-        }
-      });
-      total += static_cast<int64_t>(idx.size());
-    });
-
-    const bool rejected = total.load() > cap;
-    const int64_t count = rejected ? 0 : total.load();
+    int64_t total = 0;
+    const auto selected = CollectCandidates(context, g, r, out, n, cut, cap, true, &total);
+    const bool rejected = total > cap;
+    const int64_t count = rejected ? 0 : total;
     Tensor* indices = nullptr;
     Tensor* values = nullptr;
     Tensor* rejected_out = nullptr;
@@ -160,11 +174,11 @@ class CompensateCutOp : public OpKernel {
     if (rejected) return;
     int32_t* idx_out = indices->flat<int32_t>().data();
     T* val_out = values->flat<T>().data();
-    for (int64_t s = 0; s < shards; ++s) {
-      std::copy(shard_indices[s].begin(), shard_indices[s].end(), idx_out);
-      std::copy(shard_values[s].begin(), shard_values[s].end(), val_out);
-      idx_out += shard_indices[s].size();
-      val_out += shard_values[s].size();
+    for (const auto& shard : selected) {
+      for (const Candidate<T>& e : shard) {
+        *idx_out++ = e.i;
+        *val_out++ = e.c;
+      }
     }
   }
 };
@@ -196,13 +210,6 @@ REGISTER_KERNEL_BUILDER(
 // above the cut. With cut = lambda and low = 0 it is a hard threshold whose cap k is applied
 // exactly. NaN never passes the cut, so it never enters the comparisons (a NaN gradient's step
 // is skipped by the optimizer anyway).
-// An entry of c that passed the cut, with its position.
-template <typename T>
-struct Candidate {
-  T c;
-  int32_t i;
-};
-
 // The selection order: |c| descending, then the lower index first (the partial sort's rule).
 template <typename T>
 bool Larger(const Candidate<T>& a, const Candidate<T>& b) {
@@ -296,19 +303,10 @@ class CompensateTopKOp : public OpKernel {
 
     // Step 1: each candidate with its value, so that step 3 reads contiguous memory instead
     // of c at scattered positions of a large tensor.
-    const int64_t shards = (n + kShardSize - 1) / kShardSize;
-    std::vector<std::vector<Candidate<T>>> shard_candidates(shards);
-    std::atomic<int64_t> total{0};
-    ForEachShard(context, n, [&](int64_t s, int64_t begin, int64_t end) {
-      auto& found = shard_candidates[s];
-      CompensateAndScan(g, r, out, begin, end, cut, [&](int64_t i, T c) {
-        if (static_cast<int64_t>(found.size()) <= cap) found.push_back({c, static_cast<int32_t>(i)});
-      });
-      total += static_cast<int64_t>(found.size());
-    });
+    int64_t m = 0;
+    const auto shard_candidates = CollectCandidates(context, g, r, out, n, cut, cap, false, &m);
 
     // Step 2
-    const int64_t m = total.load();
     const bool missed = m < low || m > cap || k <= 0;
     const int64_t count = missed ? 0 : std::min(m, k);
     Tensor* indices = nullptr;
