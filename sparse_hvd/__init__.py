@@ -16,6 +16,7 @@ from .callbacks import (
     MetricAverageCallback,
     ShareResidualsCallback,
 )
+from .data import equal_shards, steps_per_epoch
 from .optimizer import SparseDistributedOptimizer
 from .runtime import init, local_rank, rank, size
 from .adaptive import AdaptiveDensity
@@ -41,6 +42,8 @@ __all__ = [
     "CommunicationLogger",
     "ShareResidualsCallback",
     "broadcast_variables",
+    "equal_shards",
+    "steps_per_epoch",
     "average_variables",
     "init",
     "rank",

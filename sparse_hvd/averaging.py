@@ -1,11 +1,18 @@
 """Turning gathered (index, value) entries into dense averages, the same bits on every rank.
 
 Every rank adds the same entries in the same order (rank by rank, and within a rank in the
-order sent): no atomics, so the result does not depend on thread timing. On CPU the native
-kernel (``sparse_hvd/kernels/scatter_mean.cc``) walks the entries once and divides only where
-entries arrived (0 / N is 0 exactly); else TensorFlow ops compute the same bits
-(``dynamic_partition`` keeps the order, a segment sum adds in it, then the whole tensor is
-divided). Used by the allgather exchange and the sparse allreduce.
+order sent), so the result does not depend on thread timing: the same bits on every rank. On
+CPU the native kernel (``sparse_hvd/kernels/scatter_mean.cc``) walks the entries once and
+divides only where entries arrived (0 / N is 0 exactly). Elsewhere (GPUs, 16-bit values)
+TensorFlow ops compute the same bits without a segment sum or a scatter that could meet one
+index twice, since those run with atomics on a GPU and add in whatever order threads come:
+
+1. every entry gets its place in one flat space of all the averaged variables;
+2. a loop over the ranks adds one rank's entries at a time (:func:`sum_rank_by_rank`); within a
+   rank the places are distinct, so no two additions meet in one place;
+3. the whole tensor is divided by the number of workers, and split into the variables.
+
+Used by the allgather exchange and the sparse allreduce.
 """
 
 from typing import List
@@ -36,15 +43,46 @@ def average_entries(indices, values, counts, columns, sizes, divisor) -> List[tf
         return native(indices, values, counts, tf.constant(divisor, values.dtype),
                       columns=columns, num_elements=sizes, num_outputs=len(columns))
     rows, variables = counts.shape
-    owners = _owners(counts, rows)
-    per_variable = tf.dynamic_partition(indices, owners, variables)
-    if len(columns) < variables:
-        owners = _owners(tf.gather(counts, columns, axis=1), rows)
-    averaged = []
-    for column, part, n in zip(columns, tf.dynamic_partition(values, owners, len(columns)), sizes):
-        total = tf.math.unsorted_segment_sum(part, per_variable[column], n)
-        averaged.append(total if divisor == 1 else total / tf.cast(divisor, total.dtype))
-    return averaged
+    # Step 1: each averaged variable's entries at its offset in one flat space
+    slot_of_column = [-1] * variables
+    for slot, column in enumerate(columns):
+        slot_of_column[column] = slot
+    slots = tf.gather(tf.constant(slot_of_column, tf.int32), _owners(counts, rows))
+    averaged_here = slots >= 0
+    offsets = tf.constant([sum(sizes[:slot]) for slot in range(len(columns))] or [0], tf.int32)
+    places = (tf.boolean_mask(indices, averaged_here)
+              + tf.gather(offsets, tf.boolean_mask(slots, averaged_here)))
+    # Step 2: rank by rank
+    per_rank = tf.reduce_sum(tf.gather(counts, columns, axis=1), axis=1)
+    total = sum_rank_by_rank(values, places, per_rank, sum(sizes))
+    # Step 3
+    if divisor != 1:
+        total = total / tf.cast(divisor, total.dtype)
+    return tf.split(total, sizes) if columns else []
+
+
+def sum_rank_by_rank(values, places, per_rank, size) -> tf.Tensor:
+    """``values`` added into ``size`` zeros at ``places``: the first ``per_rank[0]`` entries,
+    then the next ``per_rank[1]``, and so on, each rank's places distinct. The same additions
+    in the same order as a sequential segment sum (so the same bits as one on CPU), and
+    deterministic on a GPU too (no place receives two additions at once)."""
+    ends = tf.cumsum(per_rank)
+    starts = ends - per_rank
+
+    def add_one_rank(rank, total):
+        start, end = starts[rank], ends[rank]
+        return rank + 1, tf.tensor_scatter_nd_add(
+            total, tf.expand_dims(places[start:end], 1), values[start:end])
+
+    _, total = tf.while_loop(lambda rank, _: rank < tf.size(per_rank), add_one_rank,
+                             [tf.constant(0, per_rank.dtype), tf.zeros([size], values.dtype)])
+    return total
+
+
+def sum_rows_in_order(rows) -> tf.Tensor:
+    """The sum of a [ranks, n] tensor's rows, added in rank order (the same bits everywhere)."""
+    return tf.foldl(lambda total, row: total + row, rows,
+                    initializer=tf.zeros(tf.shape(rows)[1:], rows.dtype))
 
 
 def _owners(counts, rows):

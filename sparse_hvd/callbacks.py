@@ -12,6 +12,14 @@ from . import collectives, runtime
 from .broadcast import average_variables, broadcast_variables
 
 
+def _assert_same_step(model):
+    """At an epoch end: every rank must have taken the same number of steps (the optimizer's
+    ``assert_same_step``; a rank still training receives it in its step and raises too)."""
+    check = getattr(getattr(model, "optimizer", None), "assert_same_step", None)
+    if check is not None:
+        check()
+
+
 def _replicated_optimizer_variables(optimizer):
     """The optimizer's variables except rank-local ones (residuals, local velocities)."""
     local = {id(v) for v in getattr(optimizer, "local_variables", [])}
@@ -51,6 +59,8 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
     Place it before callbacks that read the logs (ModelCheckpoint, EarlyStopping, ...): they
     then see the job's metrics rather than one rank's. Every rank ends with the same values.
+    It first checks that every rank has taken the same number of steps (uneven shards end the
+    job here with a message, instead of a hang).
     """
 
     def __init__(self, process_set=None):
@@ -60,6 +70,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is None or runtime.size(self.process_set) == 1:
             return
+        _assert_same_step(self.model)
         mine = {k: float(v) for k, v in logs.items() if isinstance(v, numbers.Real) or _is_scalar(v)}
         everyone = collectives.allgather_object(
             mine, name=f"sparse_hvd.metrics.{epoch}", process_set=self.process_set
@@ -75,7 +86,8 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 
 class _EveryNBatchesCallback(keras.callbacks.Callback):
-    """Runs ``_run()`` at every epoch end and, if given, every ``every_n_batches`` batches."""
+    """Runs ``_run()`` at every epoch end and, if given, every ``every_n_batches`` batches; at
+    an epoch end, after checking that every rank has taken the same number of steps."""
 
     def __init__(self, every_n_batches=None):
         super().__init__()
@@ -93,6 +105,7 @@ class _EveryNBatchesCallback(keras.callbacks.Callback):
             self._run()
 
     def on_epoch_end(self, epoch, logs=None):
+        _assert_same_step(self.model)
         self._run()
 
 

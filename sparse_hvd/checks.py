@@ -36,7 +36,7 @@ def check_backend():
         )
 
 
-def check_inner_optimizer(optimizer):
+def check_inner_optimizer(optimizer, wrapper_type):
     if isinstance(optimizer, type):
         raise TypeError(
             "`optimizer` must be an optimizer instance, e.g. keras.optimizers.SGD(0.1), "
@@ -47,6 +47,14 @@ def check_inner_optimizer(optimizer):
             "`optimizer` must be a Keras 3 optimizer (keras.optimizers.Optimizer), got "
             f"{type(optimizer).__module__}.{type(optimizer).__name__}"
         )
+    inner = optimizer
+    while inner is not None:
+        if isinstance(inner, wrapper_type):
+            raise ValueError(
+                "`optimizer` is (or wraps) a SparseDistributedOptimizer already; wrapping it again "
+                "would exchange every gradient twice. Wrap the plain Keras optimizer once."
+            )
+        inner = getattr(inner, "inner_optimizer", None)
 
 
 def check_no_base_options(kwargs):
@@ -68,9 +76,43 @@ def check_nonfinite(nonfinite):
         raise ValueError(f"`nonfinite` must be one of {NONFINITE_CHOICES}, got {nonfinite!r}")
 
 
-def check_dense_fallback(dense_fallback):
-    if not isinstance(dense_fallback, bool):
-        raise TypeError(f"`dense_fallback` must be True or False, got {dense_fallback!r}")
+def check_boolean(value, argument):
+    """``value`` is True or False (a string such as "False" would silently count as True)."""
+    import numpy as np
+
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"`{argument}` must be True or False, got {value!r}")
+
+
+def check_process_set(process_set):
+    """None (the whole job) or a Horovod ProcessSet that Horovod knows about."""
+    if process_set is None:
+        return
+    try:
+        from horovod.common.process_sets import ProcessSet
+    except ImportError:
+        raise ValueError(
+            f"`process_set` needs Horovod, which cannot be imported; got {process_set!r}") from None
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(
+            "`process_set` must be a horovod ProcessSet (hvd.ProcessSet([...]) registered with "
+            f"hvd.init(process_sets=...) or hvd.add_process_set) or None, got {process_set!r}")
+    if process_set.process_set_id is None:
+        raise ValueError(
+            f"`process_set` {process_set!r} is not registered with Horovod: pass it to "
+            "hvd.init(process_sets=[...]) or hvd.add_process_set(...) on every rank first")
+
+
+def check_index_range(variables, routes):
+    """Every sparsely sent variable's entries can be numbered by int32 indices."""
+    limit = (1 << 31) - 1
+    for variable, route in zip(variables, routes):
+        if route.sparse and route.num_elements > limit:
+            label = getattr(variable, "path", None) or getattr(variable, "name", "?")
+            raise ValueError(
+                f"variable {label} has {route.num_elements} entries, more than the 2^31 - 1 that "
+                "sparse_hvd's int32 indices can number. Split it into smaller variables, or "
+                f"send it densely by setting min_elements above {route.num_elements}.")
 
 
 def check_momentum_correction(momentum, optimizer):

@@ -9,6 +9,12 @@ model) and raises the same error on every rank when the descriptions differ.
 
 from . import collectives
 
+_NAME_HINT = (
+    " (the optimizer's collectives are named after it, and Keras numbers automatic names in the "
+    "order optimizers are created in each process: create the same optimizers on every rank, "
+    "or pass name=... explicitly)"
+)
+
 
 def describe_variables(variables):
     """A picklable description of a variable list: (path or name, shape, dtype) per variable."""
@@ -50,10 +56,11 @@ def check_same_on_all_ranks(what, description, settings=None, process_set=None, 
         difference = _first_difference(reference_description, other_description, other_rank)
         if difference:
             problems.append(difference)
-        if other_settings != reference_settings:
-            problems.append(
-                f"settings {reference_settings} on rank 0 but {other_settings} on rank {other_rank}"
-            )
+        for key in sorted(set(reference_settings) | set(other_settings)):
+            mine, theirs = reference_settings.get(key), other_settings.get(key)
+            if mine != theirs:
+                problems.append(f"{key} is {mine!r} on rank 0 but {theirs!r} on rank {other_rank}"
+                                + (_NAME_HINT if key == "name" else ""))
     if problems:
         raise ValueError(
             f"sparse_hvd: {what} differ between ranks, so their gradients cannot be exchanged. "

@@ -17,8 +17,8 @@ name) and independent of TensorFlow's name scopes. Two ways to group them:
 
 The grouped exchange, step by step:
 
-1. pack (``sparse_hvd.wire``): a header (entries per sparse variable, and this rank's "all
-   finite" flag), the selected values as int32 words (one tensor per dtype), every selected
+1. pack (``sparse_hvd.wire``): a header (entries per sparse variable, this rank's "all
+   finite" flag, and its step and state: ``sparse_hvd.lockstep``), the selected values as int32 words (one tensor per dtype), every selected
    index, and the small dense-route gradients as int32 words: all int32, so that one
    ``grouped_allgather`` carries them (a Horovod group holds one dtype);
 2. gather: every rank receives every rank's tensors, concatenated in rank order;
@@ -26,11 +26,12 @@ The grouped exchange, step by step:
 4. sum (``sparse_hvd.averaging``): each variable's entries are added into zeros rank by rank,
    so every rank adds the same numbers in the same order: the same bits everywhere; then
    divided by the number of workers;
-5. the small dense-route gradients are summed over the ranks in rank order the same way;
+5. the small dense-route gradients are summed over the ranks in rank order too;
    dense-route gradients too large to gather (``DENSE_GATHER_LIMIT``) are averaged by one
    ``grouped_allreduce`` per dtype instead, and embeddings' row-sparse gradients by allgathers
    of their rows (:meth:`Exchange.slices_average`);
-6. the flags say whether every rank's gradients were finite (``nonfinite``): no extra
+6. the flags say whether every rank's gradients were finite (``nonfinite``), and the steps
+   whether every rank is in the same step (``lockstep``: else every rank raises): no extra
    collective.
 
 Sparse path: ranks may contribute different numbers of entries, none included. With
@@ -46,8 +47,8 @@ from typing import List, NamedTuple, Sequence
 
 import tensorflow as tf
 
-from . import collectives, nonfinite, runtime, wire
-from .averaging import average_entries
+from . import collectives, lockstep, nonfinite, runtime, wire
+from .averaging import average_entries, sum_rows_in_order
 from .payload import Payload, entries_in
 from .sparse_allreduce import SparseAllreduce
 from .sparsifiers import Selection
@@ -102,6 +103,7 @@ class Exchange:
         self.grouping = grouping
         self.method = method
         self.sparse_allreduce = None
+        self._fused_layout = None  # what an empty fused payload holds (assert_same_step)
         self.use(method)
 
     @property
@@ -116,10 +118,11 @@ class Exchange:
         self.sparse_allreduce = (SparseAllreduce(self.name, self.process_set)
                                  if method == METHODS[1] else None)
 
-    def average(self, payload: Payload, num_elements: Sequence[int]) -> Averaged:
+    def average(self, payload: Payload, num_elements: Sequence[int], step=None) -> Averaged:
         """The average over workers of every gradient in ``payload`` (by its position in the
         step's list) and whether every rank's gradients were finite. ``num_elements``: entries
-        of each variable, by build index.
+        of each variable, by build index; ``step``: the training step, which the grouped
+        exchanges send along and check (``sparse_hvd.lockstep``) and the stall watchdog names.
 
         Sparse selections come back as flat dense tensors, dense gradients as they went,
         row-sparse gradients as IndexedSlices.
@@ -128,30 +131,53 @@ class Exchange:
                         default=-1)
         sizes = [num_elements[key] for key in payload.sparse.keys]
         returned = ()
+        step = tf.constant(0, tf.int64) if step is None else step
         if self.size > 1 and self.sparse_allreduce is not None and payload.sparse.items:
-            sparse, dense, finite, returned = self._sparse_allreduce(payload, sizes)
+            sparse, dense, finite, returned = self._sparse_allreduce(payload, sizes, step)
         elif self.size > 1 and self.grouping == "grouped":
-            sparse, dense, finite = self._fused_average(payload, sizes)
+            sparse, dense, finite = self._fused_average(payload, sizes, step)
         else:
-            sparse = self.sparse_average(payload.sparse.items, sizes, payload.sparse.keys)
-            dense = self.dense_average(payload.dense.items, payload.dense.keys)
-            finite = self._finite_everywhere(payload)
-        rows = self.slices_average(payload.rows.items, payload.rows.keys)
+            sparse = self.sparse_average(payload.sparse.items, sizes, payload.sparse.keys, step)
+            dense = self.dense_average(payload.dense.items, payload.dense.keys, step)
+            finite = self._finite_everywhere(payload, step)
+        rows = self.slices_average(payload.rows.items, payload.rows.keys, step)
         averaged = [None] * count
         for part, results in ((payload.sparse, sparse), (payload.dense, dense), (payload.rows, rows)):
             for position, result in zip(part.positions, results):
                 averaged[position] = result
         return Averaged(averaged, finite, tuple(returned))
 
-    def _finite_everywhere(self, payload: Payload) -> tf.Tensor:
+    def assert_same_step(self, step, state):
+        """Raise on every rank unless every rank calls this with the same ``step`` and ``state``
+        (``sparse_hvd.lockstep``): one grouped exchange with an empty payload, under the step's
+        own collective names, so a rank still training receives it in its step and raises too.
+        Eager. Nothing is checked before the first step was traced, with one worker, or with
+        the layer-wise exchange (its collectives are per variable; the stall watchdog ends a
+        job whose ranks disagree there).
+        """
+        if self.size == 1 or self.grouping != "grouped":
+            return
+        if self.sparse_allreduce is not None and self.sparse_allreduce.traced:
+            self.sparse_allreduce.announce(step, state)
+            return
+        if self._fused_layout is None:
+            return
+        selections, tensors = self._fused_layout
+        header = tf.concat([tf.zeros([selections], tf.int32), [1], lockstep.fields(step, state)], 0)
+        gathered = collectives.grouped_allgather(
+            [header] + [tf.zeros([0], tf.int32)] * tensors, name=f"{self.name}.fused",
+            process_set=self.process_set)
+        lockstep.check(tf.reshape(gathered[0], [self.size, -1])[:, selections + 1:])
+
+    def _finite_everywhere(self, payload: Payload, step=None) -> tf.Tensor:
         """Whether every rank's gradients were finite, by one tiny allreduce (True, and no
         collective, when they are not checked or the job has one worker)."""
         if not payload.local_finite or self.size == 1:
             return payload.finite_here()
         return nonfinite.agree(payload.finite_here(), name=f"{self.name}.nonfinite",
-                               process_set=self.process_set)
+                               process_set=self.process_set, step=step)
 
-    def _fused_average(self, payload: Payload, sizes):
+    def _fused_average(self, payload: Payload, sizes, step):
         """Steps 1-6 of the module doc: ``(sparse averages, dense averages, finite)``."""
         size = self.size
         selections = payload.sparse.items
@@ -160,42 +186,46 @@ class Exchange:
         # Step 1: pack
         counts = [tf.size(s.indices, out_type=tf.int32) for s in selections]
         flag = tf.cast(payload.finite_here(), tf.int32)
-        header = tf.stack(counts + [flag])
+        header = tf.concat([tf.stack(counts + [flag]), lockstep.fields(step)], 0)
         value_groups = _group_positions_by_dtype([s.values for s in selections])
         words = [tf.concat([wire.to_words(selections[p].values) for p in positions], 0)
                  for positions in value_groups.values()]
         indices = tf.concat([s.indices for s in selections] or [tf.zeros([0], tf.int32)], 0)
+        self._fused_layout = (len(selections), 1 + len(words) + len(dense_words))
         # Step 2: gather
         gathered = collectives.grouped_allgather(
             [header, indices] + words + dense_words, name=f"{self.name}.fused",
-            process_set=self.process_set)
-        headers = tf.reshape(gathered[0], [size, len(selections) + 1])
+            process_set=self.process_set, step=step)
+        headers = tf.reshape(gathered[0], [size, len(selections) + 1 + lockstep.WIDTH])
         all_indices, gathered_words = gathered[1], gathered[2:2 + len(words)]
         gathered_dense = gathered[2 + len(words):]
-        # Step 6: every rank's flag
-        finite = tf.reduce_all(tf.equal(headers[:, -1], 1))
+        # Step 6: every rank's flag, and every rank in this step (else all raise)
+        in_step = lockstep.check(headers[:, len(selections) + 1:])
+        with tf.control_dependencies([in_step]):
+            finite = tf.reduce_all(tf.equal(headers[:, len(selections)], 1))
         # Steps 3-4: each variable's entries in rank order, summed and averaged
         sparse = [None] * len(selections)
-        counts = headers[:, :-1]
+        counts = headers[:, :len(selections)]
         for (dtype, positions), group_words in zip(value_groups.items(), gathered_words):
             averages = average_entries(all_indices, wire.from_words(group_words, dtype), counts,
                                        positions, [sizes[p] for p in positions], size)
             for position, average in zip(positions, averages):
                 sparse[position] = average
         # Step 5: the dense route
-        averaged_dense = self._unpack_dense(dense, dense_groups, gathered_dense, payload.dense.keys)
+        averaged_dense = self._unpack_dense(dense, dense_groups, gathered_dense, payload.dense.keys,
+                                            step)
         return sparse, averaged_dense, finite
 
-    def _sparse_allreduce(self, payload: Payload, sizes):
+    def _sparse_allreduce(self, payload: Payload, sizes, step):
         """The sparse allreduce (``sparse_hvd.sparse_allreduce``) with the small dense-route
         gradients in its allgather: ``(sparse averages, dense averages, finite, returned)``."""
         dense = list(payload.dense.items)
         dense_groups, dense_words = self._pack_dense(dense)
         result = self.sparse_allreduce.step(
             payload.sparse.items, payload.sparse.keys, sizes, payload.budgets,
-            payload.finite_here(), dense_words)
+            payload.finite_here(), dense_words, step)
         averaged_dense = self._unpack_dense(dense, dense_groups, result.dense_words,
-                                            payload.dense.keys)
+                                            payload.dense.keys, step)
         return result.averages, averaged_dense, result.finite, result.returned
 
     def _pack_dense(self, dense):
@@ -208,25 +238,25 @@ class Exchange:
                  for positions in groups.values()]
         return groups, words
 
-    def _unpack_dense(self, dense, groups, gathered, keys):
+    def _unpack_dense(self, dense, groups, gathered, keys, step=None):
         """The averages of ``dense``: summed over the ranks in rank order from what was gathered
         (:meth:`_pack_dense`), or by one ``grouped_allreduce`` per dtype if nothing was."""
         if not groups:
-            return self.dense_average(dense, keys)
+            return self.dense_average(dense, keys, step)
         size = self.size
         averaged = [None] * len(dense)
         for (dtype, positions), group_words in zip(groups.items(), gathered):
             lengths = [entries_in(dense[p].shape) for p in positions]
             values = wire.from_words(group_words, dtype)
-            total = tf.math.unsorted_segment_sum(values, tf.tile(tf.range(sum(lengths)), [size]),
-                                                 sum(lengths))
+            total = sum_rows_in_order(tf.reshape(values, [size, sum(lengths)]))
             average = total / tf.cast(size, dtype)
             for position, piece in zip(positions, tf.split(average, lengths)):
                 averaged[position] = tf.reshape(piece, tf.shape(dense[position]))
         return averaged
 
     def sparse_average(
-        self, selections: Sequence[Selection], num_elements: Sequence[int], keys: Sequence[int]
+        self, selections: Sequence[Selection], num_elements: Sequence[int], keys: Sequence[int],
+        step=None,
     ) -> List[tf.Tensor]:
         """For each variable, the flat average over workers of what each worker selected.
 
@@ -236,12 +266,13 @@ class Exchange:
             return []
         size = self.size
         if size > 1:
-            selections = self._allgather(selections, keys)
+            selections = self._allgather(selections, keys, step)
         return [average_entries(s.indices, s.values, tf.reshape(tf.size(s.indices), [1, 1]), [0],
                                 [n], size)[0]
                 for s, n in zip(selections, num_elements)]
 
-    def dense_average(self, tensors: Sequence[tf.Tensor], keys: Sequence[int]) -> List[tf.Tensor]:
+    def dense_average(self, tensors: Sequence[tf.Tensor], keys: Sequence[int],
+                      step=None) -> List[tf.Tensor]:
         """The element-wise average over workers of each tensor."""
         tensors = list(tensors)
         if self.size == 1 or not tensors:
@@ -249,12 +280,12 @@ class Exchange:
         if self.grouping == "layerwise":
             return [
                 collectives.allreduce(tensor, name=f"{self.name}.dense.{key}",
-                                      process_set=self.process_set)
+                                      process_set=self.process_set, step=step)
                 for tensor, key in zip(tensors, keys)
             ]
-        return self._per_dtype(collectives.grouped_allreduce, tensors, f"{self.name}.dense")
+        return self._per_dtype(collectives.grouped_allreduce, tensors, f"{self.name}.dense", step)
 
-    def slices_average(self, slices: Sequence[tf.IndexedSlices], keys: Sequence[int]):
+    def slices_average(self, slices: Sequence[tf.IndexedSlices], keys: Sequence[int], step=None):
         """Average row-sparse gradients (embeddings) over workers, keeping them row-sparse.
 
         The rows every rank sent are gathered (values and indices, one allgather each, named by
@@ -269,40 +300,42 @@ class Exchange:
         averaged = []
         for grad, key in zip(slices, keys):
             values = collectives.allgather(grad.values, name=f"{self.name}.rows.{key}",
-                                           process_set=self.process_set)
+                                           process_set=self.process_set, step=step)
             indices = collectives.allgather(grad.indices, name=f"{self.name}.row_indices.{key}",
-                                            process_set=self.process_set)
+                                            process_set=self.process_set, step=step)
             averaged.append(tf.IndexedSlices(
                 values / tf.cast(size, values.dtype), indices, dense_shape=grad.dense_shape))
         return averaged
 
-    def _allgather(self, selections: Sequence[Selection], keys) -> List[Selection]:
+    def _allgather(self, selections: Sequence[Selection], keys, step=None) -> List[Selection]:
         """Every rank's selections, concatenated in rank order, variable by variable."""
         if self.grouping == "layerwise":
             return [
                 Selection(
                     collectives.allgather(s.values, name=f"{self.name}.values.{key}",
-                                          process_set=self.process_set),
+                                          process_set=self.process_set, step=step),
                     collectives.allgather(s.indices, name=f"{self.name}.indices.{key}",
-                                          process_set=self.process_set),
+                                          process_set=self.process_set, step=step),
                 )
                 for s, key in zip(selections, keys)
             ]
         gathered_values = self._per_dtype(collectives.grouped_allgather,
-                                          [s.values for s in selections], f"{self.name}.values")
+                                          [s.values for s in selections], f"{self.name}.values",
+                                          step)
         gathered_indices = collectives.grouped_allgather(
             [s.indices for s in selections], name=f"{self.name}.indices",
-            process_set=self.process_set,
+            process_set=self.process_set, step=step,
         )
         return [Selection(v, i) for v, i in zip(gathered_values, gathered_indices)]
 
-    def _per_dtype(self, grouped_collective, tensors, name):
+    def _per_dtype(self, grouped_collective, tensors, name, step=None):
         """``grouped_collective`` over ``tensors``, one group per dtype (a Horovod group holds
         one dtype), named ``<name>.<dtype>``; the results in the order of ``tensors``."""
         results = [None] * len(tensors)
         for dtype, positions in _group_positions_by_dtype(tensors).items():
             group = grouped_collective([tensors[p] for p in positions],
-                                       name=f"{name}.{dtype.name}", process_set=self.process_set)
+                                       name=f"{name}.{dtype.name}", process_set=self.process_set,
+                                       step=step)
             for position, tensor in zip(positions, group):
                 results[position] = tensor
         return results

@@ -19,11 +19,12 @@ from . import collectives, runtime
 MESSAGE = "sparse_hvd: non-finite (NaN or infinite) gradients on at least one rank."
 
 
-def agree(local_finite: tf.Tensor, name, process_set=None) -> tf.Tensor:
+def agree(local_finite: tf.Tensor, name, process_set=None, step=None) -> tf.Tensor:
     """True iff ``local_finite`` is True on every rank: the same answer everywhere."""
     bad = tf.cast(tf.logical_not(local_finite), tf.float32)
     if runtime.size(process_set) > 1:
-        bad = collectives.allreduce(bad, name=name, process_set=process_set, op=collectives.SUM)
+        bad = collectives.allreduce(bad, name=name, process_set=process_set, op=collectives.SUM,
+                                    step=step)
     return tf.equal(bad, 0.0)
 
 

@@ -24,7 +24,7 @@ from typing import List
 import keras
 import tensorflow as tf
 
-from . import checks, consistency, nonfinite, runtime
+from . import checks, consistency, lockstep, nonfinite, runtime
 from .density import get_density_policy, serialize_density_policy
 from .error_feedback import ErrorFeedback
 from .exchange import Exchange
@@ -163,7 +163,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         **kwargs,
     ):
         checks.check_backend()
-        checks.check_inner_optimizer(optimizer)
+        checks.check_inner_optimizer(optimizer, SparseDistributedOptimizer)
         checks.check_no_base_options(kwargs)
         sparsify = get_sparsifier(sparsifier)
         policy = get_density_policy(density)
@@ -171,7 +171,9 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         checks.check_momentum_correction(momentum_correction, optimizer)
         checks.check_nonfinite(nonfinite)
         checks.check_staleness(staleness, momentum_correction, policy)
-        checks.check_dense_fallback(dense_fallback)
+        checks.check_boolean(error_feedback, "error_feedback")
+        checks.check_boolean(dense_fallback, "dense_fallback")
+        checks.check_process_set(process_set)
         checks.check_exchange(exchange, grouping, staleness, policy)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
@@ -181,7 +183,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self.momentum_correction = float(momentum_correction)
         self.nonfinite = nonfinite
         self.staleness = int(staleness)
-        self.dense_fallback = dense_fallback
+        self.dense_fallback = bool(dense_fallback)
         self.min_elements = min_elements
         self.process_set = process_set
         self.exchange = exchange
@@ -210,6 +212,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         var_list = list(var_list)
         self._feedback.build(self, var_list, self.process_set)
         self._routes = [route_for(v, self.density, self.min_elements) for v in var_list]
+        checks.check_index_range(var_list, self._routes)
         self._counters = CommunicationCounters(len(var_list))
         if self._delayed:
             self._delayed.build(self, var_list, self._routes, self._prefix, self.process_set)
@@ -217,11 +220,11 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         super().build(var_list)
         # Every rank must route the same variables the same way, or the exchange would hang.
         consistency.check_same_on_all_ranks(
-            "the variables of the model being optimized",
+            "the model's variables or the optimizer's settings",
             consistency.describe_variables(var_list),
-            settings=self._settings(),
+            settings={"name": self.name, **self._settings()},
             process_set=self.process_set,
-            name=f"{self._prefix}.build_check",
+            name="sparse_hvd.build_check",  # not the optimizer's name: it may differ by rank
         )
         if self.dense_fallback:
             self._route_densely_where_faster(var_list)
@@ -349,9 +352,25 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
-        # Keras calls this at the end of fit: with staleness, the last tau averages go in now.
+        # Keras calls this at the end of fit: with staleness, the last tau averages go in now;
+        # and a rank whose data ran out early must not leave the others waiting in a step.
         self.apply_pending()
+        self.assert_same_step(lockstep.FINISHED)
         self.inner_optimizer.finalize_variable_values(var_list)
+
+    def assert_same_step(self, state=lockstep.EPOCH_END):
+        """Raise on every rank unless every rank has taken the same number of steps and calls
+        this too (``sparse_hvd.lockstep``).
+
+        A collective, eager. ``model.fit`` calls it when it ends (``lockstep.FINISHED``) and
+        sparse_hvd's epoch-end callbacks at each epoch end (``lockstep.EPOCH_END``): a rank
+        whose data ran out early then ends the job with a message naming each rank's step,
+        and a rank still in a training step receives it there and raises the same. Nothing is
+        checked before the first step, or with ``grouping="layerwise"`` or ``staleness``
+        (there the stall watchdog ends a job whose ranks disagree).
+        """
+        if self.built and not self.staleness:
+            self._exchange.assert_same_step(int(self.iterations.numpy()), state)
 
     # ---- staleness: the delayed averages (sparse_hvd.staleness) --------------------------------
 
@@ -437,7 +456,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         variables = [v for _, v in grads_and_vars]
         with tf.name_scope("sparse_exchange"):
             payload = self._payload(grads_and_vars)  # Steps 1-3
-            averaged = self._exchange.average(payload, self._num_elements())  # Step 4
+            averaged = self._exchange.average(payload, self._num_elements(),  # Step 4
+                                              step=self.iterations)
             grads, state_updates = self._inner_gradients(payload, averaged.gradients, variables)
             self._counters.record(payload)
             self._counters.record_times(payload, grads)

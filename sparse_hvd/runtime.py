@@ -43,13 +43,19 @@ def horovod():
     return hvd
 
 
-def init(pin_gpu=True):
+def init(pin_gpu=True, stall_timeout=None):
     """Start Horovod (if present and not yet started) and optionally pin one GPU per local rank.
 
     Calling it is optional: the optimizer and callbacks start Horovod lazily. Call it first thing
     in a script that has GPUs, so that each worker sees only its own GPU before TensorFlow
-    initialises them all.
+    initialises them all. ``stall_timeout``: seconds a rank may wait in one of sparse_hvd's
+    collectives before the watchdog ends the job (``sparse_hvd.watchdog``; 0: never); None
+    keeps ``SPARSE_HVD_STALL_TIMEOUT`` or the default, 300.
     """
+    if stall_timeout is not None:
+        from . import watchdog
+
+        watchdog.set_timeout(stall_timeout)
     hvd = horovod()
     if pin_gpu and hvd is not None:
         import tensorflow as tf

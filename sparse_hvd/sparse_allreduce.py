@@ -15,7 +15,7 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
    variable's global threshold ``theta`` (identical on every rank), about k of the variable's
    entries in all; at the first step theta is 0 and every summed entry is kept;
 5. ONE ``allgather`` of the kept entries, a small header per rank (whether its gradients were
-   finite; per variable, how many of its summed entries reach theta x 1, 2^-1/2, 1/2, 2^-3/2,
+   finite; its step and state, checked as in ``sparse_hvd.lockstep``; per variable, how many of its summed entries reach theta x 1, 2^-1/2, 1/2, 2^-3/2,
    1/4; where its own selected indices fall), and the small dense-route gradients;
 6. every rank computes the same next theta per variable from what was gathered: the k-th
    largest kept magnitude when at least k sums were kept, else theta times the largest level
@@ -45,8 +45,8 @@ from typing import List, NamedTuple, Sequence
 
 import tensorflow as tf
 
-from . import collectives, wire
-from .averaging import average_entries
+from . import collectives, lockstep, wire
+from .averaging import average_entries, sum_rank_by_rank
 from .sparsifiers import spread_positions
 
 # theta x these: the levels every owner counts (step 5); the first is the kept set itself
@@ -121,6 +121,7 @@ class SparseAllreduce:
         self.name = name
         self.process_set = process_set
         self.thresholds = None
+        self._layout = None  # (header length, words per value, dense tensors): for announce()
 
     def build(self, optimizer, routes, size):
         """Fix the index space of the sparse routes (step 1) and create the state: the global
@@ -143,10 +144,10 @@ class SparseAllreduce:
                                           trainable=False, name="sparse_allreduce_boundaries")
 
     def step(self, selections: Sequence, keys: Sequence[int], sizes: Sequence[int], budgets,
-             finite_here, dense_words=()) -> Result:
+             finite_here, dense_words=(), step=0) -> Result:
         """Steps 2-8 for this step's ``selections`` (of the variables ``keys``, with ``sizes``
         entries and density budgets ``budgets``); ``dense_words``: int32 tensors to gather
-        along (step 5)."""
+        along (step 5); ``step``: the training step (sent along and checked)."""
         size = self.size
         dtype = selections[0].values.dtype
         if any(s.values.dtype != dtype for s in selections):
@@ -168,14 +169,14 @@ class SparseAllreduce:
         by_owner = tf.dynamic_partition(rows, owners_of(tf.cast(indices, tf.int64), boundaries),
                                         size)
         splits = tf.stack([tf.shape(part)[0] for part in by_owner])
-        received = collectives.alltoall(tf.concat(by_owner, 0), splits,
+        received, from_each = collectives.alltoall(tf.concat(by_owner, 0), splits,
                                         name=f"{self.name}.sparse_allreduce.scatter",
-                                        process_set=self.process_set)
+                                        process_set=self.process_set, step=step)
 
         # Step 3: the sums, in rank order (the rows arrive rank by rank), ascending by index
         unique, slot = tf.unique(received[:, 0])
-        sums = tf.math.unsorted_segment_sum(
-            wire.from_words(tf.reshape(received[:, 1:], [-1]), dtype), slot, tf.size(unique))
+        sums = sum_rank_by_rank(wire.from_words(tf.reshape(received[:, 1:], [-1]), dtype), slot,
+                                from_each, tf.size(unique))
         ascending = tf.argsort(unique)
         unique, sums = tf.gather(unique, ascending), tf.gather(sums, ascending)
 
@@ -191,17 +192,23 @@ class SparseAllreduce:
 
         # Step 5: gather the kept entries, the headers and the dense words
         header = tf.concat([tf.reshape(tf.cast(finite_here, tf.int32), [1]),
+                            lockstep.fields(step),
                             tf.reshape(counts, [-1]),
                             tf.cast(_sampled_quantiles(indices, size, boundaries[1:-1]), tf.int32)],
                            0)
+        self._layout = (1 + lockstep.WIDTH + levels * len(keys) + size - 1, words,
+                        len(dense_words))
         gathered = collectives.grouped_allgather(
             [header, tf.boolean_mask(unique, keep), wire.to_words(tf.boolean_mask(sums, keep))]
             + list(dense_words),
-            name=f"{self.name}.sparse_allreduce.gather", process_set=self.process_set)
+            name=f"{self.name}.sparse_allreduce.gather", process_set=self.process_set, step=step)
         headers = tf.reshape(gathered[0], [size, -1])
         kept = gathered[1]  # ascending: the owners' regions in rank order, each ascending
         kept_values = wire.from_words(gathered[2], dtype)
-        finite = tf.reduce_all(tf.equal(headers[:, 0], 1))
+        in_step = lockstep.check(headers[:, 1:1 + lockstep.WIDTH])
+        with tf.control_dependencies([in_step]):
+            finite = tf.reduce_all(tf.equal(headers[:, 0], 1))
+        headers = headers[:, lockstep.WIDTH:]  # [finite, counts, quantiles] from here on
         level_counts = tf.reduce_sum(
             tf.reshape(headers[:, 1:1 + levels * len(keys)], [size, len(keys), levels]), 0)
 
@@ -246,3 +253,24 @@ class SparseAllreduce:
         self.boundaries.assign(tf.concat(
             [[0], tf.reduce_sum(quantiles, 0) // size, [self.total]], 0))
         return Result(averages, returned, finite, gathered[3:])
+
+    @property
+    def traced(self) -> bool:
+        """Whether a step was traced (and :meth:`announce` knows what to send)."""
+        return self._layout is not None
+
+    def announce(self, step, state):
+        """Take part in one step's two collectives with nothing to send, as a rank that is not
+        training (``lockstep.FINISHED`` or ``EPOCH_END`` after ``step`` steps), and raise unless
+        every rank does the same. Eager; only after a step was traced (:attr:`traced`)."""
+        header_length, words, dense = self._layout
+        collectives.alltoall(tf.zeros([0, 1 + words], tf.int32), tf.zeros([self.size], tf.int32),
+                             name=f"{self.name}.sparse_allreduce.scatter",
+                             process_set=self.process_set)
+        header = tf.concat([[1], lockstep.fields(step, state),
+                            tf.zeros([header_length - 1 - lockstep.WIDTH], tf.int32)], 0)
+        empty = tf.zeros([0], tf.int32)
+        gathered = collectives.grouped_allgather(
+            [header, empty, empty] + [empty] * dense,
+            name=f"{self.name}.sparse_allreduce.gather", process_set=self.process_set)
+        lockstep.check(tf.reshape(gathered[0], [self.size, -1])[:, 1:1 + lockstep.WIDTH])

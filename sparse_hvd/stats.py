@@ -89,6 +89,6 @@ def layer_stats(variables, routes, counters: CommunicationCounters, policy, step
             "exchange": exchange if route.sparse else "dense",
             "target_density": policy.current_density(index, step) if route.sparse else 1.0,
             "last_sent": int(last[index]),
-            "last_density": float(last[index]) / route.num_elements,
+            "last_density": float(last[index]) / max(route.num_elements, 1),
         }
     return stats
