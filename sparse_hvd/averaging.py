@@ -50,8 +50,15 @@ def average_entries(indices, values, counts, columns, sizes, divisor) -> List[tf
     slots = tf.gather(tf.constant(slot_of_column, tf.int32), _owners(counts, rows))
     averaged_here = slots >= 0
     offsets = tf.constant([sum(sizes[:slot]) for slot in range(len(columns))] or [0], tf.int32)
-    places = (tf.boolean_mask(indices, averaged_here)
-              + tf.gather(offsets, tf.boolean_mask(slots, averaged_here)))
+    entry_indices = tf.boolean_mask(indices, averaged_here)
+    entry_slots = tf.boolean_mask(slots, averaged_here)
+    inside = tf.reduce_all(tf.logical_and(
+        entry_indices >= 0, entry_indices < tf.gather(tf.constant(sizes or [0], tf.int32),
+                                                      entry_slots)))
+    check = tf.debugging.Assert(inside, ["sparse_hvd: a gathered index is outside its variable "
+                                         "(negative, or at least its number of entries)"])
+    with tf.control_dependencies([check]):
+        places = entry_indices + tf.gather(offsets, entry_slots)
     # Step 2: rank by rank
     per_rank = tf.reduce_sum(tf.gather(counts, columns, axis=1), axis=1)
     total = sum_rank_by_rank(values, places, per_rank, sum(sizes))

@@ -104,6 +104,7 @@ class Exchange:
         self.method = method
         self.sparse_allreduce = None
         self._fused_layout = None  # what an empty fused payload holds (assert_same_step)
+        self._announce = None  # assert_same_step's traced function
         self.use(method)
 
     @property
@@ -149,25 +150,39 @@ class Exchange:
 
     def assert_same_step(self, step, state):
         """Raise on every rank unless every rank calls this with the same ``step`` and ``state``
-        (``sparse_hvd.lockstep``): one grouped exchange with an empty payload, under the step's
-        own collective names, so a rank still training receives it in its step and raises too.
-        Eager. Nothing is checked before the first step was traced, with one worker, or with
-        the layer-wise exchange (its collectives are per variable; the stall watchdog ends a
-        job whose ranks disagree there).
+        (``sparse_hvd.lockstep``): the step's own collectives with an empty payload, so a rank
+        still training receives it in its step and raises too. Called eagerly; the collectives
+        run in a traced function, because Horovod names eager collectives by their op type, not
+        by the name they are given. Nothing is checked before the first step was traced, with
+        one worker, or with the layer-wise exchange (its collectives are per variable; the
+        stall watchdog ends a job whose ranks disagree there).
         """
         if self.size == 1 or self.grouping != "grouped":
             return
         if self.sparse_allreduce is not None and self.sparse_allreduce.traced:
-            self.sparse_allreduce.announce(step, state)
+            announce = self.sparse_allreduce.announce
+        elif self._fused_layout is not None:
+            announce = self._announce_fused
+        else:
             return
-        if self._fused_layout is None:
-            return
+        if self._announce is None:
+            self._announce = tf.function(announce, autograph=False)
+        try:
+            self._announce(tf.constant(step, tf.int64), tf.constant(state, tf.int32))
+        except tf.errors.OpError as error:
+            mismatch = lockstep.mismatch_error(error)
+            if mismatch is None:
+                raise
+            raise mismatch from None
+
+    def _announce_fused(self, step, state):
+        """The fused exchange of a rank that sends nothing, with ``state`` for its fields."""
         selections, tensors = self._fused_layout
         header = tf.concat([tf.zeros([selections], tf.int32), [1], lockstep.fields(step, state)], 0)
         gathered = collectives.grouped_allgather(
             [header] + [tf.zeros([0], tf.int32)] * tensors, name=f"{self.name}.fused",
             process_set=self.process_set)
-        lockstep.check(tf.reshape(gathered[0], [self.size, -1])[:, selections + 1:])
+        return lockstep.check(tf.reshape(gathered[0], [self.size, -1])[:, selections + 1:])
 
     def _finite_everywhere(self, payload: Payload, step=None) -> tf.Tensor:
         """Whether every rank's gradients were finite, by one tiny allreduce (True, and no
@@ -196,13 +211,15 @@ class Exchange:
         gathered = collectives.grouped_allgather(
             [header, indices] + words + dense_words, name=f"{self.name}.fused",
             process_set=self.process_set, step=step)
-        headers = tf.reshape(gathered[0], [size, len(selections) + 1 + lockstep.WIDTH])
+        # Step 6: every rank in this step (else every rank raises before unpacking), and
+        # every rank's flag
+        width = len(selections) + 1 + lockstep.WIDTH
+        gathered = lockstep.after_check(
+            tf.reshape(gathered[0], [size, width])[:, len(selections) + 1:], gathered)
+        headers = tf.reshape(gathered[0], [size, width])
         all_indices, gathered_words = gathered[1], gathered[2:2 + len(words)]
         gathered_dense = gathered[2 + len(words):]
-        # Step 6: every rank's flag, and every rank in this step (else all raise)
-        in_step = lockstep.check(headers[:, len(selections) + 1:])
-        with tf.control_dependencies([in_step]):
-            finite = tf.reduce_all(tf.equal(headers[:, len(selections)], 1))
+        finite = tf.reduce_all(tf.equal(headers[:, len(selections)], 1))
         # Steps 3-4: each variable's entries in rank order, summed and averaged
         sparse = [None] * len(selections)
         counts = headers[:, :len(selections)]

@@ -33,7 +33,7 @@ _DOING = {
 def fields(step, state=TRAINING) -> tf.Tensor:
     """This rank's fields: ``[step mod 2^31, state]`` (int32)."""
     step = tf.cast(tf.math.floormod(tf.cast(step, tf.int64), 1 << 31), tf.int32)
-    return tf.stack([step, tf.constant(state, tf.int32)])
+    return tf.stack([step, tf.cast(state, tf.int32)])
 
 
 def message(gathered) -> str:
@@ -50,6 +50,16 @@ def message(gathered) -> str:
         "restored from different checkpoints, or an early stop decided on one rank only, also "
         "end here."
     )
+
+
+def mismatch_error(error):
+    """The mismatch a traced :func:`check` raised (inside TensorFlow's error, with its
+    traceback) as the ValueError an eager caller expects; None for any other error."""
+    text = getattr(error, "message", str(error))
+    start = text.find("sparse_hvd: the ranks are not at the same step")
+    if start < 0:
+        return None
+    return ValueError(text[start:].splitlines()[0])
 
 
 def agree(gathered) -> tf.Tensor:
@@ -75,3 +85,10 @@ def check(gathered):
         agree(gathered), lambda: tf.constant(True),
         lambda: tf.numpy_function(lambda v: raise_mismatch(v) or np.bool_(False), [gathered],
                                   tf.bool, stateful=True))
+
+
+def after_check(gathered_fields, tensors):
+    """``tensors`` (what was gathered with the fields) available only once :func:`check` of
+    ``gathered_fields`` has passed: nothing of a mismatched step is unpacked or applied."""
+    with tf.control_dependencies([check(gathered_fields)]):
+        return [tf.identity(t) for t in tensors]

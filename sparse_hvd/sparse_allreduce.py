@@ -202,13 +202,13 @@ class SparseAllreduce:
             [header, tf.boolean_mask(unique, keep), wire.to_words(tf.boolean_mask(sums, keep))]
             + list(dense_words),
             name=f"{self.name}.sparse_allreduce.gather", process_set=self.process_set, step=step)
+        gathered = lockstep.after_check(
+            tf.reshape(gathered[0], [size, -1])[:, 1:1 + lockstep.WIDTH], gathered)
         headers = tf.reshape(gathered[0], [size, -1])
+        headers = tf.concat([headers[:, :1], headers[:, 1 + lockstep.WIDTH:]], 1)  # no fields
         kept = gathered[1]  # ascending: the owners' regions in rank order, each ascending
         kept_values = wire.from_words(gathered[2], dtype)
-        in_step = lockstep.check(headers[:, 1:1 + lockstep.WIDTH])
-        with tf.control_dependencies([in_step]):
-            finite = tf.reduce_all(tf.equal(headers[:, 0], 1))
-        headers = headers[:, lockstep.WIDTH:]  # [finite, counts, quantiles] from here on
+        finite = tf.reduce_all(tf.equal(headers[:, 0], 1))
         level_counts = tf.reduce_sum(
             tf.reshape(headers[:, 1:1 + levels * len(keys)], [size, len(keys), levels]), 0)
 
@@ -260,17 +260,24 @@ class SparseAllreduce:
         return self._layout is not None
 
     def announce(self, step, state):
-        """Take part in one step's two collectives with nothing to send, as a rank that is not
-        training (``lockstep.FINISHED`` or ``EPOCH_END`` after ``step`` steps), and raise unless
-        every rank does the same. Eager; only after a step was traced (:attr:`traced`)."""
+        """One step's two collectives with nothing to send, as a rank that is not training
+        (``lockstep.FINISHED`` or ``EPOCH_END`` after ``step`` steps); raises unless every rank
+        does the same. In a trace (``Exchange.assert_same_step``), after a step was
+        (:attr:`traced`)."""
         header_length, words, dense = self._layout
-        collectives.alltoall(tf.zeros([0, 1 + words], tf.int32), tf.zeros([self.size], tf.int32),
-                             name=f"{self.name}.sparse_allreduce.scatter",
-                             process_set=self.process_set)
+        # Horovod's ops are not marked stateful: grappler's constant folding would run (and
+        # re-run) a collective whose inputs are all constants while it optimizes the function.
+        # So the splits (all zero) are computed from an argument.
+        no_rows = tf.fill([self.size], tf.minimum(tf.cast(state, tf.int32), 0))
+        received, _ = collectives.alltoall(
+            tf.zeros([0, 1 + words], tf.int32), no_rows,
+            name=f"{self.name}.sparse_allreduce.scatter", process_set=self.process_set)
+        # in the step's order: the gather starts once the scatter is done
+        empty = tf.zeros([0], tf.int32) + tf.reduce_sum(received[:0, :1])
         header = tf.concat([[1], lockstep.fields(step, state),
                             tf.zeros([header_length - 1 - lockstep.WIDTH], tf.int32)], 0)
-        empty = tf.zeros([0], tf.int32)
+        header = tf.concat([header, empty], 0)
         gathered = collectives.grouped_allgather(
             [header, empty, empty] + [empty] * dense,
             name=f"{self.name}.sparse_allreduce.gather", process_set=self.process_set)
-        lockstep.check(tf.reshape(gathered[0], [self.size, -1])[:, 1:1 + lockstep.WIDTH])
+        return lockstep.check(tf.reshape(gathered[0], [self.size, -1])[:, 1:1 + lockstep.WIDTH])

@@ -98,3 +98,75 @@ def test_unknown_grouping_names_the_choices():
 def test_wrapping_adafactor_warns_about_sparse_gradients():
     with pytest.warns(UserWarning, match="Adafactor.*Prefer Adam"):
         sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adafactor(), density=0.01)
+
+
+@pytest.mark.parametrize("argument", ["error_feedback", "dense_fallback"])
+@pytest.mark.parametrize("value", ["False", 0, None])
+def test_boolean_options_take_only_booleans(argument, value):
+    """"False" would otherwise count as True."""
+    with pytest.raises(TypeError, match=f"`{argument}` must be True or False, got {value!r}"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), **{argument: value})
+
+
+@pytest.mark.parametrize("value,error,message", [
+    ("x", TypeError, "`process_set` must be a horovod ProcessSet.*got 'x'"),
+    (3, TypeError, "`process_set` must be a horovod ProcessSet.*got 3"),
+])
+def test_process_set_is_checked(value, error, message):
+    with pytest.raises(error, match=message):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), process_set=value)
+
+
+def test_an_unregistered_process_set_is_named():
+    hvd = pytest.importorskip("horovod.tensorflow")
+    with pytest.raises(ValueError, match="is not registered with Horovod.*add_process_set"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1),
+                                              process_set=hvd.ProcessSet([0]))
+
+
+def test_a_sparse_optimizer_inside_another_is_refused():
+    inner = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match="is \\(or wraps\\) a SparseDistributedOptimizer already"):
+        sparse_hvd.SparseDistributedOptimizer(inner)
+    with pytest.raises(ValueError, match="is \\(or wraps\\) a SparseDistributedOptimizer already"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.LossScaleOptimizer(inner))
+
+
+def test_a_variable_too_large_for_int32_indices_is_named_at_build():
+    """Checked on the routes (a real 2^31-entry variable would take 8 GiB)."""
+    from sparse_hvd import checks
+    from sparse_hvd.payload import Route
+
+    class Huge:
+        path = "model/embedding/embeddings"
+
+    routes = [Route(num_elements=(1 << 31), sparse=True, itemsize=4)]
+    with pytest.raises(ValueError, match="model/embedding/embeddings has 2147483648 entries.*"
+                                         "min_elements above 2147483648"):
+        checks.check_index_range([Huge()], routes)
+    checks.check_index_range([Huge()], [routes[0]._replace(sparse=False)])  # dense: fine
+    checks.check_index_range([Huge()], [Route((1 << 31) - 1, True, 4)])  # the largest that fits
+
+
+def test_layer_stats_of_an_empty_variable():
+    empty = keras.Variable(np.zeros((0, 4), "float32"), name="empty")
+    full = keras.Variable(np.ones((50, 40), "float32"), name="full")
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), density=0.1)
+    optimizer.apply([tf.zeros((0, 4)), tf.ones((50, 40))], [empty, full])
+    stats = optimizer.layer_stats()
+    assert stats[empty.path] == {"elements": 0, "route": "dense", "exchange": "dense",
+                                 "target_density": 1.0, "last_sent": 0, "last_density": 0.0}
+    assert stats[full.path]["last_sent"] == 200
+
+
+def test_bfloat16_variables_train_in_one_process():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(300, dtype="bfloat16"),
+                              keras.layers.Dense(1)])
+    model.compile(sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse",
+                  jit_compile=False)
+    x = np.random.RandomState(0).randn(64, 8).astype("float32")
+    before = model.layers[0].kernel.numpy().copy()
+    model.fit(x, x.sum(1, keepdims=True), batch_size=16, epochs=1, verbose=0)
+    after = model.layers[0].kernel.numpy()
+    assert model.layers[0].kernel.dtype == "bfloat16"
+    assert np.isfinite(after.astype(np.float32)).all() and (after != before).any()

@@ -1,4 +1,9 @@
-"""average_entries (the exchange's step 4): native kernel and TensorFlow ops, against NumPy."""
+"""average_entries (the exchange's step 4): native kernel and TensorFlow ops, against NumPy.
+
+The NumPy re-computation adds rank by rank in the order sent, rounding after every addition
+(float16 and bfloat16 too): the bits every rank must get, on CPU and, by construction (no
+atomics), on a GPU.
+"""
 
 import numpy as np
 import pytest
@@ -9,6 +14,9 @@ from sparse_hvd import averaging as averaging_module
 from sparse_hvd.averaging import average_entries
 
 SIZES = [1000, 70000, 33]
+
+
+BFLOAT16 = tf.bfloat16.as_numpy_dtype
 
 
 def _gathered(rows, dtype, seed=0):
@@ -23,7 +31,7 @@ def _gathered(rows, dtype, seed=0):
             chosen = rng.choice(min(n, 200), size=min(counts[r, v], n), replace=False)  # overlapping
             counts[r, v] = len(chosen)
             indices.append(chosen.astype(np.int32))
-            values.append(rng.randn(counts[r, v]).astype(dtype))
+            values.append(rng.randn(counts[r, v]).astype(np.float32).astype(dtype))
     return counts, indices, values
 
 
@@ -52,6 +60,51 @@ def test_average_entries_is_the_rank_order_sum_divided(monkeypatch, native, dtyp
                              tf.constant(counts), columns, [SIZES[c] for c in columns], divisor)
     for got, expected in zip(result, _numpy(counts, indices, values, columns, divisor, dtype)):
         np.testing.assert_array_equal(got.numpy(), expected)
+
+
+@pytest.mark.parametrize("dtype", ["float16", BFLOAT16])
+@pytest.mark.parametrize("rows,divisor", [(3, 3), (5, 5)])
+def test_16_bit_values_are_summed_rank_by_rank_in_their_own_precision(dtype, rows, divisor):
+    """16-bit values take the TensorFlow path (the native kernel is float32/64): each addition
+    rounds to 16 bits, in rank order, exactly as NumPy does it."""
+    counts, indices, values = _gathered(rows, dtype, seed=3)
+    columns = [0, 1, 2]
+    group_values = [values[r * len(SIZES) + c] for r in range(rows) for c in columns]
+    result = average_entries(tf.constant(np.concatenate(indices)),
+                             tf.constant(np.concatenate(group_values)), tf.constant(counts),
+                             columns, SIZES, divisor)
+    for got, expected in zip(result, _numpy(counts, indices, values, columns, divisor, dtype)):
+        np.testing.assert_array_equal(got.numpy().astype(np.float32), expected.astype(np.float32))
+
+
+def test_the_rank_by_rank_sum_adds_in_rank_order_not_by_magnitude():
+    """A case where the order of additions shows in the bits: 1e8 + 1 - 1e8 is 0 in float32
+    (1 is lost against 1e8), but 1 when the large values meet first."""
+    values = tf.constant([1e8, 1.0, -1e8], tf.float32)
+    places = tf.constant([0, 0, 0], tf.int32)
+    total = averaging_module.sum_rank_by_rank(values, places, tf.constant([1, 1, 1]), 2)
+    assert total.numpy().tolist() == [0.0, 0.0]
+    total = averaging_module.sum_rank_by_rank(tf.constant([1e8, -1e8, 1.0]), places,
+                                              tf.constant([1, 1, 1]), 2)
+    assert total.numpy().tolist() == [1.0, 0.0]
+
+
+def test_rows_are_summed_in_rank_order():
+    rows = np.array([[1e8, 3.0], [1.0, 0.5], [-1e8, 0.25]], np.float32)
+    expected = np.zeros(2, np.float32)
+    for row in rows:
+        expected = expected + row
+    np.testing.assert_array_equal(averaging_module.sum_rows_in_order(tf.constant(rows)).numpy(),
+                                  expected)
+
+
+def test_without_the_kernel_an_index_outside_the_variables_is_an_error(monkeypatch):
+    """The TensorFlow path on CPU: a negative index (what an overflowing int32 index would
+    become) is an error, never silently dropped."""
+    monkeypatch.setattr(averaging_module.kernels, "scatter_mean", lambda: None)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="index is outside its variable"):
+        average_entries(tf.constant([1, -3], tf.int32), tf.constant([1.0, 2.0]),
+                        tf.constant([[1, 1]]), [0, 1], [10, 33], 2)
 
 
 def test_an_index_outside_its_variable_is_an_error_that_names_it():

@@ -369,20 +369,21 @@ def test_sbatch_script_trains_on_two_tasks(slurm_cluster, launcher):
 def test_a_stalled_worker_ends_the_slurm_job(slurm_cluster):
     """launch.sh's settings end a job whose rank stopped, long before the job's time limit.
 
-    Rank 1 sleeps outside any collective; Horovod's stall shutdown (its limits set by launch.sh,
-    shortened here through the environment, which launch.sh lets win) ends rank 0, and srun's
-    --kill-on-bad-exit then ends rank 1 (which would otherwise sleep for an hour). A rank that
-    dies outright ends the step the same way, without waiting for the stall limit.
+    Rank 1 sleeps outside any collective; sparse_hvd's stall watchdog (its limit set by
+    launch.sh, shortened here through the environment, which launch.sh lets win; Horovod's own
+    stall shutdown off) ends rank 0 with a message, and srun's --kill-on-bad-exit then ends
+    rank 1 (which would otherwise sleep for an hour). A rank that dies outright ends the step
+    the same way, without waiting for the limit.
     """
     how = "stall"
     cluster = slurm_cluster
-    env = dict(cluster.env, HOROVOD_STALL_CHECK_TIME_SECONDS="5", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="15")
+    env = dict(cluster.env, SPARSE_HVD_STALL_TIMEOUT="15", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="0")
     if os.path.realpath(os.path.join(ROOT, ".venv")) != os.path.realpath(sys.prefix):
         env.setdefault("SPARSE_HVD_VENV", sys.prefix)
     job = os.path.join(ROOT, "tests", "distributed", "job_rank_fails.py")
     launch = os.path.join(ROOT, "scripts", "slurm", "launch.sh")
     job_id, fields, output, seconds = cluster.submit_and_wait(
-        # A 3-minute limit: had the stall shutdown not worked, Slurm would end the job as
+        # A 3-minute limit: had the watchdog not worked, Slurm would end the job as
         # TIMEOUT, not FAILED.
         ["--nodes=1", "--ntasks-per-node=2", "--time=3", "--job-name=fails",
          f"--wrap=bash {shlex.quote(launch)} {shlex.quote(job)} {how}"],
@@ -391,8 +392,9 @@ def test_a_stalled_worker_ends_the_slurm_job(slurm_cluster):
     assert fields.get("JobState") == "FAILED", f"JobState={fields.get('JobState')}\n{context}"
     assert fields.get("ExitCode") != "0:0", context
     assert "finished training, which it must not" not in output, context
-    # Start-up, then the stall is noticed after 5 s and shut down after 15 s: 42 to 74 s were
-    # measured on a 2-core machine that other jobs loaded.
+    assert re.search(r"sparse_hvd: rank 0 of 2 has waited 1\d s in collective", output), context
+    # Start-up, then the watchdog's 15 s: 42 to 74 s were measured with Horovod's stall
+    # shutdown of 15 s on a 2-core machine that other jobs loaded.
     assert seconds < 150, f"the job took {seconds:.0f} s to end\n{context}"
     assert re.search(r"^\[launch\] launcher: srun ", output, re.M) or expected_auto_launcher(env) == "mpirun", context
     print(f"{how}: job {job_id} ended {fields.get('JobState')} (exit {fields.get('ExitCode')}) after {seconds:.1f} s")

@@ -32,11 +32,14 @@
 #                          sends a step's values and indices as one grouped allgather each, well
 #                          below 64 MiB at 1% density; a lower cycle time (0.2) cut latency on a
 #                          loaded machine in scripts/bench_convergence.py;
-#   HOROVOD_STALL_CHECK_TIME_SECONDS = 60, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS = 300: a rank that
-#                          stops taking part in collectives (dead, hung, lost its node) makes
-#                          Horovod warn after 60 s and end the job after 300 s, instead of every
-#                          other rank waiting until the wall-time limit; 300 s leaves room for
-#                          rank 0 writing a large checkpoint while the others wait for it;
+#   SPARSE_HVD_STALL_TIMEOUT = 300: a rank that has waited 300 s in one of sparse_hvd's
+#                          collectives (a peer is dead, hung, lost its node, or ran out of data)
+#                          says what it waited for and ends the job, instead of every rank
+#                          waiting until the wall-time limit; 300 s leaves room for rank 0
+#                          writing a large checkpoint while the others wait for it;
+#   HOROVOD_STALL_CHECK_TIME_SECONDS = 60, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS = 600: Horovod
+#                          names the stalled tensors after 60 s, and ends a job stalled in a
+#                          collective that is not sparse_hvd's (the script's own) after 600 s;
 #   PYTHONUNBUFFERED = 1 (output reaches the job log as it happens, not when a worker ends);
 #   OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM) = 1 when running as root (Open MPI refuses otherwise).
 set -euo pipefail
@@ -65,7 +68,8 @@ if [ "$CPUS" -gt 1 ]; then export TF_NUM_INTEROP_THREADS=2; else export TF_NUM_I
 export HOROVOD_FUSION_THRESHOLD="${HOROVOD_FUSION_THRESHOLD:-67108864}"
 export HOROVOD_CYCLE_TIME="${HOROVOD_CYCLE_TIME:-1}"
 export HOROVOD_STALL_CHECK_TIME_SECONDS="${HOROVOD_STALL_CHECK_TIME_SECONDS:-60}"
-export HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="${HOROVOD_STALL_SHUTDOWN_TIME_SECONDS:-300}"
+export HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="${HOROVOD_STALL_SHUTDOWN_TIME_SECONDS:-600}"
+export SPARSE_HVD_STALL_TIMEOUT="${SPARSE_HVD_STALL_TIMEOUT:-300}"
 export PYTHONUNBUFFERED=1
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 if [ "$(id -u)" = 0 ]; then
@@ -74,7 +78,7 @@ fi
 
 say "job ${SLURM_JOB_ID}: ${SLURM_JOB_NUM_NODES:-1} node(s) (${SLURM_JOB_NODELIST:-?}), $NTASKS task(s) (${SLURM_TASKS_PER_NODE:-?} per node), $CPUS CPU(s) per task"
 say "python: $PY"
-say "threads per worker: OMP/TF intra-op $CPUS, TF inter-op $TF_NUM_INTEROP_THREADS; Horovod: fusion ${HOROVOD_FUSION_THRESHOLD} B, cycle ${HOROVOD_CYCLE_TIME} ms, stall warning ${HOROVOD_STALL_CHECK_TIME_SECONDS} s, stall shutdown ${HOROVOD_STALL_SHUTDOWN_TIME_SECONDS} s"
+say "threads per worker: OMP/TF intra-op $CPUS, TF inter-op $TF_NUM_INTEROP_THREADS; Horovod: fusion ${HOROVOD_FUSION_THRESHOLD} B, cycle ${HOROVOD_CYCLE_TIME} ms, stall warning ${HOROVOD_STALL_CHECK_TIME_SECONDS} s, stall shutdown ${HOROVOD_STALL_SHUTDOWN_TIME_SECONDS} s; sparse_hvd stall watchdog ${SPARSE_HVD_STALL_TIMEOUT} s"
 
 # --- 3. launcher -------------------------------------------------------------------------------
 slurm_pmix() {  # the PMIx plugin versions Slurm offers, empty if none
@@ -107,7 +111,7 @@ if [ "$LAUNCHER" = srun ]; then
     # --cpus-per-task: since Slurm 22.05 srun no longer inherits it from sbatch; without it every
     #   task of the step would get one CPU whatever the job asked for.
     # --kill-on-bad-exit=1: a worker that exits non-zero ends the whole step at once (the others
-    #   would otherwise wait in their next collective until the stall shutdown).
+    #   would otherwise wait in their next collective until the stall watchdog ends them).
     CMD=(srun --mpi=pmix --cpus-per-task="$CPUS" --kill-on-bad-exit=1 "$PY" -u "$SCRIPT" "$@")
 else
     command -v mpirun >/dev/null 2>&1 || die "mpirun not found (and srun --mpi=pmix not usable: $WHY)"
@@ -121,7 +125,7 @@ else
     CMD=(mpirun -np "$NTASKS" --bind-to none --oversubscribe)
     for var in OMP_NUM_THREADS TF_NUM_INTRAOP_THREADS TF_NUM_INTEROP_THREADS HOROVOD_FUSION_THRESHOLD \
                HOROVOD_CYCLE_TIME HOROVOD_STALL_CHECK_TIME_SECONDS HOROVOD_STALL_SHUTDOWN_TIME_SECONDS \
-               PYTHONUNBUFFERED TF_CPP_MIN_LOG_LEVEL PATH LD_LIBRARY_PATH; do
+               SPARSE_HVD_STALL_TIMEOUT PYTHONUNBUFFERED TF_CPP_MIN_LOG_LEVEL PATH LD_LIBRARY_PATH; do
         if [ -n "${!var+x}" ]; then CMD+=(-x "$var"); fi
     done
     CMD+=("$PY" -u "$SCRIPT" "$@")

@@ -4,7 +4,7 @@ Usage: python job_rank_fails.py raise|kill|stall|none [STALENESS]
 Rank 1 raises, is killed with SIGKILL, or stalls (sleeps, as if stuck outside any collective)
 at its fourth batch while the other ranks keep training and wait for it in the gradient
 exchange. The job must end with a non-zero status within a bounded time instead of hanging:
-the stall through Horovod's stall shutdown (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS).
+the stall through sparse_hvd's stall watchdog (SPARSE_HVD_STALL_TIMEOUT).
 
 With STALENESS > 0 the exchanges run on the optimizer's background thread; the job also runs
 TensorFlow with a single inter-op thread, where the training step waiting for a delayed
