@@ -221,6 +221,33 @@ def check_not_wrapped_in_loss_scaling(optimizer, depth=6):
         frame = frame.f_back
 
 
+def check_no_inner_accumulation(optimizer):
+    """Keras' own accumulation on the inner optimizer would still exchange every pass."""
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        raise ValueError(
+            f"the inner optimizer has gradient_accumulation_steps="
+            f"{optimizer.gradient_accumulation_steps}: it would accumulate after the exchange, "
+            "which would still run at every backward pass. Use "
+            "SparseDistributedOptimizer(..., backward_passes_per_step=N) instead: the passes "
+            "are accumulated locally and exchanged once.")
+
+
+def check_some_gradient(grads, variables):
+    """Keras' behaviour for missing gradients: an error when there is none at all, a warning
+    naming the variables without one."""
+    import warnings
+
+    if all(g is None for g in grads):
+        raise ValueError("No gradients provided for any variable.")
+    missing = [getattr(v, "path", None) or getattr(v, "name", "?")
+               for g, v in zip(grads, variables) if g is None]
+    if missing:
+        warnings.warn(
+            f"Gradients do not exist for variables {missing} when minimizing the loss. If "
+            "using `model.compile()`, did you forget to provide a `loss` argument?",
+            stacklevel=4)
+
+
 def check_gradients_match_variables(grads, variables):
     if len(grads) != len(variables):
         raise ValueError(

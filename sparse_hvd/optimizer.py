@@ -22,6 +22,7 @@ reads as the list of them:
 from typing import List
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from . import checks, consistency, lockstep, nonfinite, runtime
@@ -40,6 +41,38 @@ try:  # the decorator Keras' own wrapper optimizers use; absent in some Keras ve
 except ImportError:  # pragma: no cover
     def no_automatic_dependency_tracking(fn):
         return fn
+
+
+# The base optimizer's options that belong to the inner optimizer (it applies them to the
+# averaged gradients); on the wrapper they read and write the inner optimizer's.
+INNER_OPTIONS = ("weight_decay", "clipnorm", "global_clipnorm", "clipvalue", "use_ema",
+                 "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
+                 "gradient_accumulation_steps")
+
+
+def _inner_option(option):
+    """A property that forwards ``option`` to the inner optimizer (ignored while the base
+    constructor sets its defaults, before there is an inner optimizer)."""
+    def get(self):
+        inner = self.__dict__.get("inner_optimizer")
+        return None if inner is None else getattr(inner, option)
+
+    def set_(self, value):
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is not None:
+            setattr(inner, option, value)
+
+    return property(get, set_, doc=f"The inner optimizer's ``{option}``.")
+
+
+def _with_tensor_parts(grad):
+    """An IndexedSlices gradient with tensors for values and indices (Keras accepts Python
+    sequences there)."""
+    if isinstance(grad, tf.IndexedSlices) and not (
+            tf.is_tensor(grad.indices) and tf.is_tensor(grad.values)):
+        return tf.IndexedSlices(tf.convert_to_tensor(grad.values),
+                                tf.convert_to_tensor(grad.indices), grad.dense_shape)
+    return grad
 
 
 def _as_rows(grad: tf.IndexedSlices, variable) -> tf.IndexedSlices:
@@ -143,7 +176,17 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             optimizers in one job need different names (Keras' automatic names are fine).
 
     Use ``jit_compile=False``: Horovod's collectives cannot be XLA-compiled.
+
+    The base optimizer's options (``clipnorm``, ``clipvalue``, ``global_clipnorm``,
+    ``weight_decay``, ``use_ema``, ``loss_scale_factor``) are the inner optimizer's: set them
+    there; they act on the averaged gradient, identically on every rank, and read through the
+    wrapper (``model.optimizer.clipnorm``) they give the inner optimizer's values.
+    ``exclude_from_weight_decay`` and ``set_weights`` reach the inner optimizer too.
     """
+
+    for _option in INNER_OPTIONS:
+        locals()[_option] = _inner_option(_option)
+    del _option
 
     def __init__(
         self,
@@ -164,6 +207,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
     ):
         checks.check_backend()
         checks.check_inner_optimizer(optimizer, SparseDistributedOptimizer)
+        checks.check_no_inner_accumulation(optimizer)
         checks.check_no_base_options(kwargs)
         sparsify = get_sparsifier(sparsifier)
         policy = get_density_policy(density)
@@ -336,6 +380,25 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         """
         self._feedback.rescale_after_restore(self.process_set)
 
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Keras' ``exclude_from_weight_decay``, on the inner optimizer (which decays)."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+
+    def set_weights(self, weights):
+        """Assign ``weights`` to :attr:`variables` in order: the wrapper's own (residuals, ...)
+        then the inner optimizer's (its iteration count, moments), as ``variables`` lists them."""
+        if not self.built:
+            raise ValueError("Call `optimizer.build(trainable_variables)` before `set_weights()`.")
+        variables = self.variables
+        if len(weights) != len(variables):
+            raise ValueError(f"`set_weights` got {len(weights)} arrays for the optimizer's "
+                             f"{len(variables)} variables")
+        for variable, weight in zip(variables, weights):
+            if tuple(variable.shape) != tuple(np.shape(weight)):
+                raise ValueError(f"Optimizer variable {variable.path} has shape "
+                                 f"{tuple(variable.shape)}, not {tuple(np.shape(weight))}")
+            variable.assign(weight)
+
     @property
     def learning_rate(self):
         return self.inner_optimizer.learning_rate
@@ -486,6 +549,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         trainable_variables = list(trainable_variables)
         grads = list(grads)
         checks.check_gradients_match_variables(grads, trainable_variables)
+        checks.check_some_gradient(grads, trainable_variables)
+        grads = [_with_tensor_parts(g) for g in grads]
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
