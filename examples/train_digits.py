@@ -124,7 +124,8 @@ class EpochCheckpoint(keras.callbacks.Callback):
 
     Give it to rank 0 only, after ``ShareResidualsCallback`` (which every rank runs). The file is
     written under a temporary name and then renamed: a job killed while saving (its time limit,
-    a lost node) leaves the previous checkpoint as the latest, never a truncated one.
+    a lost node) or a full disk leaves the previous checkpoint as the latest, never a truncated
+    one.
     """
 
     def __init__(self, directory):
@@ -134,7 +135,12 @@ class EpochCheckpoint(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         name = f"epoch-{epoch + 1:03d}.keras"
         partial = os.path.join(self.directory, f".partial-{name}")
-        self.model.save(partial)
+        try:
+            self.model.save(partial)
+        except BaseException:  # e.g. a full disk: leave no partial file behind, then fail
+            if os.path.exists(partial):
+                os.remove(partial)
+            raise
         os.replace(partial, os.path.join(self.directory, name))
 
 

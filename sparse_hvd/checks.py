@@ -221,6 +221,14 @@ def check_not_wrapped_in_loss_scaling(optimizer, depth=6):
         frame = frame.f_back
 
 
+def check_backward_passes(passes, staleness):
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"`backward_passes_per_step` must be an int >= 1, got {passes!r}")
+    if passes > 1 and staleness:
+        raise ValueError("`backward_passes_per_step` > 1 cannot be combined with `staleness` > 0; "
+                         "use one of them.")
+
+
 def check_no_inner_accumulation(optimizer):
     """Keras' own accumulation on the inner optimizer would still exchange every pass."""
     if getattr(optimizer, "gradient_accumulation_steps", None):
@@ -237,7 +245,7 @@ def check_some_gradient(grads, variables):
     naming the variables without one."""
     import warnings
 
-    if all(g is None for g in grads):
+    if grads and all(g is None for g in grads):
         raise ValueError("No gradients provided for any variable.")
     missing = [getattr(v, "path", None) or getattr(v, "name", "?")
                for g, v in zip(grads, variables) if g is None]

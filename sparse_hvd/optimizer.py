@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from . import checks, consistency, lockstep, nonfinite, runtime
 from .density import get_density_policy, serialize_density_policy
+from .accumulation import LocalAccumulation
 from .error_feedback import ErrorFeedback
 from .exchange import Exchange
 from .loss_scaling import LossScaling
@@ -168,6 +169,14 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             built, one of the two or a dense allreduce of every layer, whichever a latency /
             bandwidth model timed on the live job says is fastest for this N and density
             (the same choice on every rank, printed by rank 0, in ``layer_stats()``).
+        backward_passes_per_step: B >= 1 (Horovod's name and meaning): each rank adds up B
+            backward passes locally and exchanges once, so the bytes per sample drop B-fold; the
+            inner optimizer steps once per B passes (``iterations`` counts exchanges). Keras'
+            ``fit`` calls the optimizer once per batch: B batches make one step. Passes left over
+            when ``fit`` ends stay in the accumulators (and in checkpoints). Not with
+            ``staleness``. See ``sparse_hvd.accumulation``.
+        average_aggregated_gradients: with B > 1, divide the sum of the B passes by B (Keras'
+            own accumulation averages; Horovod's default, False, sums).
         min_elements: variables smaller than this are exchanged densely (default 1024: below a
             few kilobytes a message costs its latency, whatever its size).
         process_set: Horovod process set to average over (the whole job by default). Not
@@ -201,6 +210,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         staleness=0,
         dense_fallback=False,
         exchange="allgather",
+        backward_passes_per_step=1,
+        average_aggregated_gradients=False,
         process_set=None,
         name=None,
         **kwargs,
@@ -219,6 +230,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         checks.check_boolean(dense_fallback, "dense_fallback")
         checks.check_process_set(process_set)
         checks.check_exchange(exchange, grouping, staleness, policy)
+        checks.check_backward_passes(backward_passes_per_step, staleness)
+        checks.check_boolean(average_aggregated_gradients, "average_aggregated_gradients")
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
         self.density_policy = policy
@@ -236,6 +249,11 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self._feedback = ErrorFeedback(self.error_feedback, self.momentum_correction)
         self._loss_scaling = LossScaling(optimizer)
         self._delayed = DelayedUpdates(self.staleness) if self.staleness else None
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.average_aggregated_gradients = bool(average_aggregated_gradients)
+        self._accumulation = (LocalAccumulation(backward_passes_per_step,
+                                                average_aggregated_gradients)
+                              if backward_passes_per_step > 1 else None)
         self._counters = None
         checks.warn_about_poor_combinations(optimizer, policy, grouping, self.density)
 
@@ -277,6 +295,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self.density_policy.prepare(self, var_list, self._routes)
         if self._exchange.sparse_allreduce is not None:
             self._exchange.sparse_allreduce.build(self, self._routes, runtime.size(self.process_set))
+        if self._accumulation:
+            self._accumulation.build(self, var_list)
 
     def _choose_exchange(self):
         """``exchange="auto"``: the exchange the cost model says is fastest on this job
@@ -324,6 +344,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             "staleness": self.staleness,
             "dense_fallback": self.dense_fallback,
             "exchange": self.exchange,
+            "backward_passes_per_step": self.backward_passes_per_step,
+            "average_aggregated_gradients": self.average_aggregated_gradients,
         }
 
     @property
@@ -338,8 +360,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
     @property
     def local_variables(self) -> List[keras.Variable]:
         """State that is each rank's own and must not be broadcast: residuals and, with
-        momentum correction, the local velocities."""
-        return self._feedback.local_variables
+        momentum correction, the local velocities; with ``backward_passes_per_step``, the
+        accumulated gradients."""
+        accumulated = list(self._accumulation.accumulators) if self._accumulation else []
+        return self._feedback.local_variables + accumulated
 
     @property
     def residual_world_size(self):
@@ -506,7 +530,9 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         rank's gradients were finite.
         Step 5: on that, the residuals are written and the inner optimizer applies the
         averages, or the step is skipped on every rank.
-        With ``staleness`` the exchange runs in the background and a delayed step is applied.
+        With ``staleness`` the exchange runs in the background and a delayed step is applied;
+        with ``backward_passes_per_step`` B > 1, only every B-th call runs steps 1-5, on the
+        sum of B calls' gradients (``sparse_hvd.accumulation``).
         """
         checks.check_not_in_xla()
         grads_and_vars = self._present(grads, trainable_variables)
@@ -514,8 +540,16 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             with tf.name_scope("delayed_exchange"):
                 self._apply_delayed(grads_and_vars)
             return
-        if not grads_and_vars:
+        if not grads_and_vars:  # an empty list, as Keras allows
             return
+        if self._accumulation:
+            self._accumulation.pass_or_step(grads_and_vars, self._get_variable_index,
+                                            self._exchange_and_apply)
+            return
+        self._exchange_and_apply(grads_and_vars)
+
+    def _exchange_and_apply(self, grads_and_vars):
+        """Steps 1-5 of :meth:`apply` (the synchronous step) for ``grads_and_vars``."""
         variables = [v for _, v in grads_and_vars]
         with tf.name_scope("sparse_exchange"):
             payload = self._payload(grads_and_vars)  # Steps 1-3

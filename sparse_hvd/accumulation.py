@@ -1,0 +1,75 @@
+"""``backward_passes_per_step``: several local backward passes, one exchange.
+
+Horovod's ``backward_passes_per_step=B`` (with ``average_aggregated_gradients``), for the sparse
+exchange: B backward passes are added up locally and exchanged once, so the bytes per sample
+drop B-fold and the inner optimizer steps once per B passes.
+
+1. every pass adds its gradient (densified, in the variable's dtype) into this rank's
+   accumulator of that variable;
+2. the B-th pass instead hands ``accumulator + gradient`` (divided by B with
+   ``average_aggregated_gradients=True``) to the ordinary step: compensate, select, exchange,
+   apply; then the accumulators are zeroed. Every rank counts its passes the same way, so all
+   ranks exchange at the same passes.
+
+A non-finite pass makes its accumulated sum non-finite, so that step is skipped on every rank
+(``nonfinite="skip"``) and the accumulators start again from zero: the residuals never see it.
+The accumulators are each rank's own (like the residuals, not broadcast) and are saved with the
+optimizer, so a checkpoint written between two exchanges resumes mid-accumulation. They are
+separate from the residuals, at the cost of one copy of the model, for that reason: a skipped
+step must leave the residuals untouched.
+"""
+
+import tensorflow as tf
+
+
+def _dense(grad, variable):
+    if isinstance(grad, tf.IndexedSlices):
+        grad = tf.math.unsorted_segment_sum(grad.values, grad.indices, variable.shape[0])
+    return tf.cast(grad, variable.dtype)
+
+
+class LocalAccumulation:
+    """The accumulators and the pass counter of ``backward_passes_per_step`` (see module doc).
+
+    Args:
+        passes: B, the backward passes per exchange (at least 2 to need this class).
+        average: divide the accumulated sum by B (Horovod's ``average_aggregated_gradients``).
+    """
+
+    def __init__(self, passes: int, average: bool):
+        self.passes = int(passes)
+        self.average = bool(average)
+        self.accumulators = []
+        self.counter = None
+
+    def build(self, optimizer, var_list):
+        """The optimizer's variables: one accumulator per trainable variable, and the count of
+        passes seen (the same on every rank)."""
+        self.accumulators = [optimizer.add_variable_from_reference(v, name="accumulated_gradient")
+                             for v in var_list]
+        self.counter = optimizer.add_variable(shape=(), dtype="int64", name="backward_passes")
+
+    def pass_or_step(self, grads_and_vars, index_of, step):
+        """Step 1 on this pass, or step 2: ``step(grads_and_vars)`` with the accumulated sums.
+
+        ``index_of(variable)``: the variable's build index (its accumulator).
+        """
+        passes = self.counter.assign_add(1)
+        due = tf.equal(tf.math.floormod(passes, self.passes), 0)
+
+        def accumulate():
+            for grad, variable in grads_and_vars:
+                self.accumulators[index_of(variable)].assign_add(_dense(grad, variable))
+
+        def exchange():
+            summed = []
+            for grad, variable in grads_and_vars:
+                total = self.accumulators[index_of(variable)] + _dense(grad, variable)
+                if self.average:
+                    total = total / tf.cast(self.passes, total.dtype)
+                summed.append((total, variable))
+            step(summed)
+            for accumulator in self.accumulators:
+                accumulator.assign(tf.zeros_like(accumulator))
+
+        tf.cond(due, exchange, accumulate)

@@ -1,0 +1,33 @@
+"""backward_passes_per_step on several ranks: B passes on each rank are one exchange of each
+rank's sum of B gradients, and every rank ends with the same weights."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparse_hvd
+from conftest import digest, gather
+
+SHAPE = (60, 50)
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "sparse_allreduce"])
+def test_accumulated_passes_are_one_exchange_of_their_sums_on_every_rank(hvd, exchange):
+    rng = np.random.RandomState(10 + hvd.rank())
+    grads = [rng.randn(*SHAPE).astype("float32") for _ in range(6)]
+    results = []
+    for passes, fed in ((3, grads), (1, [grads[0] + grads[1] + grads[2],
+                                         grads[3] + grads[4] + grads[5]])):
+        variable = keras.Variable(np.ones(SHAPE, "float32"))
+        optimizer = sparse_hvd.SparseDistributedOptimizer(
+            keras.optimizers.SGD(0.1), density=0.02, exchange=exchange,
+            backward_passes_per_step=passes)
+        step = tf.function(lambda g: optimizer.apply([g], [variable]))
+        for grad in fed:
+            step(tf.constant(grad))
+        assert optimizer.communication_stats()["steps"] == 2
+        results.append(variable.numpy())
+    np.testing.assert_array_equal(results[0], results[1])
+    everyone = gather(hvd, digest(results), f"accumulation.{exchange}")
+    assert len(set(everyone)) == 1, "replicas differ"
