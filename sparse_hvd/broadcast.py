@@ -57,6 +57,7 @@ def broadcast_variables(variables, root_rank=0, process_set=None, name="sparse_h
     Runs eagerly (also when called from inside a traced function).
     """
     variables = list(variables)
+    process_set = runtime.as_process_set(process_set)  # an mpi4py communicator too
     if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
         raise TypeError(f"`root_rank` must be an int, got {type(root_rank).__name__}")
     size = runtime.size(process_set)
@@ -85,6 +86,7 @@ def average_variables(variables, process_set=None, name="sparse_hvd.average"):
     mean and variance: after it, every rank holds the same bits. Floating-point variables only.
     """
     variables = list(variables)
+    process_set = runtime.as_process_set(process_set)  # an mpi4py communicator too
     for variable in variables:
         if not tf.as_dtype(variable.dtype).is_floating:
             raise TypeError(

@@ -38,7 +38,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def __init__(self, root_rank=0, process_set=None):
         super().__init__()
         self.root_rank = root_rank
-        self.process_set = process_set
+        self.process_set = runtime.as_process_set(process_set)
         self._done = False
 
     def on_train_begin(self, logs=None):
@@ -65,7 +65,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
     def __init__(self, process_set=None):
         super().__init__()
-        self.process_set = process_set
+        self.process_set = runtime.as_process_set(process_set)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None or runtime.size(self.process_set) == 1:
@@ -121,7 +121,7 @@ class AverageNonTrainableCallback(_EveryNBatchesCallback):
 
     def __init__(self, every_n_batches=None, process_set=None):
         super().__init__(every_n_batches)
-        self.process_set = process_set
+        self.process_set = runtime.as_process_set(process_set)
 
     def _run(self):
         state = [

@@ -120,11 +120,15 @@ def alltoall(tensor, splits, name, process_set=None, step=None):
 
 
 def broadcast(tensor, root_rank, name, process_set=None):
-    """``root_rank``'s ``tensor`` on every rank."""
+    """``root_rank``'s ``tensor`` on every rank; ``root_rank`` counts within ``process_set``,
+    as ``sparse_hvd.rank(process_set)`` does (Horovod takes the root's rank in the job)."""
     hvd, process_set = _horovod_and_set(process_set)
+    root = int(root_rank)
+    if process_set.process_set_id != 0:
+        root = sorted(process_set.ranks)[root]
 
     def run(wire):
-        return [hvd.broadcast(wire[0], int(root_rank), name=name, ignore_name_scope=True,
+        return [hvd.broadcast(wire[0], root, name=name, ignore_name_scope=True,
                               process_set=process_set)]
 
     return _from_exact_wire(watchdog.bracket(run, _exact_wire([tensor]), name), [tensor])[0]

@@ -179,7 +179,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             own accumulation averages; Horovod's default, False, sums).
         min_elements: variables smaller than this are exchanged densely (default 1024: below a
             few kilobytes a message costs its latency, whatever its size).
-        process_set: Horovod process set to average over (the whole job by default). Not
+        process_set: Horovod process set to average over (the whole job by default), or an
+            mpi4py communicator registered with ``sparse_hvd.init(process_sets=[...])``. Not
             serialised: a loaded optimizer uses the whole job.
         name: the optimizer's name; it prefixes the names of its collectives, so two of these
             optimizers in one job need different names (Keras' automatic names are fine).
@@ -228,6 +229,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         checks.check_staleness(staleness, momentum_correction, policy)
         checks.check_boolean(error_feedback, "error_feedback")
         checks.check_boolean(dense_fallback, "dense_fallback")
+        process_set = runtime.as_process_set(process_set)  # an mpi4py communicator too
         checks.check_process_set(process_set)
         checks.check_exchange(exchange, grouping, staleness, policy)
         checks.check_backward_passes(backward_passes_per_step, staleness)

@@ -12,6 +12,7 @@ among other workers. Three situations are told apart:
 """
 
 import os
+import sys
 
 # Set by the launchers we support (Open MPI's mpirun, horovodrun, Slurm's srun with PMI/PMIx).
 _LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE", "PMI_SIZE", "PMIX_SIZE")
@@ -43,7 +44,29 @@ def horovod():
     return hvd
 
 
-def init(pin_gpu=True, stall_timeout=None):
+def _is_mpi4py_communicator(obj):
+    return type(obj).__module__.startswith("mpi4py") and hasattr(obj, "Get_size")
+
+
+def _launched_with_gloo():
+    """``horovodrun --gloo`` (its environment), before Horovod is started; Horovod's own
+    answer after."""
+    hvd = sys.modules.get("horovod.tensorflow")
+    if hvd is not None and hvd.is_initialized():
+        return bool(hvd.gloo_enabled())
+    return (os.environ.get("HOROVOD_CONTROLLER") == "gloo"
+            or "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ)
+
+
+def _refuse_under_gloo(what):
+    if _launched_with_gloo():
+        raise ValueError(
+            f"{what} is an mpi4py communicator, which needs Horovod's MPI controller, but this "
+            "job runs on Gloo (horovodrun --gloo). Launch it with mpirun, horovodrun --mpi or "
+            "srun, or give the ranks instead (a list of ranks, or hvd.ProcessSet([...])).")
+
+
+def init(pin_gpu=True, stall_timeout=None, comm=None, process_sets=None):
     """Start Horovod (if present and not yet started) and optionally pin one GPU per local rank.
 
     Calling it is optional: the optimizer and callbacks start Horovod lazily. Call it first thing
@@ -51,11 +74,20 @@ def init(pin_gpu=True, stall_timeout=None):
     initialises them all. ``stall_timeout``: seconds a rank may wait in one of sparse_hvd's
     collectives before the watchdog ends the job (``sparse_hvd.watchdog``; 0: never); None
     keeps ``SPARSE_HVD_STALL_TIMEOUT`` or the default, 300.
+
+    ``comm`` and ``process_sets`` are Horovod's (``hvd.init(comm=..., process_sets=...)``):
+    ``comm``, an mpi4py communicator (or a list of ranks), becomes the job sparse_hvd trains
+    in, so that an MPI program can train on a sub-communicator of ``MPI.COMM_WORLD.Split``;
+    ``process_sets`` lists the process sets to register (mpi4py communicators or
+    ``hvd.ProcessSet``s), which can then be passed as ``process_set=``. Both need Horovod not to
+    be started yet (call this first), and mpi4py communicators need MPI (not Gloo).
     """
     if stall_timeout is not None:
         from . import watchdog
 
         watchdog.set_timeout(stall_timeout)
+    if comm is not None or process_sets is not None:
+        _start_with(comm, process_sets)
     hvd = horovod()
     if pin_gpu and hvd is not None:
         import tensorflow as tf
@@ -68,6 +100,51 @@ def init(pin_gpu=True, stall_timeout=None):
     return hvd
 
 
+def _start_with(comm, process_sets):
+    """``hvd.init(comm, process_sets)``, with mpi4py communicators refused under Gloo."""
+    import horovod.tensorflow as hvd
+
+    if hvd.is_initialized():
+        raise ValueError("sparse_hvd.init(comm=..., process_sets=...) must come before anything "
+                         "starts Horovod (the optimizer and the callbacks start it when first "
+                         "used): call it first in the script")
+    if _is_mpi4py_communicator(comm):
+        _refuse_under_gloo("`comm`")
+    sets = []
+    for each in process_sets or ():
+        if _is_mpi4py_communicator(each):
+            _refuse_under_gloo("an entry of `process_sets`")
+        sets.append(each if isinstance(each, hvd.ProcessSet) else hvd.ProcessSet(each))
+    hvd.init(comm=comm, process_sets=sets or None)
+
+
+def as_process_set(process_set):
+    """``process_set`` as a Horovod ProcessSet: None and ProcessSets as they are; an mpi4py
+    communicator as the registered process set with the same ranks (the global one when it
+    holds every rank)."""
+    if process_set is None or not _is_mpi4py_communicator(process_set):
+        return process_set
+    _refuse_under_gloo("`process_set`")
+    hvd = horovod()
+    from mpi4py import MPI
+
+    reference = hvd.global_process_set.mpi_comm or MPI.COMM_WORLD
+    ranks = MPI.Group.Translate_ranks(process_set.Get_group(), list(range(process_set.Get_size())),
+                                      reference.Get_group())
+    if sorted(ranks) == list(range(hvd.size())):
+        return hvd.global_process_set
+    from horovod.common import process_sets as registry
+
+    for set_id, set_ranks in registry._basics._get_process_set_ids_and_ranks().items():
+        if sorted(set_ranks) == sorted(ranks):
+            found = registry._temp_process_set_object(set_id)
+            found.ranks = list(set_ranks)
+            return found
+    raise ValueError(
+        f"`process_set`: no Horovod process set holds the ranks {sorted(ranks)} of this "
+        "communicator; register it when starting: sparse_hvd.init(process_sets=[communicator])")
+
+
 def _global_process_set(hvd):
     return hvd.global_process_set
 
@@ -77,7 +154,7 @@ def size(process_set=None):
     hvd = horovod()
     if hvd is None:
         return 1
-    return (process_set or _global_process_set(hvd)).size()
+    return (as_process_set(process_set) or _global_process_set(hvd)).size()
 
 
 def rank(process_set=None):
@@ -85,7 +162,7 @@ def rank(process_set=None):
     hvd = horovod()
     if hvd is None:
         return 0
-    process_set = process_set or _global_process_set(hvd)
+    process_set = as_process_set(process_set) or _global_process_set(hvd)
     if process_set.process_set_id == 0:
         return hvd.rank()
     return process_set.rank()
@@ -102,5 +179,5 @@ def process_set_or_global(process_set):
     hvd = horovod()
     if hvd is None:
         return None
-    return process_set or _global_process_set(hvd)
+    return as_process_set(process_set) or _global_process_set(hvd)
 

@@ -170,3 +170,10 @@ def test_bfloat16_variables_train_in_one_process():
     after = model.layers[0].kernel.numpy()
     assert model.layers[0].kernel.dtype == "bfloat16"
     assert np.isfinite(after.astype(np.float32)).all() and (after != before).any()
+
+
+def test_init_with_a_communicator_after_horovod_started_says_to_call_it_first():
+    pytest.importorskip("horovod.tensorflow")
+    sparse_hvd.init()  # starts Horovod (a job of one)
+    with pytest.raises(ValueError, match="must come before anything starts Horovod"):
+        sparse_hvd.init(comm=[0])
