@@ -221,6 +221,17 @@ def check_not_wrapped_in_loss_scaling(optimizer, depth=6):
         frame = frame.f_back
 
 
+def check_compression(half, exchange, staleness):
+    """16-bit values go with the allgather exchange (the only one that packs them)."""
+    if half is None:
+        return
+    if exchange != "allgather":
+        raise ValueError(f"`compression` works with exchange='allgather' only, got "
+                         f"exchange={exchange!r}")
+    if staleness:
+        raise ValueError("`compression` cannot be combined with `staleness` > 0")
+
+
 def check_backward_passes(passes, staleness):
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
         raise ValueError(f"`backward_passes_per_step` must be an int >= 1, got {passes!r}")

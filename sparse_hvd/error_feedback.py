@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 
 from . import runtime
+from .compression import rounded
 from .sparsifiers import Selection
 
 
@@ -142,11 +143,13 @@ class ErrorFeedback:
         """State that is each rank's own and must not be broadcast."""
         return self.residuals + self.velocities
 
-    def select(self, index, grad, sparsifier, k) -> Tuple[Selection, Tuple[tuple, ...]]:
+    def select(self, index, grad, sparsifier, k, half=None) -> Tuple[Selection, Tuple[tuple, ...]]:
         """Steps 1-3 of :func:`compensate_and_select` for variable ``index``, with DGC first.
 
         With momentum correction the rank's velocity ``u = m*u + g`` is sparsified instead of
         the gradient, and the sent entries' velocity is cleared (momentum factor masking).
+        With ``half`` (``sparse_hvd.compression``) the selected values are rounded to it and
+        the rounding error stays in the residual at their positions.
         Returns the selection and the (variable, new flat value) writes; nothing is written.
         """
         updates = []
@@ -154,11 +157,26 @@ class ErrorFeedback:
             grad = accumulated_velocity(grad, self.velocities[index], self.momentum)
         selection, remainder = compensate_and_select(
             grad, self.residuals[index], sparsifier, k, self.enabled)
+        if half is not None:
+            sent, error = rounded(selection.values, half)
+            selection = selection._replace(values=sent)
+            if remainder is not None:  # zero at the selected positions: now their error
+                remainder = tf.tensor_scatter_nd_add(
+                    remainder, tf.expand_dims(selection.indices, 1), error)
         if remainder is not None:
             updates.append((self.residuals[index], remainder))
         if self.momentum:
             updates.append((self.velocities[index], velocity_after_sending(grad, selection)))
         return selection, tuple(updates)
+
+    def round_dense(self, index, grad, half) -> Tuple[tf.Tensor, Tuple[tuple, ...]]:
+        """A dense-route gradient to send with compression: ``c = grad + residual`` rounded to
+        ``half``, and the write ``residual = c - rounded`` (none without error feedback)."""
+        if not self.enabled:
+            return rounded(grad, half)[0], ()
+        residual = self.residuals[index]
+        sent, error = rounded(grad + tf.cast(tf.convert_to_tensor(residual), grad.dtype), half)
+        return sent, ((residual, error),)
 
     def after_exchange(self, index, averaged) -> Tuple[tf.Tensor, Tuple[tuple, ...]]:
         """A dense-route variable's averaged gradient as the inner optimizer gets it: with

@@ -91,9 +91,14 @@ class Exchange:
         method: ``"allgather"`` (every rank gathers every selection, this module) or
             ``"sparse_allreduce"`` (``sparse_hvd.sparse_allreduce``: regions summed by their
             owners, a global selection kept; grouped only).
+        compression: None, or the 16-bit dtype that float32/float64 values travel as
+            (``sparse_hvd.compression``: the payload holds values already rounded to it; the
+            allgather method only). Two values to a word in the fused exchange; float16 in a
+            dense allreduce; a bfloat16 allreduce stays float32 (Horovod cannot reduce it).
     """
 
-    def __init__(self, name: str, process_set=None, grouping="grouped", method="allgather"):
+    def __init__(self, name: str, process_set=None, grouping="grouped", method="allgather",
+                 compression=None):
         if grouping not in GROUPINGS:
             raise ValueError(f"`grouping` must be one of {GROUPINGS}, got {grouping!r}")
         if method not in METHODS:
@@ -102,10 +107,30 @@ class Exchange:
         self.process_set = process_set
         self.grouping = grouping
         self.method = method
+        self.compression = compression
         self.sparse_allreduce = None
         self._fused_layout = None  # what an empty fused payload holds (assert_same_step)
         self._announce = None  # assert_same_step's traced function
         self.use(method)
+
+    def half_for(self, dtype):
+        """The 16-bit dtype values of ``dtype`` travel as, or None (no compression, or values
+        that are 16-bit already)."""
+        if self.compression is None or tf.as_dtype(dtype).size <= 2:
+            return None
+        return self.compression
+
+    def _encode(self, values):
+        """1-D values as int32 words for a fused allgather."""
+        half = self.half_for(values.dtype)
+        return wire.to_words(values) if half is None else wire.to_half_words(values, half)
+
+    def _decode(self, words, dtype, per_rank):
+        """Gathered words back to values of ``dtype``; ``per_rank``: values each rank sent."""
+        half = self.half_for(dtype)
+        if half is None:
+            return wire.from_words(words, dtype)
+        return wire.from_half_words(words, per_rank, half, dtype)
 
     @property
     def size(self) -> int:
@@ -203,7 +228,7 @@ class Exchange:
         flag = tf.cast(payload.finite_here(), tf.int32)
         header = tf.concat([tf.stack(counts + [flag]), lockstep.fields(step)], 0)
         value_groups = _group_positions_by_dtype([s.values for s in selections])
-        words = [tf.concat([wire.to_words(selections[p].values) for p in positions], 0)
+        words = [self._encode(tf.concat([selections[p].values for p in positions], 0))
                  for positions in value_groups.values()]
         indices = tf.concat([s.indices for s in selections] or [tf.zeros([0], tf.int32)], 0)
         self._fused_layout = (len(selections), 1 + len(words) + len(dense_words))
@@ -224,8 +249,10 @@ class Exchange:
         sparse = [None] * len(selections)
         counts = headers[:, :len(selections)]
         for (dtype, positions), group_words in zip(value_groups.items(), gathered_words):
-            averages = average_entries(all_indices, wire.from_words(group_words, dtype), counts,
-                                       positions, [sizes[p] for p in positions], size)
+            values = self._decode(group_words, dtype,
+                                  tf.reduce_sum(tf.gather(counts, positions, axis=1), 1))
+            averages = average_entries(all_indices, values, counts, positions,
+                                       [sizes[p] for p in positions], size)
             for position, average in zip(positions, averages):
                 sparse[position] = average
         # Step 5: the dense route
@@ -251,7 +278,7 @@ class Exchange:
         if not dense or self.size * sum(entries_in(t.shape) for t in dense) > DENSE_GATHER_LIMIT:
             return {}, []
         groups = _group_positions_by_dtype(dense)
-        words = [tf.concat([wire.to_words(tf.reshape(dense[p], [-1])) for p in positions], 0)
+        words = [self._encode(tf.concat([tf.reshape(dense[p], [-1]) for p in positions], 0))
                  for positions in groups.values()]
         return groups, words
 
@@ -264,7 +291,7 @@ class Exchange:
         averaged = [None] * len(dense)
         for (dtype, positions), group_words in zip(groups.items(), gathered):
             lengths = [entries_in(dense[p].shape) for p in positions]
-            values = wire.from_words(group_words, dtype)
+            values = self._decode(group_words, dtype, tf.fill([size], sum(lengths)))
             total = sum_rows_in_order(tf.reshape(values, [size, sum(lengths)]))
             average = total / tf.cast(size, dtype)
             for position, piece in zip(positions, tf.split(average, lengths)):
@@ -294,13 +321,20 @@ class Exchange:
         tensors = list(tensors)
         if self.size == 1 or not tensors:
             return tensors
+        dtypes = [t.dtype for t in tensors]
+        if self.compression == tf.float16:  # Horovod reduces float16 (not bfloat16)
+            tensors = [t if self.half_for(t.dtype) is None else tf.cast(t, tf.float16)
+                       for t in tensors]
         if self.grouping == "layerwise":
-            return [
+            averaged = [
                 collectives.allreduce(tensor, name=f"{self.name}.dense.{key}",
                                       process_set=self.process_set, step=step)
                 for tensor, key in zip(tensors, keys)
             ]
-        return self._per_dtype(collectives.grouped_allreduce, tensors, f"{self.name}.dense", step)
+        else:
+            averaged = self._per_dtype(collectives.grouped_allreduce, tensors,
+                                       f"{self.name}.dense", step)
+        return [tf.cast(a, dtype) for a, dtype in zip(averaged, dtypes)]
 
     def slices_average(self, slices: Sequence[tf.IndexedSlices], keys: Sequence[int], step=None):
         """Average row-sparse gradients (embeddings) over workers, keeping them row-sparse.
@@ -326,15 +360,19 @@ class Exchange:
 
     def _allgather(self, selections: Sequence[Selection], keys, step=None) -> List[Selection]:
         """Every rank's selections, concatenated in rank order, variable by variable."""
+        half = [self.half_for(s.values.dtype) for s in selections]
+        wide = [s.values.dtype for s in selections]
+        selections = [s if h is None else Selection(tf.cast(s.values, h), s.indices)
+                      for s, h in zip(selections, half)]
         if self.grouping == "layerwise":
             return [
                 Selection(
-                    collectives.allgather(s.values, name=f"{self.name}.values.{key}",
-                                          process_set=self.process_set, step=step),
+                    tf.cast(collectives.allgather(s.values, name=f"{self.name}.values.{key}",
+                                                  process_set=self.process_set, step=step), dtype),
                     collectives.allgather(s.indices, name=f"{self.name}.indices.{key}",
                                           process_set=self.process_set, step=step),
                 )
-                for s, key in zip(selections, keys)
+                for s, key, dtype in zip(selections, keys, wide)
             ]
         gathered_values = self._per_dtype(collectives.grouped_allgather,
                                           [s.values for s in selections], f"{self.name}.values",
@@ -343,7 +381,8 @@ class Exchange:
             [s.indices for s in selections], name=f"{self.name}.indices",
             process_set=self.process_set, step=step,
         )
-        return [Selection(v, i) for v, i in zip(gathered_values, gathered_indices)]
+        return [Selection(tf.cast(v, dtype), i)
+                for v, i, dtype in zip(gathered_values, gathered_indices, wide)]
 
     def _per_dtype(self, grouped_collective, tensors, name, step=None):
         """``grouped_collective`` over ``tensors``, one group per dtype (a Horovod group holds

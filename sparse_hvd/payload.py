@@ -36,12 +36,15 @@ def entries_in(shape) -> int:
     return n
 
 
-def route_for(variable, density: float, min_elements: int) -> Route:
+def route_for(variable, density: float, min_elements: int, compression=None) -> Route:
     """Sparse when the variable has at least ``min_elements`` entries and its (value, index)
     pairs at ``density`` (the density the policy settles at; a warm-up may briefly send more)
-    take fewer bytes than the dense gradient."""
+    take fewer bytes than the dense gradient. ``itemsize``: bytes of a value on the wire (2
+    with a 16-bit ``compression``)."""
     n = entries_in(variable.shape)
     itemsize = tf.as_dtype(variable.dtype).size
+    if compression is not None:
+        itemsize = min(itemsize, tf.as_dtype(compression).size)
     k = elements_to_send(n, density)
     sparse = n >= min_elements and k * (itemsize + INDEX_BYTES) < n * itemsize
     return Route(num_elements=n, sparse=sparse, itemsize=itemsize)
@@ -123,9 +126,12 @@ class PayloadBuilder:
         if selection.capped is not None:
             self._capped += tf.cast(selection.capped, tf.int64)
 
-    def add_dense(self, position, key, route: Route, gradient):
-        self._add("dense", position, key, gradient, route, gradient, route.num_elements,
-                  tf.constant(route.num_elements * route.itemsize, tf.int64))
+    def add_dense(self, position, key, route: Route, gradient, state_updates=(), sent=None):
+        """A gradient sent whole (``sent``, when it differs from ``gradient``: compressed),
+        and the state writes it needs; finiteness is judged on ``gradient``."""
+        self._add("dense", position, key, gradient if sent is None else sent, route, gradient,
+                  route.num_elements, tf.constant(route.num_elements * route.itemsize, tf.int64))
+        self._state_updates.extend(state_updates)
 
     def add_rows(self, position, key, route: Route, gradient: tf.IndexedSlices):
         sent = tf.cast(tf.size(gradient.values), tf.int64)

@@ -4,6 +4,10 @@ A grouped Horovod collective takes tensors of one dtype only, and Horovod has no
 So the fused exchange bit-casts everything it sends to int32 words: a float32 value is one
 word, a float64 value two, a float16 or bfloat16 value one (zero-extended from 16 bits).
 Decoding gives back the very same bits: nothing is rounded on the way.
+
+With ``compression`` (``sparse_hvd.compression``) the values are already rounded to a 16-bit
+type; :func:`to_half_words` then packs two of them into each int32 word (a rank's block padded
+to an even count), and :func:`from_half_words` unpacks every rank's block and widens it back.
 """
 
 import tensorflow as tf
@@ -38,3 +42,21 @@ def from_words(words: tf.Tensor, dtype) -> tf.Tensor:
     if dtype.size == 2:
         return tf.bitcast(tf.cast(words, tf.uint16), dtype)
     raise TypeError(f"cannot receive values of dtype {dtype.name}")
+
+
+def to_half_words(values: tf.Tensor, half) -> tf.Tensor:
+    """1-D ``values`` (exactly representable in ``half``) as int32 words, two values a word."""
+    halves = tf.bitcast(tf.cast(values, half), tf.uint16)
+    halves = tf.concat([halves, tf.zeros([tf.size(halves) % 2], tf.uint16)], 0)
+    return tf.bitcast(tf.reshape(halves, [-1, 2]), tf.int32)
+
+
+def from_half_words(words: tf.Tensor, counts, half, dtype) -> tf.Tensor:
+    """The inverse of :func:`to_half_words` for blocks gathered from several ranks: rank r's
+    block holds ``counts[r]`` values (padded to an even count); returns them all, in rank
+    order, as ``dtype``."""
+    halves = tf.reshape(tf.bitcast(words, tf.uint16), [-1])
+    counts = tf.cast(counts, tf.int32)
+    starts = tf.cumsum(counts + counts % 2, exclusive=True)
+    kept = tf.gather(halves, tf.ragged.range(starts, starts + counts).flat_values)
+    return tf.cast(tf.bitcast(kept, half), dtype)
