@@ -70,6 +70,10 @@ def parse_args(argv=None):
                         help="fraction of each large gradient a worker sends per step")
     parser.add_argument("--sparsifier", default="topk",
                         help=f"one of: {', '.join(sparse_hvd.available_sparsifiers())}")
+    parser.add_argument("--compression", default="none", choices=("none", "float16", "bfloat16"),
+                        help="values on the wire as 16-bit floats, the rounding kept in the residual")
+    parser.add_argument("--backward-passes", type=int, default=1, metavar="B",
+                        help="backward_passes_per_step: B batches accumulated per exchange")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
     parser.add_argument("--comm-log", metavar="PATH",
@@ -213,6 +217,8 @@ def main(argv=None):
             keras.optimizers.SGD(args.lr, momentum=0.9),
             density=args.density,
             sparsifier=args.sparsifier,
+            compression=args.compression,
+            backward_passes_per_step=args.backward_passes,
         )
         model.compile(
             optimizer=optimizer,
@@ -282,6 +288,8 @@ def main(argv=None):
                 "size": size,
                 "density": density,
                 "sparsifier": sparsifier,
+                "value_compression": args.compression,
+                "backward_passes_per_step": args.backward_passes,
                 "epochs": args.epochs,
                 "batch_size": args.batch_size,
                 "lr": lr,
