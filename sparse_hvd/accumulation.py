@@ -14,9 +14,10 @@ drop B-fold and the inner optimizer steps once per B passes.
 A non-finite pass makes its accumulated sum non-finite, so that step is skipped on every rank
 (``nonfinite="skip"``) and the accumulators start again from zero: the residuals never see it.
 The accumulators are each rank's own (like the residuals, not broadcast) and are saved with the
-optimizer, so a checkpoint written between two exchanges resumes mid-accumulation. They are
-separate from the residuals, at the cost of one copy of the model, for that reason: a skipped
-step must leave the residuals untouched.
+optimizer; ``ShareResidualsCallback`` does not average them, so write checkpoints where they are
+empty, at an exchange (steps per epoch a multiple of B). They are separate from the residuals,
+at the cost of one copy of the model, because a skipped step must leave the residuals
+untouched.
 """
 
 import tensorflow as tf

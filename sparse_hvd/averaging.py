@@ -63,9 +63,18 @@ def average_entries(indices, values, counts, columns, sizes, divisor) -> List[tf
     per_rank = tf.reduce_sum(tf.gather(counts, columns, axis=1), axis=1)
     total = sum_rank_by_rank(values, places, per_rank, sum(sizes))
     # Step 3
-    if divisor != 1:
-        total = total / tf.cast(divisor, total.dtype)
+    total = divided(total, divisor)
     return tf.split(total, sizes) if columns else []
+
+
+def divided(total, divisor) -> tf.Tensor:
+    """``total / divisor``, correctly rounded in ``total``'s dtype, traced or not. (In a traced
+    function TensorFlow turns ``x / constant`` into ``x * (1 / constant)``, off by one unit in the
+    last place now and then, and for 16-bit values by far more; ``divide_no_nan`` is left alone.)
+    """
+    if divisor == 1:
+        return total
+    return tf.math.divide_no_nan(total, tf.cast(divisor, total.dtype))
 
 
 def sum_rank_by_rank(values, places, per_rank, size) -> tf.Tensor:

@@ -18,7 +18,8 @@ name) and independent of TensorFlow's name scopes. Two ways to group them:
 The grouped exchange, step by step:
 
 1. pack (``sparse_hvd.wire``): a header (entries per sparse variable, this rank's "all
-   finite" flag, and its step and state: ``sparse_hvd.lockstep``), the selected values as int32 words (one tensor per dtype), every selected
+   finite" flag, and its step and state: ``sparse_hvd.lockstep``), the selected values as
+   int32 words (one tensor per dtype), every selected
    index, and the small dense-route gradients as int32 words: all int32, so that one
    ``grouped_allgather`` carries them (a Horovod group holds one dtype);
 2. gather: every rank receives every rank's tensors, concatenated in rank order;
@@ -48,7 +49,7 @@ from typing import List, NamedTuple, Sequence
 import tensorflow as tf
 
 from . import collectives, lockstep, nonfinite, runtime, wire
-from .averaging import average_entries, sum_rows_in_order
+from .averaging import average_entries, divided, sum_rows_in_order
 from .payload import Payload, entries_in
 from .sparse_allreduce import SparseAllreduce
 from .sparsifiers import Selection
@@ -293,7 +294,7 @@ class Exchange:
             lengths = [entries_in(dense[p].shape) for p in positions]
             values = self._decode(group_words, dtype, tf.fill([size], sum(lengths)))
             total = sum_rows_in_order(tf.reshape(values, [size, sum(lengths)]))
-            average = total / tf.cast(size, dtype)
+            average = divided(total, size)
             for position, piece in zip(positions, tf.split(average, lengths)):
                 averaged[position] = tf.reshape(piece, tf.shape(dense[position]))
         return averaged

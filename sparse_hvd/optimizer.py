@@ -15,6 +15,8 @@ reads as the list of them:
 * ``nonfinite``: every rank's agreement on finite gradients, and the skip/raise guard;
 * ``loss_scaling``: an inner LossScaleOptimizer's scale on the way in and out;
 * ``staleness`` (over ``pipeline``): the delayed step of ``staleness=tau``;
+* ``accumulation``: ``backward_passes_per_step``; ``compression``: 16-bit values on the wire;
+* ``lockstep``: every rank in the same step; ``watchdog`` (in ``collectives``): no endless wait;
 * ``stats``: the counters behind ``communication_stats()`` and ``layer_stats()``;
 * ``checks``: argument checks and their messages.
 """
@@ -26,9 +28,9 @@ import numpy as np
 import tensorflow as tf
 
 from . import checks, consistency, lockstep, nonfinite, runtime
-from .density import get_density_policy, serialize_density_policy
 from .accumulation import LocalAccumulation
 from .compression import resolve as resolve_compression
+from .density import get_density_policy, serialize_density_policy
 from .error_feedback import ErrorFeedback
 from .exchange import Exchange
 from .loss_scaling import LossScaling
