@@ -12,8 +12,10 @@ RANK_TESTS = os.path.join(HERE, "distributed")
 JOB_TIMEOUT = 420  # seconds for a whole job; a hang fails the test instead of the suite
 
 
+# MPI at an odd size, Gloo at an even one (the suite's 15-minute budget leaves no room for every
+# launcher at every size; run e.g. `mpirun -np 2 ... pytest tests/distributed` by hand for more).
 @pytest.mark.distributed
-@pytest.mark.parametrize("launcher,num_ranks", [("mpirun", 2), ("gloo", 2), ("mpirun", 3)])
+@pytest.mark.parametrize("launcher,num_ranks", [("gloo", 2), ("mpirun", 3)])
 def test_rank_tests_pass_on_every_rank(launcher, num_ranks):
     reason = launcher_available(launcher)
     if reason:
@@ -32,7 +34,7 @@ def test_rank_tests_pass_on_every_rank(launcher, num_ranks):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("num_ranks", [4, 5])
+@pytest.mark.parametrize("num_ranks", [5])
 def test_sparse_allreduce_rank_tests_pass_at_more_ranks(num_ranks):
     # the sparse allreduce's regions and alltoall at more ranks than the whole folder runs at
     reason = launcher_available("mpirun")

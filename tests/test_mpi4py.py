@@ -19,7 +19,7 @@ def test_two_trainings_on_sub_communicators_each_keep_identical_replicas(via):
     reason = launcher_available("mpirun")
     if reason:
         pytest.skip(reason)
-    result = run_job("mpirun", 4, [EXAMPLE, "--via", via, "--epochs", "1"], timeout=240)
+    result = run_job("mpirun", 4, [EXAMPLE, "--via", via, "--epochs", "2"], timeout=240)
     assert not result.timed_out, result.output[-5000:]
     assert result.returncode == 0, result.output[-5000:]
     lines = re.findall(r"group (\d) rank (\d) of (\d): accuracy ([\d.]+) digest (\w+)", result.output)
