@@ -27,7 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from . import checks, consistency, lockstep, nonfinite, runtime
+from . import checks, consistency, lockstep, nonfinite, runtime, watchdog
 from .accumulation import LocalAccumulation
 from .compression import resolve as resolve_compression
 from .density import get_density_policy, serialize_density_policy
@@ -570,8 +570,9 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         variables = [v for _, v in grads_and_vars]
         with tf.name_scope("sparse_exchange"):
             payload = self._payload(grads_and_vars)  # Steps 1-3
-            averaged = self._exchange.average(payload, self._num_elements(),  # Step 4
-                                              step=self.iterations)
+            with watchdog.one_wait():  # one watched wait for all of the step's collectives
+                averaged = self._exchange.average(payload, self._num_elements(),  # Step 4
+                                                  step=self.iterations)
             grads, state_updates = self._inner_gradients(payload, averaged.gradients, variables)
             self._counters.record(payload)
             self._counters.record_times(payload, grads)

@@ -11,7 +11,9 @@ its own collectives, the same way under every launcher:
    records what is waited for (the collective's name and, in a training step, the step) and
    since when; :func:`leave` forgets it. In a traced step both are ``tf.numpy_function`` ops
    ordered around the collective by control dependencies (:func:`bracket`); eagerly they are a
-   context manager (:func:`waiting`).
+   context manager (:func:`waiting`). A step's exchange is traced inside :func:`one_wait`: its
+   collectives (one per layer with the layer-wise exchange) then share ONE pair, from the
+   first one's inputs to the last one's outputs, since each pair costs about 0.1 ms a step.
 2. A daemon thread looks at the oldest wait every ``limit / 10`` seconds (at most every 5 s).
    When it is older than the limit, the thread prints on stderr what this rank waited for, for
    how long, and the usual causes, and ends the process with status 124 (``os._exit``: the
@@ -28,6 +30,7 @@ steps traced after it was set. Work that one rank does alone while the others wa
 collective (an evaluation or a checkpoint written by rank 0 only) must take less than the limit.
 """
 
+import contextlib
 import itertools
 import os
 import sys
@@ -45,6 +48,7 @@ _waits = {}  # token -> (monotonic start, collective name, step or None)
 _tokens = itertools.count(1)
 _timeout = None  # seconds; None: read from the environment when first needed
 _thread = None
+_tracing = threading.local()  # .watch: the StepWatch of the exchange being traced, if any
 
 
 def _parse_timeout(value, what):
@@ -112,9 +116,75 @@ class waiting:
         return False
 
 
+def _enter_op(name, step, after):
+    """A traced :func:`enter` that runs once ``after`` (tensors) exist; returns its token."""
+    import tensorflow as tf
+
+    def enter_at(step):
+        return np.int64(enter(name, None if step < 0 else int(step)))
+
+    step = tf.constant(-1, tf.int64) if step is None else tf.cast(step, tf.int64)
+    with tf.control_dependencies(after):
+        return tf.numpy_function(enter_at, [step], tf.int64, stateful=True, name="watchdog_enter")
+
+
+def _leave_op(token, after):
+    import tensorflow as tf
+
+    def leave_token(token):
+        leave(token)
+        return token
+
+    with tf.control_dependencies(after):
+        tf.numpy_function(leave_token, [token], tf.int64, stateful=True, name="watchdog_leave")
+
+
+class StepWatch:
+    """One enter/leave pair for every collective traced while it is active (see
+    :func:`one_wait`): enter when the first collective's inputs exist, leave when every
+    collective's outputs do."""
+
+    def __init__(self):
+        self.token = None
+        self.outputs = []
+
+    def wrap(self, run, tensors, name, step):
+        import tensorflow as tf
+
+        if self.token is None:
+            self.token = _enter_op(name, step, after=tensors)
+        with tf.control_dependencies([self.token]):
+            tensors = [tf.identity(t) for t in tensors]
+        outputs = run(tensors)
+        self.outputs.extend(tf.nest.flatten(outputs))
+        return outputs
+
+    def close(self):
+        if self.token is not None:
+            _leave_op(self.token, after=self.outputs)
+
+
+@contextlib.contextmanager
+def one_wait():
+    """Trace a step's exchange: all its collectives share one watched wait, named after the
+    first of them. Nothing to do eagerly or when the watchdog is off."""
+    import tensorflow as tf
+
+    if not enabled() or tf.executing_eagerly() or getattr(_tracing, "watch", None) is not None:
+        yield
+        return
+    _tracing.watch = StepWatch()
+    try:
+        yield
+    finally:
+        watch, _tracing.watch = _tracing.watch, None
+        watch.close()
+
+
 def bracket(run, tensors, name, step=None):
     """``run(tensors)`` with the wait watched: in a trace, an :func:`enter` op runs before the
-    collective's inputs are handed over and a :func:`leave` op after its outputs exist."""
+    collective's inputs are handed over and a :func:`leave` op after its outputs exist (shared
+    by a step's collectives inside :func:`one_wait`)."""
     import tensorflow as tf
 
     if not enabled():
@@ -122,20 +192,14 @@ def bracket(run, tensors, name, step=None):
     if tf.executing_eagerly():
         with waiting(name, None if step is None else int(step)):
             return run(tensors)
-    def enter_at(step):
-        return np.int64(enter(name, None if step < 0 else int(step)))
-
-    def leave_token(token):
-        leave(token)
-        return token
-
-    step = tf.constant(-1, tf.int64) if step is None else tf.cast(step, tf.int64)
-    token = tf.numpy_function(enter_at, [step], tf.int64, stateful=True, name="watchdog_enter")
+    watch = getattr(_tracing, "watch", None)
+    if watch is not None:
+        return watch.wrap(run, tensors, name, step)
+    token = _enter_op(name, step, after=[])
     with tf.control_dependencies([token]):
         tensors = [tf.identity(t) for t in tensors]
     outputs = run(tensors)
-    with tf.control_dependencies(tf.nest.flatten(outputs)):
-        tf.numpy_function(leave_token, [token], tf.int64, stateful=True, name="watchdog_leave")
+    _leave_op(token, after=tf.nest.flatten(outputs))
     return outputs
 
 

@@ -122,3 +122,31 @@ def test_equal_shards_and_steps_per_epoch_alone():
         sparse_hvd.steps_per_epoch(2.5)
     with pytest.raises(ValueError, match="no batch at all"):
         sparse_hvd.steps_per_epoch(0)
+
+
+def test_a_steps_collectives_share_one_watched_wait(monkeypatch):
+    """Inside one_wait (a step's exchange) one enter/leave pair serves every collective; each
+    pair is a Python call into the step, about 0.1 ms."""
+    monkeypatch.setattr(watchdog, "_timeout", 300.0)
+    x = tf.Variable([1.0, 2.0])
+
+    def collective(tensors):
+        return [tensors[0] * 2.0]
+
+    def step(shared):
+        if shared:
+            with watchdog.one_wait():
+                first = watchdog.bracket(collective, [x.read_value()], "a", step=tf.constant(3))
+                second = watchdog.bracket(collective, [first[0]], "b", step=tf.constant(3))
+        else:
+            first = watchdog.bracket(collective, [x.read_value()], "a", step=tf.constant(3))
+            second = watchdog.bracket(collective, [first[0]], "b", step=tf.constant(3))
+        return second[0]
+
+    for shared, pairs in ((True, 1), (False, 2)):
+        graph = tf.function(lambda: step(shared)).get_concrete_function().graph
+        names = [op.name for op in graph.get_operations()]
+        assert sum("watchdog_enter" in n for n in names) == pairs
+        assert sum("watchdog_leave" in n for n in names) == pairs
+        assert tf.function(lambda: step(shared))().numpy().tolist() == [4.0, 8.0]
+    assert not watchdog._waits  # every wait left
