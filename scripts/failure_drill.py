@@ -31,10 +31,8 @@ import argparse
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
 
 import launching
 
@@ -62,22 +60,9 @@ FAULTS = {
 
 def run(launcher, argv, env, limit):
     """(status, output, seconds, timed out) of a 2-rank job."""
-    python = launching.python_argv(argv)
-    command = (launching.mpirun_command(2, python, tcp_only=True, tag_output=True)
-               if launcher == "mpirun" else launching.gloo_command(2, python))
     environment = launching.mpi_environment(dict(os.environ, **env))
     environment.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    start = time.monotonic()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               env=environment, start_new_session=True, text=True)
-    try:
-        output, _ = process.communicate(timeout=limit)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        timed_out = True
-    return process.returncode, output, time.monotonic() - start, timed_out
+    return launching.run_bounded(launching.local_job_command(launcher, 2, argv), environment, limit)
 
 
 def drill(fault, launcher, stall_timeout, limit):

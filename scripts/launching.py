@@ -16,8 +16,11 @@ loading TensorFlow.
 
 import os
 import shutil
+import signal
+import subprocess
 import sys
-from typing import Iterable, Sequence, Tuple
+import time
+from typing import Iterable, NamedTuple, Sequence, Tuple
 
 
 def mpi_environment(base=None) -> dict:
@@ -84,3 +87,40 @@ def gloo_command(num_ranks: int, argv: Sequence[str]):
 def python_argv(script_and_args: Sequence[str]):
     """``script_and_args`` run by this Python, unbuffered (so ranks' lines arrive as printed)."""
     return [sys.executable, "-u", *script_and_args]
+
+
+def local_job_command(launcher: str, num_ranks: int, script_and_args: Sequence[str]):
+    """``script_and_args`` (a Python script and its arguments) on ``num_ranks`` ranks of this
+    machine: ``mpirun`` over TCP with each line tagged by its rank, or ``horovodrun --gloo``
+    (``launcher`` "gloo")."""
+    python = python_argv(script_and_args)
+    if launcher == "mpirun":
+        return mpirun_command(num_ranks, python, tcp_only=True, tag_output=True)
+    if launcher == "gloo":
+        return gloo_command(num_ranks, python)
+    raise ValueError(f"unknown launcher {launcher!r}")
+
+
+class Finished(NamedTuple):
+    """How a command run by :func:`run_bounded` ended."""
+
+    returncode: int
+    output: str  # stdout and stderr, interleaved
+    seconds: float
+    timed_out: bool
+
+
+def run_bounded(command, env, timeout) -> Finished:
+    """Run ``command`` in a session of its own; after ``timeout`` seconds kill the whole
+    session (the launcher and every rank it started), so that a hang ends as a failure."""
+    start = time.monotonic()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env=env, start_new_session=True, text=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        timed_out = True
+    return Finished(process.returncode, output, time.monotonic() - start, timed_out)

@@ -65,45 +65,51 @@ def _op(hvd, op):
     raise ValueError(f"unknown reduction {op!r}; use collectives.SUM or collectives.AVERAGE")
 
 
+def _reduced(run, tensors, name, step):
+    """``run`` (a Horovod reduction) of ``tensors``, bfloat16 reduced in float32, watched."""
+    return _from_summable(watchdog.bracket(run, _summable_wire(tensors), name, step), tensors)
+
+
+def _gathered(run, tensors, name, step):
+    """``run`` (a Horovod gather) of ``tensors``, bfloat16 moved as its bits, watched."""
+    return _from_exact_wire(watchdog.bracket(run, _exact_wire(tensors), name, step), tensors)
+
+
 def allreduce(tensor, name, process_set=None, op=AVERAGE, step=None):
     """The element-wise ``op`` (SUM or AVERAGE) of ``tensor`` over the ranks."""
-    return grouped_allreduce([tensor], name, process_set, op, step, _grouped=False)[0]
+    hvd, process_set = _horovod_and_set(process_set)
+    return _reduced(
+        lambda wire: [hvd.allreduce(wire[0], op=_op(hvd, op), name=name, ignore_name_scope=True,
+                                    process_set=process_set)],
+        [tensor], name, step)[0]
 
 
-def grouped_allreduce(tensors, name, process_set=None, op=AVERAGE, step=None, _grouped=True):
+def grouped_allreduce(tensors, name, process_set=None, op=AVERAGE, step=None):
     """:func:`allreduce` of several tensors of one dtype, fused into one Horovod message."""
     hvd, process_set = _horovod_and_set(process_set)
-    tensors = list(tensors)
-
-    def run(wire):
-        if not _grouped:
-            return [hvd.allreduce(wire[0], op=_op(hvd, op), name=name, ignore_name_scope=True,
-                                  process_set=process_set)]
-        return hvd.grouped_allreduce(wire, op=_op(hvd, op), name=name, ignore_name_scope=True,
-                                     process_set=process_set)
-
-    return _from_summable(watchdog.bracket(run, _summable_wire(tensors), name, step), tensors)
+    return _reduced(
+        lambda wire: hvd.grouped_allreduce(wire, op=_op(hvd, op), name=name,
+                                           ignore_name_scope=True, process_set=process_set),
+        list(tensors), name, step)
 
 
 def allgather(tensor, name, process_set=None, step=None):
     """Every rank's ``tensor`` concatenated along the first axis, in rank order (ranks may
     contribute different numbers of rows, none included)."""
-    return grouped_allgather([tensor], name, process_set, step, _grouped=False)[0]
+    hvd, process_set = _horovod_and_set(process_set)
+    return _gathered(
+        lambda wire: [hvd.allgather(wire[0], name=name, ignore_name_scope=True,
+                                    process_set=process_set)],
+        [tensor], name, step)[0]
 
 
-def grouped_allgather(tensors, name, process_set=None, step=None, _grouped=True):
+def grouped_allgather(tensors, name, process_set=None, step=None):
     """:func:`allgather` of several tensors of one dtype, fused into one Horovod message."""
     hvd, process_set = _horovod_and_set(process_set)
-    tensors = list(tensors)
-
-    def run(wire):
-        if not _grouped:
-            return [hvd.allgather(wire[0], name=name, ignore_name_scope=True,
-                                  process_set=process_set)]
-        return hvd.grouped_allgather(wire, name=name, ignore_name_scope=True,
-                                     process_set=process_set)
-
-    return _from_exact_wire(watchdog.bracket(run, _exact_wire(tensors), name, step), tensors)
+    return _gathered(
+        lambda wire: hvd.grouped_allgather(wire, name=name, ignore_name_scope=True,
+                                           process_set=process_set),
+        list(tensors), name, step)
 
 
 def alltoall(tensor, splits, name, process_set=None, step=None):
@@ -127,11 +133,10 @@ def broadcast(tensor, root_rank, name, process_set=None):
     if process_set.process_set_id != 0:
         root = sorted(process_set.ranks)[root]
 
-    def run(wire):
-        return [hvd.broadcast(wire[0], root, name=name, ignore_name_scope=True,
-                              process_set=process_set)]
-
-    return _from_exact_wire(watchdog.bracket(run, _exact_wire([tensor]), name), [tensor])[0]
+    return _gathered(
+        lambda wire: [hvd.broadcast(wire[0], root, name=name, ignore_name_scope=True,
+                                    process_set=process_set)],
+        [tensor], name, None)[0]
 
 
 def allgather_object(obj, name, process_set=None):

@@ -6,11 +6,8 @@ failure (``JobResult.timed_out``): a hanging collective is a failing test, never
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import launching  # noqa: E402  (scripts/launching.py: every launcher command line of the project)
@@ -18,11 +15,7 @@ import launching  # noqa: E402  (scripts/launching.py: every launcher command li
 LAUNCHERS = ("mpirun", "gloo")
 
 
-class JobResult(NamedTuple):
-    returncode: int
-    output: str
-    seconds: float
-    timed_out: bool
+JobResult = launching.Finished  # returncode, output, seconds, timed_out
 
 
 def launcher_available(launcher: str) -> str:
@@ -44,12 +37,7 @@ def launcher_available(launcher: str) -> str:
 
 def launch_command(launcher: str, num_ranks: int, argv: Sequence[str]):
     """The command line that starts ``argv`` (a Python script and its arguments) on each rank."""
-    python = launching.python_argv(argv)
-    if launcher == "mpirun":
-        return launching.mpirun_command(num_ranks, python, tcp_only=True, tag_output=True)
-    if launcher == "gloo":
-        return launching.gloo_command(num_ranks, python)
-    raise ValueError(f"unknown launcher {launcher!r}")
+    return launching.local_job_command(launcher, num_ranks, argv)
 
 
 def run_job(launcher: str, num_ranks: int, argv: Sequence[str], timeout: float, env=None) -> JobResult:
@@ -60,20 +48,4 @@ def run_job(launcher: str, num_ranks: int, argv: Sequence[str], timeout: float, 
     # A collective that one rank never reaches makes Horovod shut down instead of waiting forever.
     job_env.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "15")
     job_env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "60")
-    command = launch_command(launcher, num_ranks, argv)
-    start = time.monotonic()
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=job_env,
-        start_new_session=True, text=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        timed_out = True
-    return JobResult(
-        returncode=process.returncode, output=output, seconds=time.monotonic() - start,
-        timed_out=timed_out,
-    )
+    return launching.run_bounded(launch_command(launcher, num_ranks, argv), job_env, timeout)

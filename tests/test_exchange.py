@@ -45,14 +45,24 @@ def _numpy(counts, indices, values, columns, divisor, dtype):
     return [totals[c] / np.asarray(divisor, dtype) for c in columns]
 
 
-@pytest.mark.parametrize("native", [True, False])
+def _use(monkeypatch, path):
+    """Average by ``path``: "native" (the CPU kernel), "tensorflow" (TensorFlow ops, as on CPU
+    without the kernel) or "gpu" (TensorFlow ops as with a GPU visible: the rank-by-rank loop)."""
+    if path == "native" and kernels.scatter_mean() is None:
+        pytest.skip("the native kernels are not built here (scripts/setup.sh builds them)")
+    if path != "native":
+        monkeypatch.setattr(averaging_module.kernels, "scatter_mean", lambda: None)
+    monkeypatch.setattr(averaging_module, "_GPU", path == "gpu")
+
+
+PATHS = ["native", "tensorflow", "gpu"]
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("rows,divisor", [(3, 3), (1, 1), (4, 4)])
-def test_average_entries_is_the_rank_order_sum_divided(monkeypatch, native, dtype, rows, divisor):
-    if native and kernels.scatter_mean() is None:
-        pytest.skip("the native kernels are not built here (scripts/setup.sh builds them)")
-    if not native:
-        monkeypatch.setattr(averaging_module.kernels, "scatter_mean", lambda: None)
+def test_average_entries_is_the_rank_order_sum_divided(monkeypatch, path, dtype, rows, divisor):
+    _use(monkeypatch, path)
     counts, indices, values = _gathered(rows, dtype)
     columns = [0, 2]  # variable 1 has another dtype: its values are not in this call
     group_values = [values[r * len(SIZES) + c] for r in range(rows) for c in columns]
@@ -62,11 +72,14 @@ def test_average_entries_is_the_rank_order_sum_divided(monkeypatch, native, dtyp
         np.testing.assert_array_equal(got.numpy(), expected)
 
 
+@pytest.mark.parametrize("path", ["tensorflow", "gpu"])
 @pytest.mark.parametrize("dtype", ["float16", BFLOAT16])
 @pytest.mark.parametrize("rows,divisor", [(3, 3), (5, 5)])
-def test_16_bit_values_are_summed_rank_by_rank_in_their_own_precision(dtype, rows, divisor):
+def test_16_bit_values_are_summed_rank_by_rank_in_their_own_precision(monkeypatch, path, dtype,
+                                                                     rows, divisor):
     """16-bit values take the TensorFlow path (the native kernel is float32/64): each addition
     rounds to 16 bits, in rank order, exactly as NumPy does it."""
+    _use(monkeypatch, path)
     counts, indices, values = _gathered(rows, dtype, seed=3)
     columns = [0, 1, 2]
     group_values = [values[r * len(SIZES) + c] for r in range(rows) for c in columns]
@@ -77,9 +90,11 @@ def test_16_bit_values_are_summed_rank_by_rank_in_their_own_precision(dtype, row
         np.testing.assert_array_equal(got.numpy().astype(np.float32), expected.astype(np.float32))
 
 
-def test_the_rank_by_rank_sum_adds_in_rank_order_not_by_magnitude():
+@pytest.mark.parametrize("path", ["tensorflow", "gpu"])
+def test_the_rank_by_rank_sum_adds_in_rank_order_not_by_magnitude(monkeypatch, path):
     """A case where the order of additions shows in the bits: 1e8 + 1 - 1e8 is 0 in float32
     (1 is lost against 1e8), but 1 when the large values meet first."""
+    _use(monkeypatch, path)
     values = tf.constant([1e8, 1.0, -1e8], tf.float32)
     places = tf.constant([0, 0, 0], tf.int32)
     total = averaging_module.sum_rank_by_rank(values, places, tf.constant([1, 1, 1]), 2)
@@ -98,10 +113,11 @@ def test_rows_are_summed_in_rank_order():
                                   expected)
 
 
-def test_without_the_kernel_an_index_outside_the_variables_is_an_error(monkeypatch):
-    """The TensorFlow path on CPU: a negative index (what an overflowing int32 index would
-    become) is an error, never silently dropped."""
-    monkeypatch.setattr(averaging_module.kernels, "scatter_mean", lambda: None)
+@pytest.mark.parametrize("path", ["tensorflow", "gpu"])
+def test_without_the_kernel_an_index_outside_the_variables_is_an_error(monkeypatch, path):
+    """The TensorFlow paths: a negative index (what an overflowing int32 index would become) is
+    an error, never silently dropped."""
+    _use(monkeypatch, path)
     with pytest.raises(tf.errors.InvalidArgumentError, match="index is outside its variable"):
         average_entries(tf.constant([1, -3], tf.int32), tf.constant([1.0, 2.0]),
                         tf.constant([[1, 1]]), [0, 1], [10, 33], 2)
