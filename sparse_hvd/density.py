@@ -138,7 +138,33 @@ class WarmupDensity(DensityPolicy):
         }
 
 
-_POLICIES = {"constant": ConstantDensity, "warmup": WarmupDensity}
+class DenseStart(DensityPolicy):
+    """Every entry for the first ``dense_steps`` steps, then ``density``.
+
+    The dense phase of Ok-Topk (its first 512 iterations) and of PyTorch's PowerSGD hook
+    (``start_powerSGD_iter``): the first steps, where gradients change fastest, are exchanged
+    whole, and the sparse phase starts from the dense trajectory with empty residuals (a step
+    that sends everything leaves nothing behind).
+    """
+
+    def __init__(self, density=0.01, dense_steps=100):
+        self.final_density = validate_density(density)
+        if isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 0:
+            raise ValueError(f"`dense_steps` must be a non-negative int, got {dense_steps!r}")
+        self.dense_steps = dense_steps
+
+    def k(self, index, num_elements, step):
+        final_k = elements_to_send(num_elements, self.final_density)
+        return tf.where(tf.cast(step, tf.int64) < self.dense_steps, num_elements, final_k)
+
+    def current_density(self, index, step):
+        return 1.0 if int(step) < self.dense_steps else self.final_density
+
+    def get_config(self):
+        return {"density": self.final_density, "dense_steps": self.dense_steps}
+
+
+_POLICIES = {"constant": ConstantDensity, "warmup": WarmupDensity, "dense_start": DenseStart}
 
 
 def register_density_policy(name, cls):

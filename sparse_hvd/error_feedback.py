@@ -116,13 +116,20 @@ class ErrorFeedback:
     Args:
         enabled: keep and re-add what was not sent (False is for experiments).
         momentum: DGC's momentum correction factor (0: off).
+        masking: with momentum correction, clear the velocity of the entries sent (DGC's
+            momentum factor masking); False keeps it, so that what is sent over the run adds
+            up to exactly what dense momentum SGD would have applied.
     """
 
-    def __init__(self, enabled: bool, momentum: float):
-        self.enabled = bool(enabled)
+    def __init__(self, enabled: bool, momentum: float, masking: bool = True,
+                 estimate: bool = False):
+        self.enabled = bool(enabled) or bool(estimate)
         self.momentum = float(momentum)
+        self.masking = bool(masking) and not estimate
+        self.estimate = bool(estimate)
         self.residuals: List[keras.Variable] = []
         self.velocities: List[keras.Variable] = []
+        self.estimates: List[keras.Variable] = []
         self.world_size = None
         self.restored = False  # restored state whose worker count is not checked yet
 
@@ -136,6 +143,9 @@ class ErrorFeedback:
             shape=(), dtype="int32", name="residual_world_size",
             initializer=keras.initializers.Constant(runtime.size(process_set)),
         )
+        if self.estimate:
+            self.estimates = [optimizer.add_variable_from_reference(v, name="estimate")
+                              for v in var_list]
         self.restored = False  # fresh residuals belong to this job
 
     @property
@@ -147,7 +157,7 @@ class ErrorFeedback:
         """Steps 1-3 of :func:`compensate_and_select` for variable ``index``, with DGC first.
 
         With momentum correction the rank's velocity ``u = m*u + g`` is sparsified instead of
-        the gradient, and the sent entries' velocity is cleared (momentum factor masking).
+        the gradient, and (with masking) the sent entries' velocity is cleared.
         With ``half`` (``sparse_hvd.compression``) the selected values are rounded to it and
         the rounding error stays in the residual at their positions.
         Returns the selection and the (variable, new flat value) writes; nothing is written.
@@ -163,11 +173,27 @@ class ErrorFeedback:
             if remainder is not None:  # zero at the selected positions: now their error
                 remainder = tf.tensor_scatter_nd_add(
                     remainder, tf.expand_dims(selection.indices, 1), error)
+        if self.estimate:  # EF21: the estimate moves by what was sent, r = -estimate
+            flat = tf.reshape(tf.convert_to_tensor(self.residuals[index]), [-1])
+            remainder = tf.tensor_scatter_nd_sub(
+                flat, tf.expand_dims(selection.indices, 1),
+                tf.cast(selection.values, flat.dtype))
         if remainder is not None:
             updates.append((self.residuals[index], remainder))
         if self.momentum:
-            updates.append((self.velocities[index], velocity_after_sending(grad, selection)))
+            velocity = velocity_after_sending(grad, selection) if self.masking else grad
+            updates.append((self.velocities[index], velocity))
         return selection, tuple(updates)
+
+    def compensated(self, index, grad) -> tf.Tensor:
+        """What :meth:`select` hands the sparsifier for variable ``index``, flat: the gradient
+        (or, with momentum correction, the next velocity) plus the residual."""
+        if self.momentum:
+            grad = accumulated_velocity(grad, self.velocities[index], self.momentum)
+        flat = tf.reshape(grad, [-1])
+        if not self.enabled:
+            return flat
+        return flat + tf.reshape(tf.convert_to_tensor(self.residuals[index]), [-1])
 
     def round_dense(self, index, grad, half) -> Tuple[tf.Tensor, Tuple[tuple, ...]]:
         """A dense-route gradient to send with compression: ``c = grad + residual`` rounded to
@@ -187,6 +213,15 @@ class ErrorFeedback:
         velocity = self.velocities[index]
         grad = accumulated_velocity(averaged, velocity, self.momentum)
         return grad, ((velocity, grad),)
+
+    def applied_estimate(self, index, averaged) -> Tuple[tf.Tensor, Tuple[tuple, ...]]:
+        """EF21: the global estimate plus this step's averaged corrections, which the inner
+        optimizer applies whole, and its write; the averaged gradient itself otherwise."""
+        if not self.estimate:
+            return averaged, ()
+        estimate = self.estimates[index]
+        value = tf.convert_to_tensor(estimate) + tf.reshape(averaged, estimate.shape)
+        return value, ((estimate, value),)
 
     def give_back(self, sent: Dict[int, tuple]):
         """Add what this rank sent (``{index: (values, int32 flat indices)}``) back into its
@@ -237,7 +272,9 @@ class ErrorFeedback:
             now = runtime.size(process_set)
             if saved == now:
                 return
-            for variable in self.local_variables:
+            # EF21's local estimates are each the global one after sharing: nothing to scale
+            scaled = self.velocities if self.estimate else self.local_variables
+            for variable in scaled:
                 variable.assign(variable * tf.constant(saved / now, variable.dtype))
             self.world_size.assign(now)
             if runtime.rank(process_set) == 0:

@@ -30,7 +30,8 @@ import tensorflow as tf
 from . import checks, consistency, lockstep, nonfinite, runtime, watchdog
 from .accumulation import LocalAccumulation
 from .compression import resolve as resolve_compression
-from .density import get_density_policy, serialize_density_policy
+from .defaults import resolve_density, resolve_momentum_correction
+from .density import serialize_density_policy
 from .error_feedback import ErrorFeedback
 from .exchange import Exchange
 from .loss_scaling import LossScaling
@@ -132,6 +133,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             masking). Plain momentum applied after sparsification would instead keep pushing
             stale, already-sent values, which at 0.1% density and below costs accuracy.
             Dense-route variables get ordinary momentum on their averaged gradient.
+        momentum_masking: with ``momentum_correction``, clear the local velocity of the entries
+            sent (DGC's masking; default). False keeps the velocity, so the entries sent over
+            the run add up to exactly what dense momentum SGD applies (error feedback on the
+            momentum update).
         grouping: ``"grouped"`` (default): one fused collective per step, the fewest
             negotiation rounds. ``"layerwise"``: each variable's exchange
             starts as soon as its own gradient is ready, overlapping the rest of backprop
@@ -212,7 +217,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         sparsifier="topk",
         min_elements=1024,
         error_feedback=True,
-        momentum_correction=0.0,
+        momentum_correction="auto",
+        momentum_masking=True,
+        warmup_steps=None,
+        budget="layer",
         grouping="grouped",
         nonfinite="skip",
         staleness=0,
@@ -230,12 +238,18 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         checks.check_no_inner_accumulation(optimizer)
         checks.check_no_base_options(kwargs)
         sparsify = get_sparsifier(sparsifier)
-        policy = get_density_policy(density)
+        policy = resolve_density(density, warmup_steps)
+        momentum_correction = resolve_momentum_correction(momentum_correction, optimizer,
+                                                          policy, staleness)
         checks.check_min_elements(min_elements)
         checks.check_momentum_correction(momentum_correction, optimizer)
         checks.check_nonfinite(nonfinite)
         checks.check_staleness(staleness, momentum_correction, policy)
+        estimate = error_feedback == "ef21"
+        if estimate:
+            error_feedback = True
         checks.check_boolean(error_feedback, "error_feedback")
+        checks.check_boolean(momentum_masking, "momentum_masking")
         checks.check_boolean(dense_fallback, "dense_fallback")
         process_set = runtime.as_process_set(process_set)  # an mpi4py communicator too
         checks.check_process_set(process_set)
@@ -247,9 +261,14 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
         self.density_policy = policy
+        self.warmup_steps = getattr(policy, "warmup_steps", 0)
         self.sparsifier = sparsify
-        self.error_feedback = bool(error_feedback)
+        self.error_feedback = "ef21" if estimate else bool(error_feedback)
         self.momentum_correction = float(momentum_correction)
+        self.momentum_masking = bool(momentum_masking)
+        if budget not in ("layer", "model"):
+            raise ValueError(f"`budget` must be 'layer' or 'model', got {budget!r}")
+        self.budget = budget
         self.nonfinite = nonfinite
         self.staleness = int(staleness)
         self.dense_fallback = bool(dense_fallback)
@@ -261,7 +280,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self._exchange = Exchange(name=self._prefix, process_set=process_set, grouping=grouping,
                                   method="allgather" if exchange == "auto" else exchange,
                                   compression=half)
-        self._feedback = ErrorFeedback(self.error_feedback, self.momentum_correction)
+        self._feedback = ErrorFeedback(bool(self.error_feedback), self.momentum_correction,
+                                       self.momentum_masking, estimate=estimate)
         self._loss_scaling = LossScaling(optimizer)
         self._delayed = DelayedUpdates(self.staleness) if self.staleness else None
         self.backward_passes_per_step = int(backward_passes_per_step)
@@ -355,6 +375,9 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             "min_elements": self.min_elements,
             "error_feedback": self.error_feedback,
             "momentum_correction": self.momentum_correction,
+            "momentum_masking": self.momentum_masking,
+            "warmup_steps": self.warmup_steps,
+            "budget": self.budget,
             "grouping": self._exchange.grouping,
             "nonfinite": self.nonfinite,
             "staleness": self.staleness,
@@ -634,6 +657,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         order = range(len(grads_and_vars))
         if self._exchange.grouping == "layerwise":
             order = reversed(order)
+        prepared = []  # (position, index, route, rows, gradient as it travels)
         for position in order:
             grad, variable = grads_and_vars[position]
             index = self._get_variable_index(variable)
@@ -643,11 +667,16 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             grad = self._loss_scaling.unscale(
                 _as_rows(grad, variable) if rows else _as_dense(grad, variable))
             self.density_policy.gradient_ready(index, grad.values if rows else grad)
+            prepared.append((position, index, route, rows, grad))
+        budgets = {index: self.density_policy.k(index, route.num_elements, step)
+                   for _, index, route, rows, _ in prepared if route.sparse and not rows}
+        sparsifier = self._model_wide_sparsifier(prepared, budgets) or self.sparsifier
+        for position, index, route, rows, grad in prepared:
             if rows:
                 builder.add_rows(position, index, route, grad)
             elif route.sparse:
-                k = self.density_policy.k(index, route.num_elements, step)
-                selection, updates = self._feedback.select(index, grad, self.sparsifier, k,
+                k = budgets[index]
+                selection, updates = self._feedback.select(index, grad, sparsifier, k,
                                                            self._exchange.half_for(grad.dtype))
                 builder.add_sparse(position, index, route, grad, selection, updates, budget=k)
             elif self._exchange.half_for(grad.dtype) is not None:
@@ -657,13 +686,26 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
                 builder.add_dense(position, index, route, grad)
         return builder.build()
 
+    def _model_wide_sparsifier(self, prepared, budgets):
+        """``budget="model"``: a sparsifier that keeps every entry at or above this step's
+        model-wide cut (``sparse_hvd.model_budget``); None with per-layer budgets."""
+        if self.budget != "model" or not budgets:
+            return None
+        from .model_budget import AtOrAbove, model_wide_cut
+
+        compensated = [self._feedback.compensated(index, grad)
+                       for _, index, route, rows, grad in prepared if index in budgets]
+        return AtOrAbove(model_wide_cut(compensated, list(budgets.values())))
+
     def _inner_gradients(self, payload, averaged, variables):
         """The averages as the inner optimizer takes them (sparse ones reshaped; dense-route
         ones through momentum correction), and every state write of the step."""
         grads = list(averaged)
         state_updates = list(payload.state_updates)
-        for position in payload.sparse.positions:
-            grads[position] = tf.reshape(averaged[position], variables[position].shape)
+        for position, index in zip(payload.sparse.positions, payload.sparse.keys):
+            grads[position], updates = self._feedback.applied_estimate(
+                index, tf.reshape(averaged[position], variables[position].shape))
+            state_updates.extend(updates)
         for position, index in zip(payload.dense.positions, payload.dense.keys):
             grads[position], updates = self._feedback.after_exchange(index, averaged[position])
             state_updates.extend(updates)
@@ -729,6 +771,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
+        config.setdefault("warmup_steps", 0)  # written before the warm-up default existed
         inner = keras.saving.deserialize_keras_object(
             config.pop("optimizer"), custom_objects=custom_objects
         )

@@ -1,0 +1,374 @@
+"""Steps to dense's validation loss: does the sparse exchange train like dense, step for step?
+
+What it measures
+    For each workload (``workloads.py``: a character LSTM on the Python documentation, a CNN on
+    MNIST digits, the digits MLP), each number of workers and each method, ``--seeds`` training
+    runs under ``mpirun`` (``steps_worker.py``), each with the same steps, per-worker batch,
+    learning-rate schedule and inner optimizer (SGD with momentum 0.9 unless the method says
+    otherwise). Rank 0 records the validation loss every ``--eval-every`` steps.
+
+The target rule
+    1. Each curve is smoothed: the validation loss at an evaluation point is the mean of it and
+       its two neighbours (the held-out sets are small; this keeps a single lucky evaluation
+       from deciding).
+    2. The target is dense's smoothed validation loss at half of the run (step S/2), the mean
+       over dense's seeds.
+    3. A run reaches it at step s: the first evaluation point at or below the target, linearly
+       interpolated with the point before it. The steps ratio is s / (S/2); a run that never
+       reaches it counts as S / (S/2) = 2 and is marked.
+    4. Per method: the mean ratio over seeds and the largest; dense's own seeds give the noise
+       (their ratios scatter around 1). Final validation loss: mean and min-max over seeds,
+       against dense's min-max.
+    Bytes: what each worker handed to Horovod over the whole run, as a share of a dense float32
+    exchange (``communication_stats()``; a dense phase counts as dense).
+
+Run
+    .venv/bin/python scripts/benchmarks/bench_steps_to_loss.py --workloads cnn,charlm \\
+        --workers 4,8 --methods dense,topk,default --seeds 0,1,2 --out results/steps
+    .venv/bin/python scripts/benchmarks/bench_steps_to_loss.py --report results/steps \\
+        --publish docs     # tables (Markdown), JSON and a plot from the runs so far
+
+Each finished run is appended to ``<out>/runs.jsonl`` at once, so a long benchmark can be
+stopped and resumed (runs already there are skipped). Convergence does not depend on timing,
+so the machine's load does not change these numbers, only how long they take.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # scripts/: launching
+sys.path.insert(0, HERE)
+
+import launching  # noqa: E402
+
+# Per workload: the inner optimizer (tuned for dense at 4 workers: the best of 3 learning
+# rates), the run length and the evaluation interval.
+SETTINGS = {
+    "cnn": {"inner": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "steps": 800, "eval_every": 20},
+    "charlm": {"inner": {"name": "sgd", "lr": 2.0, "momentum": 0.9, "clipnorm": 1.0},
+               "steps": 800, "eval_every": 20},
+    "mlp": {"inner": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "steps": 400, "eval_every": 10},
+}
+
+# the defaults before the warm-up and momentum-correction defaults (explicitly off)
+OLD = {"warmup_steps": 0, "momentum_correction": 0.0}
+
+# name -> (description, SparseDistributedOptimizer kwargs, or None for the hand-written dense
+# allreduce; "inner" overrides the workload's inner optimizer)
+METHODS = {
+    "dense": ("Horovod grouped_allreduce of every gradient (the baseline)", None),
+    "default": ("SparseDistributedOptimizer(opt, density=0.01): the library's defaults",
+                {"density": 0.01}),
+    "default_0.001": ("the defaults at density=0.001", {"density": 0.001}),
+    "topk": ("top-k 1%, error feedback, the inner momentum after the exchange (the old default)",
+             {"density": 0.01, **OLD}),
+    "topk_0.001": ("the old default at 0.1%", {"density": 0.001, **OLD}),
+    "topk_0.05": ("the old default at 5%", {"density": 0.05, **OLD}),
+    "warmup": ("DGC's warm-up: WarmupDensity 25% -> 1% over the first 20% of the steps",
+               {"density": {"class_name": "warmup", "config": {
+                   "density": 0.01, "initial_density": 0.25, "warmup_steps": "20%"}},
+                "momentum_correction": 0.0}),
+    "dense_start": ("dense (density 1) for the first 5% of the steps, then top-k 1%",
+                    {"density": {"class_name": "dense_start", "config": {
+                        "density": 0.01, "dense_steps": "5%"}},
+                     "momentum_correction": 0.0}),
+    "mc_masked": ("DGC momentum correction with masking (inner SGD without momentum)",
+                  {"density": 0.01, "momentum_correction": 0.9, "warmup_steps": 0,
+                   "inner": {"momentum": 0.0}}),
+    "mc": ("momentum correction without masking (inner SGD without momentum)",
+           {"density": 0.01, "momentum_correction": 0.9, "momentum_masking": False,
+            "warmup_steps": 0, "inner": {"momentum": 0.0}}),
+    "ef21": ("EF21 (Richtarik et al. 2021): top-k 1% of the change of each rank's gradient "
+             "estimate; the inner optimizer applies the whole averaged estimate",
+             {"density": 0.01, "error_feedback": "ef21", **OLD}),
+    "ef21_0.001": ("EF21 at 0.1%", {"density": 0.001, "error_feedback": "ef21", **OLD}),
+    "ef21_mc": ("EF21-SGDM (Fatkhullin et al. 2023): EF21 on each rank's momentum "
+                "u = 0.9 u + g (inner SGD without momentum)",
+                {"density": 0.01, "error_feedback": "ef21", "momentum_correction": 0.9,
+                 "warmup_steps": 0, "inner": {"momentum": 0.0}}),
+    "ef21_mc_0.001": ("EF21-SGDM at 0.1%",
+                      {"density": 0.001, "error_feedback": "ef21", "momentum_correction": 0.9,
+                       "warmup_steps": 0, "inner": {"momentum": 0.0}}),
+    "topk_noclip": ("top-k 1%, the inner optimizer without clipnorm", 
+                    {"density": 0.01, "inner": {"clipnorm": None}, **OLD}),
+    "small_dense_32k": ("top-k 1%, variables under 32,768 entries dense",
+                        {"density": 0.01, "min_elements": 32768, **OLD}),
+    "model_budget": ("top-k 1% over the whole model (one cut for all layers)",
+                     {"density": 0.01, "budget": "model", **OLD}),
+    "small_dense": ("top-k 1%, variables under 16,384 entries dense (Paddle's rule)",
+                    {"density": 0.01, "min_elements": 16384, **OLD}),
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default="cnn,charlm")
+    parser.add_argument("--workers", default="4")
+    parser.add_argument("--methods", default="dense,topk,default")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--steps", type=int, default=None, help="override every workload's")
+    parser.add_argument("--out", default=os.path.join(ROOT, "results", "steps"))
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--report", default=None, metavar="DIR",
+                        help="only report the runs in DIR/runs.jsonl")
+    parser.add_argument("--publish", default=None, metavar="DIR",
+                        help="write steps_to_loss.{md,json,png} into DIR")
+    args = parser.parse_args(argv)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.workers = [int(n) for n in args.workers.split(",") if n]
+    args.methods = [m for m in args.methods.split(",") if m]
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    for method in args.methods:
+        if method not in METHODS:
+            parser.error(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    return args
+
+
+def resolve_steps(value, steps):
+    """``"5%"`` of ``steps`` as an int; numbers pass through."""
+    if isinstance(value, str) and value.endswith("%"):
+        return max(1, round(steps * float(value[:-1]) / 100))
+    return value
+
+
+def options_for(workload, method, steps):
+    """The worker's ``--options``: the inner optimizer and the wrapper's kwargs."""
+    inner = dict(SETTINGS[workload]["inner"])
+    wrapper = METHODS[method][1]
+    if wrapper is None:
+        return {"inner": inner, "wrapper": None}
+    wrapper = json.loads(json.dumps(wrapper))
+    inner.update(wrapper.pop("inner", {}))
+    density = wrapper.get("density")
+    if isinstance(density, dict):
+        config = density["config"]
+        for key in ("warmup_steps", "dense_steps"):
+            if key in config:
+                config[key] = resolve_steps(config[key], steps)
+    return {"inner": inner, "wrapper": {"name": f"sparse_{method.replace('.', '_')}", **wrapper}}
+
+
+def run_key(run):
+    return (run["workload"], run["workers"], run["method"], run["seed"])
+
+
+def load_runs(out):
+    path = os.path.join(out, "runs.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train(args):
+    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    done = {run_key(r) for r in load_runs(args.out)}
+    env = launching.mpi_environment()
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    worker = os.path.join(HERE, "steps_worker.py")
+    # seeds outermost: a partial benchmark has every method for the first seeds
+    for seed in args.seeds:
+        for workload in args.workloads:
+            for workers in args.workers:
+                for method in args.methods:
+                    if (workload, workers, method, seed) in done:
+                        continue
+                    steps = args.steps or SETTINGS[workload]["steps"]
+                    tag = f"{workload}_np{workers}_{method}_s{seed}"
+                    result = os.path.join(args.out, "logs", tag + ".json")
+                    command = launching.mpirun_command(workers, launching.python_argv([
+                        worker, "--workload", workload, "--method", method, "--seed", str(seed),
+                        "--steps", str(steps), "--eval-every", str(SETTINGS[workload]["eval_every"]),
+                        "--options", json.dumps(options_for(workload, method, steps)),
+                        "--json", result]), yield_when_idle=True)
+                    finished = launching.run_bounded(command, env, args.timeout)
+                    with open(os.path.join(args.out, "logs", tag + ".log"), "w") as f:
+                        f.write(finished.output)
+                    if finished.returncode != 0 or not os.path.exists(result):
+                        print(f"[bench] {tag}: FAILED (exit {finished.returncode}, "
+                              f"timed out: {finished.timed_out}); log in {args.out}/logs",
+                              flush=True)
+                        continue
+                    with open(result) as f:
+                        run = json.load(f)
+                    with open(os.path.join(args.out, "runs.jsonl"), "a") as f:
+                        f.write(json.dumps(run) + "\n")
+                    print(f"[bench] {tag}: final val loss {run['curve'][-1]['val_loss']:.4f}, "
+                          f"bytes {run['bytes_fraction']:.4f} of dense, identical replicas "
+                          f"{run['replicas_identical']}, {finished.seconds:.0f} s", flush=True)
+
+
+# ---- the target rule ---------------------------------------------------------------------------
+
+def smoothed(curve):
+    """(steps, losses): each evaluation's validation loss averaged with its neighbours."""
+    steps = [p["step"] for p in curve]
+    losses = [p["val_loss"] for p in curve]
+    out = []
+    for i in range(len(losses)):
+        window = losses[max(0, i - 1):i + 2]
+        out.append(sum(window) / len(window))
+    return steps, out
+
+
+def loss_at(curve, step):
+    steps, losses = smoothed(curve)
+    for (s0, l0), (s1, l1) in zip(zip(steps, losses), zip(steps[1:], losses[1:])):
+        if s0 <= step <= s1:
+            return l0 + (l1 - l0) * (step - s0) / (s1 - s0)
+    return losses[-1]
+
+
+def steps_to(curve, target):
+    """The first (interpolated) step at which the smoothed loss is at or below ``target``."""
+    steps, losses = smoothed(curve)
+    for i, (s, l) in enumerate(zip(steps, losses)):
+        if l <= target:
+            if i == 0:
+                return float(s)
+            s0, l0 = steps[i - 1], losses[i - 1]
+            return s0 + (s - s0) * (l0 - target) / (l0 - l)
+    return None
+
+
+def summarise(runs):
+    """Per (workload, workers): the target and each method's ratios, final losses and bytes."""
+    groups = {}
+    for run in runs:
+        groups.setdefault((run["workload"], run["workers"]), []).append(run)
+    summary = []
+    for (workload, workers), members in sorted(groups.items()):
+        dense = [r for r in members if r["method"] == "dense"]
+        if not dense:
+            continue
+        half = dense[0]["steps"] / 2
+        target = statistics.mean(loss_at(r["curve"], half) for r in dense)
+        dense_final = [r["curve"][-1]["val_loss"] for r in dense]
+        rows = []
+        for method in dict.fromkeys(r["method"] for r in members):
+            mine = sorted((r for r in members if r["method"] == method), key=lambda r: r["seed"])
+            ratios, missed = [], 0
+            for r in mine:
+                s = steps_to(r["curve"], target)
+                if s is None:
+                    missed += 1
+                    s = r["steps"]
+                ratios.append(s / half)
+            finals = [r["curve"][-1]["val_loss"] for r in mine]
+            accuracies = [r["curve"][-1]["val_accuracy"] for r in mine]
+            rows.append({
+                "method": method,
+                "description": METHODS.get(method, ("", None))[0],
+                "seeds": [r["seed"] for r in mine],
+                "ratios": ratios,
+                "ratio_mean": statistics.mean(ratios),
+                "ratio_max": max(ratios),
+                "never_reached": missed,
+                "final_loss_mean": statistics.mean(finals),
+                "final_loss_min": min(finals),
+                "final_loss_max": max(finals),
+                "final_accuracy_mean": statistics.mean(accuracies),
+                "final_within_dense_spread": min(dense_final) - 1e-12 <= statistics.mean(finals)
+                <= max(dense_final) + 1e-12,
+                "bytes_fraction": statistics.mean(r["bytes_fraction"] for r in mine),
+                "replicas_identical": all(r["replicas_identical"] for r in mine),
+            })
+        summary.append({"workload": workload, "workers": workers, "steps": dense[0]["steps"],
+                        "target_step": half, "target_loss": target,
+                        "dense_final_min": min(dense_final), "dense_final_max": max(dense_final),
+                        "rows": rows})
+    return summary
+
+
+def markdown(summary):
+    lines = []
+    for group in summary:
+        lines += [
+            f"### {group['workload']}, {group['workers']} workers, {group['steps']} steps",
+            "",
+            f"Target: dense's smoothed validation loss at step {group['target_step']:.0f}, "
+            f"{group['target_loss']:.4f} (mean of dense's seeds). Dense's final loss over the "
+            f"seeds: {group['dense_final_min']:.4f}-{group['dense_final_max']:.4f}.",
+            "",
+            "| method | steps ratio, mean (per seed) | final val loss, mean (min-max) | "
+            "final accuracy | bytes / dense | identical replicas |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in group["rows"]:
+            per_seed = ", ".join(f"{r:.2f}" for r in row["ratios"])
+            missed = f", {row['never_reached']} never reached" if row["never_reached"] else ""
+            lines.append(
+                f"| {row['method']} | {row['ratio_mean']:.2f} ({per_seed}{missed}) | "
+                f"{row['final_loss_mean']:.4f} ({row['final_loss_min']:.4f}-"
+                f"{row['final_loss_max']:.4f}) | {row['final_accuracy_mean']:.4f} | "
+                f"{row['bytes_fraction']:.4f} | {row['replicas_identical']} |")
+        lines.append("")
+    lines += ["Methods:", ""]
+    seen = dict.fromkeys(r["method"] for g in summary for r in g["rows"])
+    lines += [f"- `{m}`: {METHODS.get(m, ('?', None))[0]}" for m in seen]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs, summary, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(summary), figsize=(5.5 * len(summary), 4), squeeze=False)
+    for ax, group in zip(axes[0], summary):
+        for row in group["rows"]:
+            mine = [r for r in runs if (r["workload"], r["workers"], r["method"])
+                    == (group["workload"], group["workers"], row["method"])]
+            steps, _ = smoothed(mine[0]["curve"])
+            mean = [statistics.mean(smoothed(r["curve"])[1][i] for r in mine)
+                    for i in range(len(steps))]
+            ax.plot(steps, mean, label=f"{row['method']} ({row['ratio_mean']:.2f})")
+        ax.axhline(group["target_loss"], color="grey", lw=0.8, ls="--")
+        ax.axvline(group["target_step"], color="grey", lw=0.8, ls=":")
+        ax.set_title(f"{group['workload']}, {group['workers']} workers")
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss (smoothed, mean of seeds)")
+        low = group["target_loss"]
+        ax.set_ylim(low * 0.7, low * 2.5)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def report(out, publish):
+    runs = load_runs(out)
+    summary = summarise(runs)
+    text = markdown(summary)
+    print(text)
+    if publish:
+        os.makedirs(publish, exist_ok=True)
+        with open(os.path.join(publish, "steps_to_loss.md"), "w") as f:
+            f.write(text)
+        with open(os.path.join(publish, "steps_to_loss.json"), "w") as f:
+            json.dump({"summary": summary, "runs": runs}, f, indent=1)
+            f.write("\n")
+        plot(runs, summary, os.path.join(publish, "steps_to_loss.png"))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.report:
+        report(args.report, args.publish)
+        return 0
+    started = time.time()
+    train(args)
+    print(f"[bench] all runs in {time.time() - started:.0f} s", flush=True)
+    report(args.out, args.publish)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""One run of the steps-to-loss benchmark; every rank of an ``mpirun`` job runs this.
+
+``scripts/benchmarks/bench_steps_to_loss.py`` launches it once per (workload, workers, method,
+seed); by hand::
+
+    mpirun -np 4 --oversubscribe --bind-to none .venv/bin/python \\
+        scripts/benchmarks/steps_worker.py --workload cnn --method dense --options '{}' \\
+        --steps 600 --json out.json
+
+A method is the inner optimizer plus the keyword arguments of
+``sparse_hvd.SparseDistributedOptimizer`` (``--options``, JSON; ``{"wrapper": null}`` trains
+with a hand-written Horovod ``grouped_allreduce`` instead: the plain data-parallel baseline).
+Every method runs the same custom loop (``tf.function``, ``jit_compile=False``), the same
+initial weights (from ``--seed``, no broadcast needed), the same batches per rank and the same
+learning-rate schedule (linear warm-up over the first 5% of the steps, then cosine decay to 0).
+Every ``--eval-every`` steps rank 0 computes the validation loss and accuracy (the weights are
+the same on every rank). Rank 0 writes the JSON: the curve, each rank's
+``communication_stats()``, and whether the replicas ended bit-identical.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--method", required=True, help="the name written into the JSON")
+    parser.add_argument("--options", default="{}", help="JSON: inner optimizer and wrapper kwargs")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=16, help="per worker")
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1, help="TF threads per worker")
+    parser.add_argument("--json", required=True)
+    return parser.parse_args(argv)
+
+
+def learning_rate(keras, peak, steps):
+    """Linear warm-up over the first 5% of the steps, then cosine decay to 0."""
+    warmup = max(1, steps // 20)
+    return keras.optimizers.schedules.CosineDecay(
+        0.0, decay_steps=steps - warmup, warmup_target=peak, warmup_steps=warmup)
+
+
+def inner_optimizer(keras, spec, steps):
+    """The user's optimizer: ``{"name": "sgd"|"adam", "lr": ..., "momentum": ...}``."""
+    lr = learning_rate(keras, spec["lr"], steps)
+    clipnorm = spec.get("clipnorm")
+    if spec["name"] == "sgd":
+        return keras.optimizers.SGD(lr, momentum=spec.get("momentum", 0.9), clipnorm=clipnorm)
+    if spec["name"] == "adam":
+        return keras.optimizers.Adam(lr, clipnorm=clipnorm)
+    raise SystemExit(f"unknown inner optimizer {spec['name']!r}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    started = time.perf_counter()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import sparse_hvd
+
+    hvd = sparse_hvd.init()
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from workloads import WORKLOADS
+
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    rank, size = sparse_hvd.rank(), sparse_hvd.size()
+    options = json.loads(args.options)
+    workload = WORKLOADS[args.workload]
+    data = workload.load(rank, size)
+
+    keras.utils.set_random_seed(args.seed)  # the same initial weights on every rank
+    model = workload.build_model(data)
+    variables = model.trainable_variables
+    inner = inner_optimizer(keras, options["inner"], args.steps)
+    wrapper = options.get("wrapper")
+    sparse = None
+    if wrapper is not None:
+        sparse = sparse_hvd.SparseDistributedOptimizer(inner, **wrapper)
+    optimizer = sparse if sparse is not None else inner
+    optimizer.build(variables)
+    allreduce = sparse is None and size > 1
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function(jit_compile=False)
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, variables)
+        if allreduce:
+            grads = [tf.convert_to_tensor(g) for g in grads]
+            grads = hvd.grouped_allreduce(grads, op=hvd.Average, name="steps.dense")
+        optimizer.apply_gradients(zip(grads, variables))
+        return loss
+
+    @tf.function(jit_compile=False)
+    def evaluate(x, y):
+        logits = model(x, training=False)
+        loss = loss_fn(y, logits)
+        hits = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), y),
+                                      tf.float32))
+        return loss, hits
+
+    x_val = tf.constant(data.x_val)
+    y_val = tf.constant(data.y_val.astype("int32"))
+
+    def validation():
+        loss, hits = evaluate(x_val, y_val)
+        return float(loss), float(hits)
+
+    rng = np.random.default_rng(args.seed * 1000 + rank)  # each rank's own batches
+    curve = []
+    if rank == 0:
+        loss, acc = validation()
+        curve.append({"step": 0, "val_loss": loss, "val_accuracy": acc})
+    train_seconds = 0.0
+    for step in range(1, args.steps + 1):
+        x, y = data.sample(rng, args.batch_size)
+        t0 = time.perf_counter()
+        loss = float(train_step(tf.constant(x), tf.constant(y.astype("int32"))))
+        train_seconds += time.perf_counter() - t0
+        if not np.isfinite(loss):
+            raise SystemExit(f"rank {rank}: training loss is {loss} at step {step}")
+        if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
+            val_loss, acc = validation()
+            curve.append({"step": step, "val_loss": val_loss, "val_accuracy": acc,
+                          "train_loss": loss})
+            print(f"[steps_worker] {args.workload} {args.method} x{size} seed {args.seed} "
+                  f"step {step}: val loss {val_loss:.4f}, acc {acc:.4f}", flush=True)
+
+    parameters = int(sum(np.prod(v.shape) for v in variables))
+    stats = sparse.communication_stats() if sparse is not None else None
+    digest = hashlib.sha256(b"".join(np.ascontiguousarray(v.numpy()).tobytes()
+                                     for v in variables)).hexdigest()
+    mine = {"stats": stats, "digest": digest, "train_seconds": train_seconds}
+    everyone = hvd.allgather_object(mine, name="steps.results") if size > 1 else [mine]
+    if rank == 0:
+        if sparse is None:
+            sent_fraction = 1.0
+        else:
+            sent_fraction = float(np.mean([r["stats"]["bytes_sent"] / r["stats"]["dense_bytes"]
+                                           for r in everyone]))
+        result = {
+            "workload": args.workload,
+            "method": args.method,
+            "options": options,
+            "workers": size,
+            "seed": args.seed,
+            "steps": args.steps,
+            "batch_size": args.batch_size,
+            "parameters": parameters,
+            "curve": curve,
+            # what each worker handed to Horovod over the run, as a share of a dense float32
+            # exchange of the same gradients (values, indices and dense-route gradients)
+            "bytes_fraction": sent_fraction,
+            "stats": [r["stats"] for r in everyone],
+            "layer_stats": sparse.layer_stats() if sparse is not None else None,
+            "replicas_identical": len({r["digest"] for r in everyone}) == 1,
+            "train_seconds": train_seconds,
+            "seconds": time.perf_counter() - started,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
