@@ -121,15 +121,12 @@ class ErrorFeedback:
             up to exactly what dense momentum SGD would have applied.
     """
 
-    def __init__(self, enabled: bool, momentum: float, masking: bool = True,
-                 estimate: bool = False):
-        self.enabled = bool(enabled) or bool(estimate)
+    def __init__(self, enabled: bool, momentum: float, masking: bool = True):
+        self.enabled = bool(enabled)
         self.momentum = float(momentum)
-        self.masking = bool(masking) and not estimate
-        self.estimate = bool(estimate)
+        self.masking = bool(masking)
         self.residuals: List[keras.Variable] = []
         self.velocities: List[keras.Variable] = []
-        self.estimates: List[keras.Variable] = []
         self.world_size = None
         self.restored = False  # restored state whose worker count is not checked yet
 
@@ -143,9 +140,6 @@ class ErrorFeedback:
             shape=(), dtype="int32", name="residual_world_size",
             initializer=keras.initializers.Constant(runtime.size(process_set)),
         )
-        if self.estimate:
-            self.estimates = [optimizer.add_variable_from_reference(v, name="estimate")
-                              for v in var_list]
         self.restored = False  # fresh residuals belong to this job
 
     @property
@@ -173,11 +167,6 @@ class ErrorFeedback:
             if remainder is not None:  # zero at the selected positions: now their error
                 remainder = tf.tensor_scatter_nd_add(
                     remainder, tf.expand_dims(selection.indices, 1), error)
-        if self.estimate:  # EF21: the estimate moves by what was sent, r = -estimate
-            flat = tf.reshape(tf.convert_to_tensor(self.residuals[index]), [-1])
-            remainder = tf.tensor_scatter_nd_sub(
-                flat, tf.expand_dims(selection.indices, 1),
-                tf.cast(selection.values, flat.dtype))
         if remainder is not None:
             updates.append((self.residuals[index], remainder))
         if self.momentum:
@@ -213,15 +202,6 @@ class ErrorFeedback:
         velocity = self.velocities[index]
         grad = accumulated_velocity(averaged, velocity, self.momentum)
         return grad, ((velocity, grad),)
-
-    def applied_estimate(self, index, averaged) -> Tuple[tf.Tensor, Tuple[tuple, ...]]:
-        """EF21: the global estimate plus this step's averaged corrections, which the inner
-        optimizer applies whole, and its write; the averaged gradient itself otherwise."""
-        if not self.estimate:
-            return averaged, ()
-        estimate = self.estimates[index]
-        value = tf.convert_to_tensor(estimate) + tf.reshape(averaged, estimate.shape)
-        return value, ((estimate, value),)
 
     def give_back(self, sent: Dict[int, tuple]):
         """Add what this rank sent (``{index: (values, int32 flat indices)}``) back into its
@@ -272,9 +252,7 @@ class ErrorFeedback:
             now = runtime.size(process_set)
             if saved == now:
                 return
-            # EF21's local estimates are each the global one after sharing: nothing to scale
-            scaled = self.velocities if self.estimate else self.local_variables
-            for variable in scaled:
+            for variable in self.local_variables:
                 variable.assign(variable * tf.constant(saved / now, variable.dtype))
             self.world_size.assign(now)
             if runtime.rank(process_set) == 0:

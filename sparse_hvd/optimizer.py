@@ -30,7 +30,7 @@ import tensorflow as tf
 from . import checks, consistency, lockstep, nonfinite, runtime, watchdog
 from .accumulation import LocalAccumulation
 from .compression import resolve as resolve_compression
-from .defaults import resolve_density, resolve_momentum_correction
+from .defaults import resolve_density
 from .density import serialize_density_policy
 from .error_feedback import ErrorFeedback
 from .exchange import Exchange
@@ -217,7 +217,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         sparsifier="topk",
         min_elements=1024,
         error_feedback=True,
-        momentum_correction="auto",
+        momentum_correction=0.0,
         momentum_masking=True,
         warmup_steps=None,
         budget="layer",
@@ -239,15 +239,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         checks.check_no_base_options(kwargs)
         sparsify = get_sparsifier(sparsifier)
         policy = resolve_density(density, warmup_steps)
-        momentum_correction = resolve_momentum_correction(momentum_correction, optimizer,
-                                                          policy, staleness)
         checks.check_min_elements(min_elements)
         checks.check_momentum_correction(momentum_correction, optimizer)
         checks.check_nonfinite(nonfinite)
         checks.check_staleness(staleness, momentum_correction, policy)
-        estimate = error_feedback == "ef21"
-        if estimate:
-            error_feedback = True
         checks.check_boolean(error_feedback, "error_feedback")
         checks.check_boolean(momentum_masking, "momentum_masking")
         checks.check_boolean(dense_fallback, "dense_fallback")
@@ -263,7 +258,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self.density_policy = policy
         self.warmup_steps = getattr(policy, "warmup_steps", 0)
         self.sparsifier = sparsify
-        self.error_feedback = "ef21" if estimate else bool(error_feedback)
+        self.error_feedback = bool(error_feedback)
         self.momentum_correction = float(momentum_correction)
         self.momentum_masking = bool(momentum_masking)
         if budget not in ("layer", "model"):
@@ -280,8 +275,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self._exchange = Exchange(name=self._prefix, process_set=process_set, grouping=grouping,
                                   method="allgather" if exchange == "auto" else exchange,
                                   compression=half)
-        self._feedback = ErrorFeedback(bool(self.error_feedback), self.momentum_correction,
-                                       self.momentum_masking, estimate=estimate)
+        self._feedback = ErrorFeedback(self.error_feedback, self.momentum_correction,
+                                       self.momentum_masking)
         self._loss_scaling = LossScaling(optimizer)
         self._delayed = DelayedUpdates(self.staleness) if self.staleness else None
         self.backward_passes_per_step = int(backward_passes_per_step)
@@ -702,10 +697,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         ones through momentum correction), and every state write of the step."""
         grads = list(averaged)
         state_updates = list(payload.state_updates)
-        for position, index in zip(payload.sparse.positions, payload.sparse.keys):
-            grads[position], updates = self._feedback.applied_estimate(
-                index, tf.reshape(averaged[position], variables[position].shape))
-            state_updates.extend(updates)
+        for position in payload.sparse.positions:
+            grads[position] = tf.reshape(averaged[position], variables[position].shape)
         for position, index in zip(payload.dense.positions, payload.dense.keys):
             grads[position], updates = self._feedback.after_exchange(index, averaged[position])
             state_updates.extend(updates)

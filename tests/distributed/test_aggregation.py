@@ -220,3 +220,49 @@ def test_embedding_rows_on_the_dense_route_are_averaged_as_rows(hvd):
     np.testing.assert_allclose(table.numpy(), expected, rtol=1e-6)
     assert len(set(gather(hvd, digest([table.numpy()]), name="rows.digest"))) == 1
 
+
+
+@pytest.mark.convergence_defaults
+@pytest.mark.parametrize("budget", ["layer", "model"])
+def test_the_default_warmup_and_a_model_wide_budget_apply_the_mean_of_every_selection(hvd, budget):
+    """The defaults as users get them (the density warm-up) with per-layer and model-wide
+    budgets: every rank's selections recomputed in NumPy, averaged, applied at lr 1; each
+    rank's residual checked; the replicas bit-identical."""
+    rank, size = hvd.rank(), hvd.size()
+    shapes = [BIG, (40, 100)]  # 3,000 and 4,000 entries: both sparse
+    variables = [keras.Variable(np.zeros(s, "float32")) for s in shapes]
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(1.0), density=0.01,
+                                                      budget=budget, name=f"defaults_{budget}")
+
+    @tf.function
+    def step(g0, g1):
+        optimizer.apply_gradients([(g0, variables[0]), (g1, variables[1])])
+
+    sizes = [math.prod(s) for s in shapes]
+    residuals = [[np.zeros(n, "float32") for n in sizes] for _ in range(size)]
+    expected = [np.zeros(n, "float64") for n in sizes]
+    for t in range(4):
+        # WarmupDensity(0.01, 0.25, 200)'s k, computed independently
+        ks = [math.ceil(n * 0.25 * 0.04 ** (t / 200) - 1e-9) for n in sizes]
+        grads = lambda r: [_gradient(r, t, s) * (1 + 3 * i) for i, s in enumerate(shapes)]  # noqa: E731
+        step(*[tf.constant(g) for g in grads(rank)])
+        summed = [np.zeros(n, "float64") for n in sizes]
+        for r in range(size):
+            compensated = [g.ravel() + res for g, res in zip(grads(r), residuals[r])]
+            if budget == "model":
+                cut = np.sort(np.abs(np.concatenate(compensated)))[::-1][sum(ks) - 1]
+                chosen = [np.flatnonzero(np.abs(c) >= cut) for c in compensated]
+            else:
+                chosen = [numpy_topk_indices(c, k) for c, k in zip(compensated, ks)]
+            for i, (c, where) in enumerate(zip(compensated, chosen)):
+                summed[i][where] += c[where]
+                residuals[r][i] = c.copy()
+                residuals[r][i][where] = 0.0
+        for i in range(len(shapes)):
+            expected[i] -= summed[i] / size
+            np.testing.assert_allclose(variables[i].numpy().ravel(), expected[i], rtol=1e-5,
+                                       atol=1e-5)
+            np.testing.assert_array_equal(optimizer.residuals[i].numpy().ravel(),
+                                          residuals[rank][i])
+    digests = gather(hvd, digest([v.numpy() for v in variables]), name=f"defaults.{budget}")
+    assert len(set(digests)) == 1, "replicas differ"

@@ -1,0 +1,152 @@
+"""The convergence default (the density warm-up) and the options the steps-to-loss benchmark
+measured against it: a dense start, one budget for the whole model, unmasked momentum."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparse_hvd
+from sparse_hvd.defaults import WARMUP_INITIAL_DENSITY, resolve_density
+from sparse_hvd.density import ConstantDensity, DenseStart, WarmupDensity
+from helpers import numpy_topk_indices
+
+SHAPE = (100, 100)  # 10,000 entries: sparse route
+
+
+def _warmup_k(step, density, n, steps=200, initial=WARMUP_INITIAL_DENSITY):
+    """WarmupDensity's k, computed independently: ceil(n * initial * (d/initial)^(t/T))."""
+    if step >= steps:
+        return math.ceil(density * n)
+    return math.ceil(n * initial * (density / initial) ** (step / steps) - 1e-9)
+
+
+def _sent_per_step(optimizer, variable, steps, seed=0):
+    rng = np.random.RandomState(seed)
+    sent = []
+    for _ in range(steps):
+        optimizer.apply_gradients([(tf.constant(rng.randn(*SHAPE).astype("float32")), variable)])
+        sent.append(optimizer.layer_stats()[variable.path]["last_sent"])
+    return sent
+
+
+@pytest.mark.convergence_defaults
+def test_a_numeric_density_warms_up_from_25_percent_over_200_steps():
+    variable = keras.Variable(np.zeros(SHAPE, "float32"))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), density=0.01)
+    assert isinstance(optimizer.density_policy, WarmupDensity)
+    assert optimizer.warmup_steps == 200
+    sent = _sent_per_step(optimizer, variable, 4)
+    assert sent == [_warmup_k(t, 0.01, 10_000) for t in range(4)]
+    assert sent[0] == 2500
+    assert optimizer.density == 0.01  # the density it settles at
+
+
+@pytest.mark.convergence_defaults
+def test_warmup_steps_zero_keeps_the_density_constant_from_the_first_step():
+    variable = keras.Variable(np.zeros(SHAPE, "float32"))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), density=0.01,
+                                                      warmup_steps=0)
+    assert type(optimizer.density_policy) is ConstantDensity
+    assert _sent_per_step(optimizer, variable, 3) == [100, 100, 100]
+
+
+@pytest.mark.convergence_defaults
+def test_resolution_of_density_and_warmup_steps():
+    assert resolve_density(0.01, None).get_config() == {
+        "density": 0.01, "initial_density": 0.25, "warmup_steps": 200}
+    assert resolve_density(0.001, 50).get_config()["warmup_steps"] == 50
+    assert type(resolve_density(0.01, 0)) is ConstantDensity
+    # a density at or above the warm-up's start needs none
+    assert type(resolve_density(0.25, None)) is ConstantDensity
+    assert type(resolve_density(1.0, None)) is ConstantDensity
+    policy = DenseStart(0.01, dense_steps=5)
+    assert resolve_density(policy, None) is policy  # a policy is used as given
+    for bad in (-1, 1.5, True, "200"):
+        with pytest.raises(ValueError, match="`warmup_steps` must be a non-negative int"):
+            resolve_density(0.01, bad)
+
+
+@pytest.mark.convergence_defaults
+def test_the_resolved_warmup_round_trips_and_an_old_config_keeps_its_constant_density():
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), density=0.01)
+    config = optimizer.get_config()
+    assert config["warmup_steps"] == 200
+    assert config["density"] == {"class_name": "warmup", "config": {
+        "density": 0.01, "initial_density": 0.25, "warmup_steps": 200}}
+    again = sparse_hvd.SparseDistributedOptimizer.from_config(config)
+    assert again.density_policy.get_config() == optimizer.density_policy.get_config()
+    # written before the warm-up default existed: no warmup_steps key, a float density
+    old = dict(config, density=0.01)
+    del old["warmup_steps"]
+    assert type(sparse_hvd.SparseDistributedOptimizer.from_config(old).density_policy) \
+        is ConstantDensity
+
+
+def test_dense_start_sends_everything_then_the_density():
+    variable = keras.Variable(np.zeros(SHAPE, "float32"))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(0.1), density=DenseStart(0.01, dense_steps=2))
+    assert _sent_per_step(optimizer, variable, 4) == [10_000, 10_000, 100, 100]
+    # a step that sends everything leaves nothing behind
+    assert DenseStart(0.02, 3).get_config() == {"density": 0.02, "dense_steps": 3}
+    with pytest.raises(ValueError, match="`dense_steps` must be a non-negative int"):
+        DenseStart(0.01, dense_steps=-1)
+
+
+def test_a_model_wide_budget_sends_the_largest_entries_of_all_layers_together():
+    """budget="model": K = sum of the layers' k, the cut is the K-th largest |c| over both
+    layers; a NumPy re-computation of three steps with error feedback, at lr 1."""
+    rng = np.random.RandomState(5)
+    shapes = [(50, 40), (30, 100)]  # 2,000 and 3,000 entries: k = 20 and 30 at 1%
+    scales = [1.0, 0.2]  # the first layer's gradients are larger: it should send more
+    variables = [keras.Variable(np.zeros(s, "float64"), dtype="float64") for s in shapes]
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(1.0), density=0.01,
+                                                      budget="model")
+    weights = [np.zeros(math.prod(s)) for s in shapes]
+    residuals = [np.zeros(math.prod(s)) for s in shapes]
+    for _ in range(3):
+        grads = [scale * rng.standard_cauchy(s) for s, scale in zip(shapes, scales)]
+        optimizer.apply_gradients([(tf.constant(g), v) for g, v in zip(grads, variables)])
+        compensated = [g.ravel() + r for g, r in zip(grads, residuals)]
+        cut = np.sort(np.abs(np.concatenate(compensated)))[::-1][20 + 30 - 1]
+        sent_counts = []
+        for i, c in enumerate(compensated):
+            chosen = np.abs(c) >= cut
+            weights[i] -= np.where(chosen, c, 0.0)
+            residuals[i] = np.where(chosen, 0.0, c)
+            sent_counts.append(int(chosen.sum()))
+        assert sum(sent_counts) == 50
+        for variable, w, r, residual in zip(variables, weights, residuals, optimizer.residuals):
+            np.testing.assert_array_equal(variable.numpy().ravel(), w)
+            np.testing.assert_array_equal(residual.numpy().ravel(), r)
+    assert sent_counts[0] > 20  # the layer with the larger gradients took more than its k
+    assert optimizer.get_config()["budget"] == "model"
+    with pytest.raises(ValueError, match="`budget` must be 'layer' or 'model'"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), budget="global")
+
+
+def test_momentum_correction_without_masking_keeps_the_velocity():
+    """momentum_masking=False: u = m*u + g; c = u + r; r = c - sent; u is NOT cleared."""
+    m = 0.9
+    rng = np.random.RandomState(2)
+    kernel = keras.Variable(np.zeros((50, 40)), dtype="float64")
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(1.0), density=0.01, momentum_correction=m, momentum_masking=False)
+    u, r, w = np.zeros(2000), np.zeros(2000), np.zeros(2000)
+    for _ in range(5):
+        g = rng.randn(2000)
+        optimizer.apply_gradients([(tf.constant(g.reshape(50, 40)), kernel)])
+        u = m * u + g
+        c = u + r
+        chosen = numpy_topk_indices(c, 20)
+        sent = np.zeros(2000)
+        sent[chosen] = c[chosen]
+        r = c - sent
+        w -= sent
+        np.testing.assert_allclose(kernel.numpy().ravel(), w, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(optimizer.local_variables[1].numpy().ravel(), u, rtol=1e-12)
+    with pytest.raises(TypeError, match="momentum_masking"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), momentum_masking=1)
