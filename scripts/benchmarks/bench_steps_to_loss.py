@@ -144,6 +144,16 @@ def options_for(workload, method, steps):
     return {"inner": inner, "wrapper": {"name": f"sparse_{method.replace('.', '_')}", **wrapper}}
 
 
+def git_head():
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def run_key(run):
     return (run["workload"], run["workers"], run["method"], run["seed"])
 
@@ -193,6 +203,7 @@ def train(args):
                         continue
                     with open(result) as f:
                         run = json.load(f)
+                    run["commit"] = git_head()
                     with open(os.path.join(args.out, "runs.jsonl"), "a") as f:
                         f.write(json.dumps(run) + "\n")
                     print(f"[bench] {tag}: final val loss {run['curve'][-1]['val_loss']:.4f}, "
@@ -347,8 +358,9 @@ def report(out, publish):
         os.makedirs(publish, exist_ok=True)
         with open(os.path.join(publish, "steps_to_loss.md"), "w") as f:
             f.write(text)
+        commits = sorted({r.get("commit") for r in runs if r.get("commit")})
         with open(os.path.join(publish, "steps_to_loss.json"), "w") as f:
-            json.dump({"summary": summary, "runs": runs}, f, indent=1)
+            json.dump({"commits": commits, "summary": summary, "runs": runs}, f, indent=1)
             f.write("\n")
         plot(runs, summary, os.path.join(publish, "steps_to_loss.png"))
 

@@ -1,4 +1,4 @@
-"""Optional native CPU kernels, compiled against the installed TensorFlow by scripts/setup.sh.
+"""Native CPU kernels, compiled against the installed TensorFlow (``sparse_hvd.kernels.build``).
 
 * ``compensate_cut()``: the ``SparseHvdCompensateCut`` op (compensate_cut.cc: error feedback's
   compensate/select/remember for a magnitude cut in one pass over the data);
@@ -7,37 +7,69 @@
 * ``scatter_mean()``: the ``SparseHvdScatterMean`` op (scatter_mean.cc: the gathered entries of
   every variable summed in rank order and divided where they arrived, in one walk).
 
-Each returns None when the library was not built here, or when a GPU is visible (these are CPU
-kernels: on GPU tensors they would force copies to the host); callers then use TensorFlow ops
-that compute the same bits more slowly. ``SPARSE_HVD_NATIVE=0`` turns the kernels off.
+The library is found, or compiled on first use, under a key of the imported TensorFlow (see
+``sparse_hvd.kernels.build``: a TensorFlow upgrade leads to a rebuild, never to a stale
+library). ``scripts/setup.sh`` compiles it ahead of time; ``pip install`` users get it
+compiled the first time a job needs it (about a minute; the ranks of a job build it once).
+
+Each getter returns None when a GPU is visible (these are CPU kernels: on GPU tensors they
+would force copies to the host) or when ``SPARSE_HVD_NATIVE=0``; callers then use TensorFlow
+ops that compute the same bits more slowly. When the library cannot be built or loaded, the
+same fallback is taken with a warning, unless ``SPARSE_HVD_REQUIRE_NATIVE=1`` (CI sets it):
+then :class:`NativeKernelsUnavailable` is raised.
 """
 
 import os
 import warnings
 
-LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sparse_hvd_kernels.so")
+from . import build
 
 _loaded = None
+_path = None  # the loaded library's file
+_problem = None  # why the kernels are not in use (None while they are, or before a look)
+
+
+class NativeKernelsUnavailable(RuntimeError):
+    """SPARSE_HVD_REQUIRE_NATIVE=1 and the native kernels cannot be used."""
+
+
+def required() -> bool:
+    return os.environ.get("SPARSE_HVD_REQUIRE_NATIVE", "0") == "1"
+
+
+def status():
+    """``(library path, None)`` when the kernels are loaded, else ``(None, why not)``; never
+    raises (``python -m sparse_hvd.doctor`` reports it)."""
+    try:
+        library = _library()
+    except NativeKernelsUnavailable:
+        library = None
+    return (_path, None) if library is not None else (None, _problem)
 
 
 def _library():
-    global _loaded
+    global _loaded, _problem, _path
     if _loaded is None:
         _loaded = False
-        if os.environ.get("SPARSE_HVD_NATIVE", "1") != "0" and os.path.exists(LIBRARY):
-            import tensorflow as tf
+        if os.environ.get("SPARSE_HVD_NATIVE", "1") == "0":
+            _problem = "turned off (SPARSE_HVD_NATIVE=0)"
+            return None
+        import tensorflow as tf
 
-            if tf.config.list_physical_devices("GPU"):
-                return None
-
-            try:
-                _loaded = tf.load_op_library(LIBRARY)
-            except (tf.errors.NotFoundError, OSError) as error:
-                warnings.warn(
-                    f"sparse_hvd: cannot load {LIBRARY} ({error}); run scripts/setup.sh to "
-                    "rebuild it. Using the slower TensorFlow path.",
-                    stacklevel=3,
-                )
+        if tf.config.list_physical_devices("GPU"):
+            _problem = "a GPU is visible (the TensorFlow path runs on it instead)"
+            return None
+        try:
+            _path = build.ensure_built()
+            _loaded = tf.load_op_library(_path)
+        except (build.BuildError, tf.errors.NotFoundError, OSError) as error:
+            _problem = f"cannot be built or loaded: {error}"
+            if required():
+                raise NativeKernelsUnavailable(
+                    f"sparse_hvd's native kernels {_problem} (SPARSE_HVD_REQUIRE_NATIVE=1)"
+                ) from error
+            warnings.warn(f"sparse_hvd: the native kernels {_problem}. Using the slower "
+                          "TensorFlow path (python -m sparse_hvd.doctor says more).", stacklevel=3)
     return _loaded or None
 
 
