@@ -11,6 +11,19 @@ JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "j
 BOUND = 120  # seconds; the job is killed (and the test fails) if it is still running then
 
 
+# What each launcher says when a rank is killed (SIGKILL: exit status 137).
+KILLED = {"mpirun": r"mpirun noticed that process rank 1 with PID \d+ on node \S+ exited on "
+                    r"signal 9 \(Killed\)",
+          "gloo": r"The first process to do so was:\s+Process name: 1\s+Exit code: 137"}
+
+
+def assert_training_had_started(output):
+    """Both ranks trained three steps before rank 1 failed (a job that died at import or
+    start-up would not have printed this)."""
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} trained 3 steps", output), output[-5000:]
+
+
 # Rank 1 raises, is killed, or stalls (sleeps outside any collective). A stall is ended by
 # sparse_hvd's watchdog (its limit shortened here; Horovod's own stall shutdown is off), under
 # horovodrun --gloo too, where Horovod 0.28.1's stall shutdown did not end such a job.
@@ -29,6 +42,9 @@ def test_a_failing_rank_ends_the_job_quickly(launcher, how):
     assert not result.timed_out, f"the job hung after rank 1 failed:\n{result.output[-5000:]}"
     assert result.returncode != 0
     assert "finished training, which it must not" not in result.output
+    assert_training_had_started(result.output)
+    if how == "kill":
+        assert re.search(KILLED[launcher], result.output), result.output[-5000:]
     if how == "raise":
         assert "rank 1 fails on purpose" in result.output
     if how == "stall":
@@ -55,4 +71,6 @@ def test_staleness_on_one_interop_thread_finishes_and_a_dying_rank_ends_the_job(
     else:
         assert result.returncode != 0
         assert "finished training, which it must not" not in result.output
+        assert re.search(KILLED[launcher], result.output), result.output[-5000:]
+    assert_training_had_started(result.output)
     print(f"{launcher}/{how}/staleness: status {result.returncode} after {result.seconds:.1f} s")

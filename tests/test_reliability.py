@@ -2,6 +2,7 @@
 multi-rank behaviour is in test_failures.py and test_faults.py)."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -45,8 +46,10 @@ def test_a_wait_longer_than_the_limit_ends_the_process_saying_what_it_waited_for
     """, env={"SPARSE_HVD_STALL_TIMEOUT": "1.5"})
     assert result.returncode == watchdog.EXIT_STATUS, result.stderr[-3000:]
     assert "returned, which it must not" not in result.stdout
-    assert ("has waited 2 s in collective 'test.exchange' at training step 7 for the other ranks, "
-            "longer than the limit of 1.5 s (SPARSE_HVD_STALL_TIMEOUT)") in result.stderr, result.stderr
+    # how long past the limit depends on the watchdog's polling and the machine's load
+    assert re.search(r"has waited [23] s in collective 'test\.exchange' at training step 7 for "
+                     r"the other ranks, longer than the limit of 1\.5 s \(SPARSE_HVD_STALL_TIMEOUT\)",
+                     result.stderr), result.stderr
 
 
 def test_waits_shorter_than_the_limit_and_a_limit_of_zero_do_nothing(monkeypatch):

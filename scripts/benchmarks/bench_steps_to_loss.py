@@ -268,6 +268,8 @@ def summarise(runs):
                     s = r["steps"]
                 ratios.append(s / half)
             finals = [r["curve"][-1]["val_loss"] for r in mine]
+            # where dense was when it had this method's final loss (None: dense never was)
+            equivalent = [steps_to(d["curve"], statistics.mean(finals)) for d in dense]
             accuracies = [r["curve"][-1]["val_accuracy"] for r in mine]
             rows.append({
                 "method": method,
@@ -281,6 +283,8 @@ def summarise(runs):
                 "final_loss_min": min(finals),
                 "final_loss_max": max(finals),
                 "final_accuracy_mean": statistics.mean(accuracies),
+                "dense_step_at_final_loss": (statistics.mean(equivalent)
+                                             if None not in equivalent else None),
                 "final_within_dense_spread": min(dense_final) - 1e-12 <= statistics.mean(finals)
                 <= max(dense_final) + 1e-12,
                 "bytes_fraction": statistics.mean(r["bytes_fraction"] for r in mine),
@@ -304,8 +308,8 @@ def markdown(summary):
             f"seeds: {group['dense_final_min']:.4f}-{group['dense_final_max']:.4f}.",
             "",
             "| method | steps ratio, mean (per seed) | final val loss, mean (min-max) | "
-            "final accuracy | bytes / dense | identical replicas |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "dense's step at that loss | final accuracy | bytes / dense | identical replicas |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in group["rows"]:
             per_seed = ", ".join(f"{r:.2f}" for r in row["ratios"])
@@ -313,7 +317,9 @@ def markdown(summary):
             lines.append(
                 f"| {row['method']} | {row['ratio_mean']:.2f} ({per_seed}{missed}) | "
                 f"{row['final_loss_mean']:.4f} ({row['final_loss_min']:.4f}-"
-                f"{row['final_loss_max']:.4f}) | {row['final_accuracy_mean']:.4f} | "
+                f"{row['final_loss_max']:.4f}) | "
+                f"{'-' if row['dense_step_at_final_loss'] is None else format(row['dense_step_at_final_loss'], '.0f')} | "
+                f"{row['final_accuracy_mean']:.4f} | "
                 f"{row['bytes_fraction']:.4f} | {row['replicas_identical']} |")
         lines.append("")
     lines += ["Methods:", ""]

@@ -92,8 +92,13 @@ def compile_library(output: str):
     os.replace(temporary, output)
 
 
-def ensure_built(path=None, announce=print) -> str:
-    """The library's path, compiled first if it is missing (one build per machine at a time)."""
+def _to_stderr(message):
+    print(message, file=sys.stderr, flush=True)
+
+
+def ensure_built(path=None, announce=_to_stderr) -> str:
+    """The library's path, compiled first if it is missing (one build per machine at a time);
+    ``announce`` says so before a build (on stderr by default)."""
     path = path or library_path()
     if os.path.exists(path):
         return path

@@ -29,6 +29,15 @@ class FailOnRankOne(keras.callbacks.Callback):
         super().__init__()
         self.how = how
 
+    def on_train_begin(self, logs=None):
+        self.steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+        if self.steps == 3:
+            # the test reads this: training had started on this rank before the failure
+            print(f"rank {sparse_hvd.rank()} trained 3 steps", flush=True)
+
     def on_train_batch_begin(self, batch, logs=None):
         if sparse_hvd.rank() == 1 and batch == 3 and self.how != "none":
             if self.how == "kill":
