@@ -424,13 +424,14 @@ class Threshold(Sparsifier):
 class RandomK(Sparsifier):
     """k distinct entries chosen uniformly at random: a baseline for experiments.
 
-    Each rank draws its own positions (no shared seed is needed: the exchange handles any index
-    sets). Error feedback still delivers every entry eventually. The positions are the first k
+    Each rank draws its own positions (from ``seed`` and its rank: two runs with the same seed
+    draw the same, ranks draw differently; ``seed=None``: a non-deterministic state). The
+    exchange handles any index sets. Error feedback still delivers every entry eventually. The positions are the first k
     of a random permutation of the n positions, computed in O(k) (``index_shuffle``), not by
     shuffling all n.
     """
 
-    def __init__(self, seed=None):
+    def __init__(self, seed=0):
         self.seed = seed
         self._generator = None
 
@@ -449,10 +450,14 @@ class RandomK(Sparsifier):
 
 
 def _generator(seed):
+    """A generator seeded from ``seed`` and this process's rank (reproducible runs, a stream of
+    its own per rank), or a non-deterministic one for ``seed=None``."""
+    from .runtime import rank
+
     with tf.init_scope():
         if seed is None:
             return tf.random.Generator.from_non_deterministic_state()
-        return tf.random.Generator.from_seed(seed)
+        return tf.random.Generator.from_seed(int(seed) * 1_000_003 + rank())
 
 
 class _Sampler(NamedTuple):
@@ -508,10 +513,14 @@ class ApproxTopK(Sparsifier):
     So the achieved count of a layer in a step is always within ``[k / band, k * band]``, and
     on average close to k (the estimate is unbiased up to sampling noise). Layers with fewer
     than ``min_size`` entries use exact top-k: for them the sample would be the whole layer.
+
+    The sampled positions come from a generator seeded from ``seed`` (default 0) and the rank,
+    so two runs with the same settings send the same entries; ``seed=None`` samples from a
+    non-deterministic state.
     """
 
     def __init__(self, sample_fraction=0.002, min_samples=1024, band=2.0, min_size=65536,
-                 fuse=True, seed=None):
+                 fuse=True, seed=0):
         if not 0 < sample_fraction <= 1:
             raise ValueError(f"`sample_fraction` must be in (0, 1], got {sample_fraction!r}")
         if not band > 1:
