@@ -119,7 +119,16 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
     Args:
         optimizer: the Keras 3 optimizer that applies the averaged gradients (SGD, Adam, ...).
         density: fraction of each variable's entries a worker sends per step, in (0, 1], or a
-            density policy (``sparse_hvd.density.WarmupDensity(...)``).
+            density policy (``sparse_hvd.density.WarmupDensity(...)``). A number below 25% is
+            reached after a warm-up (``warmup_steps``).
+        warmup_steps: the default warm-up (``sparse_hvd.defaults``): a numeric ``density``
+            starts at 25% and decays exponentially to its value over this many steps (None:
+            200). 0: the density is constant from the first step (the behaviour before the
+            warm-up became the default). Ignored when ``density`` is a policy object.
+        budget: ``"layer"`` (default): each variable sends its own k. ``"model"``: one budget
+            for the whole model, the sum of the variables' k, spent on the entries of largest
+            magnitude over all sparse variables together (``sparse_hvd.model_budget``; with
+            the layer-wise exchange it waits for every gradient, so nothing overlaps).
         sparsifier: a registered name (``sparse_hvd.available_sparsifiers()``: "topk",
             "approx_topk", "randomk", ...) or a configured sparsifier such as
             ``sparse_hvd.sparsifiers.Threshold(threshold=0.01)``.
