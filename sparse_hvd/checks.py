@@ -240,17 +240,6 @@ def check_backward_passes(passes, staleness):
                          "use one of them.")
 
 
-def check_no_inner_accumulation(optimizer):
-    """Keras' own accumulation on the inner optimizer would still exchange every pass."""
-    if getattr(optimizer, "gradient_accumulation_steps", None):
-        raise ValueError(
-            f"the inner optimizer has gradient_accumulation_steps="
-            f"{optimizer.gradient_accumulation_steps}: it would accumulate after the exchange, "
-            "which would still run at every backward pass. Use "
-            "SparseDistributedOptimizer(..., backward_passes_per_step=N) instead: the passes "
-            "are accumulated locally and exchanged once.")
-
-
 def check_some_gradient(grads, variables):
     """Keras' behaviour for missing gradients: an error when there is none at all, a warning
     naming the variables without one."""

@@ -131,7 +131,9 @@ class ErrorFeedback:
         self.restored = False  # restored state whose worker count is not checked yet
 
     def build(self, optimizer, var_list, process_set=None):
-        """Create the state as variables of ``optimizer`` (a Keras optimizer)."""
+        """Create the state as variables of ``optimizer`` (a Keras optimizer), which also
+        writes them (its ``assign`` methods, Keras' rule for an optimizer's writes)."""
+        self.writer = optimizer
         self.residuals = [optimizer.add_variable_from_reference(v, name="residual") for v in var_list]
         if self.momentum:
             self.velocities = [optimizer.add_variable_from_reference(v, name="velocity")
@@ -212,7 +214,7 @@ class ErrorFeedback:
             flat = tf.tensor_scatter_nd_add(
                 flat, tf.expand_dims(tf.convert_to_tensor(indices, tf.int32), 1),
                 tf.convert_to_tensor(values, flat.dtype))
-            residual.assign(tf.reshape(flat, residual.shape))
+            self.writer.assign(residual, tf.reshape(flat, residual.shape))
 
     def add_back(self, keys, returned):
         """Add ``returned`` (per key: ``(values, flat indices)`` this rank sent that the exchange
@@ -230,7 +232,7 @@ class ErrorFeedback:
             else:  # a cast view (autocast scope): write the whole residual
                 flat = tf.tensor_scatter_nd_add(tf.reshape(tf.convert_to_tensor(residual), [-1]),
                                                 tf.expand_dims(indices, 1), values)
-                residual.assign(tf.reshape(flat, residual.shape))
+                self.writer.assign(residual, tf.reshape(flat, residual.shape))
 
     def share(self, process_set=None, name="sparse_hvd.share_residuals"):
         """Make every rank's state its mean over the ranks (eager; a collective).
@@ -253,7 +255,7 @@ class ErrorFeedback:
             if saved == now:
                 return
             for variable in self.local_variables:
-                variable.assign(variable * tf.constant(saved / now, variable.dtype))
+                self.writer.assign(variable, variable * tf.constant(saved / now, variable.dtype))
             self.world_size.assign(now)
             if runtime.rank(process_set) == 0:
                 print(f"sparse_hvd: residuals saved by {saved} workers, restored on {now}: "

@@ -21,6 +21,7 @@ reads as the list of them:
 * ``checks``: argument checks and their messages.
 """
 
+import functools
 from typing import List
 
 import keras
@@ -28,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from . import checks, consistency, lockstep, nonfinite, runtime, watchdog
-from .accumulation import LocalAccumulation
+from .accumulation import LocalAccumulation, take_over_keras_accumulation
 from .compression import resolve as resolve_compression
 from .defaults import resolve_density
 from .density import serialize_density_policy
@@ -51,16 +52,18 @@ except ImportError:  # pragma: no cover
 # The base optimizer's options that belong to the inner optimizer (it applies them to the
 # averaged gradients); on the wrapper they read and write the inner optimizer's.
 INNER_OPTIONS = ("weight_decay", "clipnorm", "global_clipnorm", "clipvalue", "use_ema",
-                 "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
-                 "gradient_accumulation_steps")
+                 "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor")
 
 
 def _inner_option(option):
     """A property that forwards ``option`` to the inner optimizer (ignored while the base
-    constructor sets its defaults, before there is an inner optimizer)."""
+    constructor sets its defaults, before there is an inner optimizer, and unset while the
+    base build runs: the inner optimizer's EMA copies and accumulators are its own)."""
     def get(self):
         inner = self.__dict__.get("inner_optimizer")
-        return None if inner is None else getattr(inner, option)
+        if inner is None or self.__dict__.get("_building_base"):
+            return None
+        return getattr(inner, option)
 
     def set_(self, value):
         inner = self.__dict__.get("inner_optimizer")
@@ -68,6 +71,17 @@ def _inner_option(option):
             setattr(inner, option, value)
 
     return property(get, set_, doc=f"The inner optimizer's ``{option}``.")
+
+
+def _write_through(inner, wrapper):
+    """Make ``inner`` write its variables through ``wrapper``'s assign methods (looked up at
+    each call, so an override or a patch of the wrapper's sees them)."""
+    for method in ("assign", "assign_add", "assign_sub"):
+        setattr(inner, method, functools.partial(_write, wrapper, method))
+
+
+def _write(wrapper, method, variable, value):
+    return getattr(wrapper, method)(variable, value)
 
 
 def _with_tensor_parts(grad):
@@ -213,11 +227,30 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
     there; they act on the averaged gradient, identically on every rank, and read through the
     wrapper (``model.optimizer.clipnorm``) they give the inner optimizer's values.
     ``exclude_from_weight_decay`` and ``set_weights`` reach the inner optimizer too.
+    Keras' ``gradient_accumulation_steps=B`` on the inner optimizer is taken over by the wrapper
+    (``sparse_hvd.accumulation``): B passes averaged locally, one exchange, one inner step.
+    The inner optimizer writes its variables through the wrapper's ``assign``,
+    ``assign_add`` and ``assign_sub``, as the wrapper writes its own (Keras' rule for
+    optimizers: a subclass that overrides them sees every write of the step).
     """
 
     for _option in INNER_OPTIONS:
         locals()[_option] = _inner_option(_option)
     del _option
+
+    @property
+    def gradient_accumulation_steps(self):
+        """Keras' gradient accumulation, taken over from the inner optimizer (None: off)."""
+        if self.__dict__.get("_building_base"):
+            return None
+        return self.__dict__.get("_keras_accumulation")
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value):
+        # the base constructor sets None before there is an inner optimizer
+        if "inner_optimizer" in self.__dict__ and value != self.gradient_accumulation_steps:
+            raise ValueError("`gradient_accumulation_steps` is fixed when the optimizer is "
+                             "wrapped: set it on the inner optimizer before wrapping it")
 
     def __init__(
         self,
@@ -244,7 +277,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
     ):
         checks.check_backend()
         checks.check_inner_optimizer(optimizer, SparseDistributedOptimizer)
-        checks.check_no_inner_accumulation(optimizer)
+        keras_accumulation = take_over_keras_accumulation(optimizer, backward_passes_per_step)
         checks.check_no_base_options(kwargs)
         sparsify = get_sparsifier(sparsifier)
         policy = resolve_density(density, warmup_steps)
@@ -263,7 +296,9 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         checks.check_compression(half, exchange, staleness)
         checks.check_boolean(average_aggregated_gradients, "average_aggregated_gradients")
         super().__init__(learning_rate=0.0, name=name)
+        self._keras_accumulation = keras_accumulation
         self.inner_optimizer = optimizer
+        _write_through(optimizer, self)
         self.density_policy = policy
         self.warmup_steps = getattr(policy, "warmup_steps", 0)
         self.sparsifier = sparsify
@@ -290,9 +325,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self._delayed = DelayedUpdates(self.staleness) if self.staleness else None
         self.backward_passes_per_step = int(backward_passes_per_step)
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
-        self._accumulation = (LocalAccumulation(backward_passes_per_step,
-                                                average_aggregated_gradients)
-                              if backward_passes_per_step > 1 else None)
+        self._accumulation = (
+            LocalAccumulation(keras_accumulation, average=True) if keras_accumulation
+            else LocalAccumulation(backward_passes_per_step, average_aggregated_gradients)
+            if backward_passes_per_step > 1 else None)
         self._counters = None
         checks.warn_about_poor_combinations(optimizer, policy, grouping, self.density)
 
@@ -319,12 +355,18 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         if self._delayed:
             self._delayed.build(self, var_list, self._routes, self._prefix, self.process_set)
         self.inner_optimizer.build(var_list)
-        super().build(var_list)
+        self._building_base = True  # the base build must not copy the inner optimizer's state
+        try:
+            super().build(var_list)
+        finally:
+            self._building_base = False
+        self._legacy_ema_at = len(self._variables)  # see load_own_variables
         # Every rank must route the same variables the same way, or the exchange would hang.
         consistency.check_same_on_all_ranks(
             "the model's variables or the optimizer's settings",
             consistency.describe_variables(var_list),
-            settings={"name": self.name, **self._settings()},
+            settings={"name": self.name, **self._settings(),
+                      "gradient_accumulation_steps": self.gradient_accumulation_steps},
             process_set=self.process_set,
             name="sparse_hvd.build_check",  # not the optimizer's name: it may differ by rank
         )
@@ -437,6 +479,15 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
     def load_own_variables(self, store):
         if self.staleness and self.built:
             self._delayed.discard()  # the restored slots replace whatever is in flight
+        ours = len(self.variables)
+        if (self.built and self.use_ema
+                and len(store.keys()) == ours + len(self._trainable_variables)):
+            # saved by an earlier version, whose base build kept a second, unused EMA copy of the model
+            # after the wrapper's own variables: skip it
+            first, count = self._legacy_ema_at, len(self._trainable_variables)
+            values = [store[str(i)] for i in range(len(store.keys()))]
+            values = values[:first] + values[first + count:]
+            store = {str(i): value for i, value in enumerate(values)}
         super().load_own_variables(store)
         self._feedback.restored = True  # restored residuals: compare their worker count
 
@@ -456,7 +507,9 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         """Assign ``weights`` to :attr:`variables` in order: the wrapper's own (residuals, ...)
         then the inner optimizer's (its iteration count, moments), as ``variables`` lists them."""
         if not self.built:
-            raise ValueError("Call `optimizer.build(trainable_variables)` before `set_weights()`.")
+            raise ValueError(
+                "You are calling `set_weights()` on an optimizer that has not yet been built. "
+                "Call `optimizer.build(trainable_variables)` before `set_weights()`.")
         variables = self.variables
         if len(weights) != len(variables):
             raise ValueError(f"`set_weights` got {len(weights)} arrays for the optimizer's "
@@ -465,7 +518,22 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             if tuple(variable.shape) != tuple(np.shape(weight)):
                 raise ValueError(f"Optimizer variable {variable.path} has shape "
                                  f"{tuple(variable.shape)}, not {tuple(np.shape(weight))}")
-            variable.assign(weight)
+            self.assign(variable, weight)
+
+    def update_step(self, gradient, variable, learning_rate):
+        """The inner optimizer's update rule for one variable (Keras' per-variable hook; no
+        exchange: :meth:`apply` is the distributed step)."""
+        return self.inner_optimizer.update_step(gradient, variable, learning_rate)
+
+    @property
+    def _model_variables_moving_average(self):
+        """The inner optimizer's EMA of the model's variables (``use_ema``), as Keras names it."""
+        return getattr(self.inner_optimizer, "_model_variables_moving_average", None)
+
+    @property
+    def _accumulated_gradients(self):
+        """Keras' accumulators (``gradient_accumulation_steps``), as Keras names them."""
+        return self._accumulation.accumulators if self._accumulation else None
 
     @property
     def learning_rate(self):
@@ -579,18 +647,19 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         sum of B calls' gradients (``sparse_hvd.accumulation``).
         """
         checks.check_not_in_xla()
+        grads = list(grads)
+        if not grads:  # an empty list, as Keras allows
+            return
         grads_and_vars = self._present(grads, trainable_variables)
         if self.staleness:
             with tf.name_scope("delayed_exchange"):
                 self._apply_delayed(grads_and_vars)
-            return
-        if not grads_and_vars:  # an empty list, as Keras allows
-            return
-        if self._accumulation:
+        elif self._accumulation:
             self._accumulation.pass_or_step(grads_and_vars, self._get_variable_index,
                                             self._exchange_and_apply)
-            return
-        self._exchange_and_apply(grads_and_vars)
+        else:
+            self._exchange_and_apply(grads_and_vars)
+        self._iterations.assign_add(1)  # backward passes, as Keras' own counter
 
     def _exchange_and_apply(self, grads_and_vars):
         """Steps 1-5 of :meth:`apply` (the synchronous step) for ``grads_and_vars``."""
@@ -607,7 +676,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
                 self.density_policy.end_step(self._policy_step())
 
         def go_ahead():
-            write_state(state_updates)
+            write_state(state_updates, self)
             # sparse allreduce: what was sent but not applied goes back to the residuals
             self._feedback.add_back(payload.sparse.keys, averaged.returned)
             self._apply_inner(grads, variables)
@@ -748,7 +817,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             self._counters.record(payload)
             self._counters.record_times(payload)
             # this rank's gradients were not finite: write nothing
-            tf.cond(finite_here, lambda: write_state(payload.state_updates), lambda: None)
+            tf.cond(finite_here, lambda: write_state(payload.state_updates, self),
+                    lambda: None)
             layout = self._delayed.submit(step, finite_here, payload)
             self.density_policy.end_step(step)
         due = self._delayed.take_due(step - self.staleness, layout, self._counters.record_wait)
@@ -764,11 +834,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
 
     def get_config(self):
         # Like LossScaleOptimizer: the base optimizer's options belong to the inner optimizer.
-        return {
-            "name": self.name,
-            "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            **self._settings(),
-        }
+        inner = keras.saving.serialize_keras_object(self.inner_optimizer)
+        if self.gradient_accumulation_steps:  # given on the inner optimizer: saved there
+            inner["config"]["gradient_accumulation_steps"] = self.gradient_accumulation_steps
+        return {"name": self.name, "optimizer": inner, **self._settings()}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):

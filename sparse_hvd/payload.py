@@ -150,7 +150,8 @@ class PayloadBuilder:
         )
 
 
-def write_state(state_updates):
-    """Write a payload's (variable, new flat value) pairs."""
+def write_state(state_updates, writer):
+    """Write a payload's (variable, new flat value) pairs through ``writer.assign`` (the
+    optimizer's: Keras' rule, so that a subclass or a sparse-aware backend sees every write)."""
     for variable, value in state_updates:
-        variable.assign(tf.reshape(value, variable.shape))
+        writer.assign(variable, tf.reshape(value, variable.shape))

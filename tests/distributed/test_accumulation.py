@@ -30,3 +30,24 @@ def test_accumulated_passes_are_one_exchange_of_their_sums_on_every_rank(hvd, ex
     np.testing.assert_array_equal(results[0], results[1])
     everyone = gather(hvd, digest(results), f"accumulation.{exchange}")
     assert len(set(everyone)) == 1, "replicas differ"
+
+
+def test_keras_accumulation_on_the_inner_optimizer_is_one_exchange_of_the_averaged_passes(hvd):
+    """gradient_accumulation_steps=3 on the inner SGD: the wrapper averages the 3 passes and
+    exchanges once, which equals one step on each rank's mean of them; the same on every rank."""
+    rng = np.random.RandomState(20 + hvd.rank())
+    grads = [rng.randn(*SHAPE).astype("float32") for _ in range(6)]
+    results = []
+    for inner, fed in ((keras.optimizers.SGD(0.1, gradient_accumulation_steps=3), grads),
+                       (keras.optimizers.SGD(0.1), [sum(grads[:3]) / 3, sum(grads[3:]) / 3])):
+        variable = keras.Variable(np.ones(SHAPE, "float32"))
+        optimizer = sparse_hvd.SparseDistributedOptimizer(inner, density=0.02, warmup_steps=0)
+        for grad in fed:
+            optimizer.apply([tf.constant(grad)], [variable])
+        assert optimizer.communication_stats()["steps"] == 2
+        assert int(optimizer.iterations.numpy()) == 2  # updates, as Keras counts them
+        assert int(optimizer._iterations.numpy()) == len(fed)  # backward passes
+        results.append(variable.numpy())
+    np.testing.assert_array_equal(results[0], results[1])
+    everyone = gather(hvd, digest([results[0]]), "accumulation.keras")
+    assert len(set(everyone)) == 1, "replicas differ"
