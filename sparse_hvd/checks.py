@@ -151,29 +151,48 @@ def check_staleness(staleness, momentum_correction, policy):
         )
 
 
-EXCHANGES = ("allgather", "sparse_allreduce", "auto")
+GROUPINGS = ("grouped", "layerwise")
 
 
-def check_exchange(exchange, grouping, staleness, policy):
-    """``exchange`` is known and composes with ``grouping``, ``staleness`` and the policy."""
-    if exchange not in EXCHANGES:
-        raise ValueError(f"`exchange` must be one of {EXCHANGES}, got {exchange!r}")
-    if exchange == "allgather":
-        return
-    if grouping == "layerwise":
+def exchange_candidates(exchange, grouping, staleness, policy, half):
+    """The registered exchanges that can run these settings, by their capabilities
+    (``sparse_hvd.exchanges``): ``exchange`` itself, or for ``"auto"`` every one that can
+    (what it chooses among). Raises a ValueError naming the setting an exchange cannot take."""
+    from .exchanges import available, exchange_class
+
+    if grouping not in GROUPINGS:
+        raise ValueError(f"`grouping` must be one of {GROUPINGS}, got {grouping!r}")
+    if exchange != "auto":
+        cls = exchange_class(exchange, grouping)  # names the exchanges and groupings there are
+        _check_capabilities(exchange, cls, staleness, policy, half)
+        return (exchange,)
+    candidates = []
+    for name in available():
+        try:
+            _check_capabilities(name, exchange_class(name, grouping), staleness, policy, half)
+        except ValueError:
+            continue
+        candidates.append(name)
+    if not candidates:  # the default exchange's reason is the one to give
+        _check_capabilities("allgather", exchange_class("allgather", grouping), staleness, policy,
+                            half)
+    return tuple(candidates)
+
+
+def _check_capabilities(name, cls, staleness, policy, half):
+    if staleness and not cls.staleness:
         raise ValueError(
-            f"exchange={exchange!r} cannot be combined with grouping='layerwise': the sparse "
-            "allreduce exchanges every variable in one alltoall. Use grouping='grouped' or "
-            "exchange='allgather'.")
-    if staleness:
+            f"exchange={name!r} cannot be combined with `staleness` > 0 (the delayed pipeline "
+            "gathers every rank's selections). Use staleness=0 or exchange='allgather'.")
+    if policy.requires_layerwise and not cls.layer_budgets:
         raise ValueError(
-            f"exchange={exchange!r} cannot be combined with `staleness` > 0 (the delayed "
-            "pipeline gathers every rank's selections). Use staleness=0 or exchange='allgather'.")
-    if policy.requires_layerwise:
-        raise ValueError(
-            f"exchange={exchange!r} cannot be combined with {type(policy).__name__}, which sizes "
-            "each layer's own exchange (grouping='layerwise'). Use a constant or warm-up "
-            "density, or exchange='allgather'.")
+            f"exchange={name!r} cannot be combined with {type(policy).__name__}, which sizes "
+            "each layer from the time of that layer's own exchange: this exchange moves every "
+            "layer in one collective. Use a constant or warm-up density, or "
+            "exchange='allgather' with grouping='layerwise'.")
+    if half is not None and not cls.compression_capable:
+        raise ValueError(f"`compression` cannot be combined with exchange={name!r}: its owners "
+                         "sum and select in the gradients' own dtype. Use exchange='allgather'.")
 
 
 def warn_about_poor_combinations(optimizer, policy, grouping, density):
@@ -221,14 +240,8 @@ def check_not_wrapped_in_loss_scaling(optimizer, depth=6):
         frame = frame.f_back
 
 
-def check_compression(half, exchange, staleness):
-    """16-bit values go with the allgather exchange (the only one that packs them)."""
-    if half is None:
-        return
-    if exchange != "allgather":
-        raise ValueError(f"`compression` works with exchange='allgather' only, got "
-                         f"exchange={exchange!r}")
-    if staleness:
+def check_compression_with_staleness(half, staleness):
+    if half is not None and staleness:
         raise ValueError("`compression` cannot be combined with `staleness` > 0")
 
 

@@ -14,7 +14,9 @@ seconds per byte. The modelled step exchanges:
 3. dense: a ring allreduce of D (2 (N - 1) / N of it through every link):
    ``alpha + 2 beta D / N``.
 
-The smallest wins; a tie goes to dense, which also skips the selection. The model leaves out
+The smallest of the candidates (the exchanges that can run the optimizer's other settings,
+``checks.exchange_candidates``) wins; a tie goes to dense, which also skips the selection.
+The model leaves out
 the CPU work around each exchange (selection, summing), which is about the same for the two
 sparse ones: it counts the network only.
 """
@@ -36,22 +38,30 @@ def modelled_seconds(alpha, beta, payload_bytes, dense_bytes, workers):
     }
 
 
-def decide(seconds):
-    """The fastest of :func:`modelled_seconds` (ties: dense, then allgather)."""
-    sparse = min(("allgather", "sparse_allreduce"), key=lambda m: (seconds[m], m))
-    return "dense" if seconds["dense"] <= seconds[sparse] else sparse
+CANDIDATES = ("allgather", "sparse_allreduce", "dense")
 
 
-def choose_exchange(routes, density, name, process_set=None):
-    """``(choice, details)`` for the sparse ``routes`` at ``density`` (eager; collectives on
-    every rank). Rank 0 prints the choice and the model."""
+def decide(seconds, candidates=CANDIDATES):
+    """The fastest of :func:`modelled_seconds` among ``candidates`` (ties: dense, then
+    allgather)."""
+    sparse = [m for m in ("allgather", "sparse_allreduce") if m in candidates]
+    if not sparse:
+        return "dense"
+    fastest = min(sparse, key=lambda m: (seconds[m], m))
+    return "dense" if "dense" in candidates and seconds["dense"] <= seconds[fastest] else fastest
+
+
+def choose_exchange(routes, density, name, process_set=None, candidates=CANDIDATES):
+    """``(choice, details)`` for the sparse ``routes`` at ``density`` among ``candidates``
+    (eager; collectives on every rank). Rank 0 prints the choice and the model."""
     workers = runtime.size(process_set)
     sparse = [r for r in routes if r.sparse]
     payload = sum(elements_to_send(r.num_elements, density) * (r.itemsize + INDEX_BYTES)
                   for r in sparse)
     dense = sum(r.num_elements * r.itemsize for r in sparse)
-    if workers == 1 or not sparse:
-        return "allgather", {"workers": workers, "payload_bytes": payload}
+    if workers == 1 or not sparse or len(candidates) == 1:
+        first = "allgather" if "allgather" in candidates else candidates[0]
+        return first, {"workers": workers, "payload_bytes": payload}
     sizes = probe_sizes_for([payload // 4, payload])
     times, _ = probe_allgather_costs(f"{name}.auto", sizes, repeats=3, process_set=process_set)
     alpha, beta = fit_latency_bandwidth(tf.constant(sizes, tf.float64), times)
@@ -59,7 +69,7 @@ def choose_exchange(routes, density, name, process_set=None):
                                   process_set=process_set)
     alpha, beta = float(model[0]), float(model[1])
     seconds = modelled_seconds(alpha, beta, payload, dense, workers)
-    choice = decide(seconds)
+    choice = decide(seconds, candidates)
     details = {"workers": workers, "payload_bytes": payload, "dense_bytes": dense,
                "alpha": alpha, "beta": beta, "modelled_seconds": seconds, "choice": choice}
     if runtime.rank(process_set) == 0:

@@ -34,7 +34,7 @@ from .compression import resolve as resolve_compression
 from .defaults import resolve_density
 from .density import serialize_density_policy
 from .error_feedback import ErrorFeedback
-from .exchange import Exchange
+from .exchanges import create as create_exchange
 from .loss_scaling import LossScaling
 from .payload import PayloadBuilder, route_for, write_state
 from .pipeline import PayloadLayout
@@ -122,7 +122,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
     4. exchange: the selected (values, int32 indices) of all variables, each rank's finiteness
        flag and the small dense-route gradients go to every worker in ONE fused Horovod
        allgather; each worker adds what arrives in rank order and divides by the number of
-       workers (``sparse_hvd.exchange``);
+       workers (``sparse_hvd.exchanges``);
     5. apply: the averaged gradients go to the inner optimizer.
 
     Variables with fewer than ``min_elements`` entries, and those whose (value, index) pairs
@@ -290,10 +290,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         checks.check_boolean(dense_fallback, "dense_fallback")
         process_set = runtime.as_process_set(process_set)  # an mpi4py communicator too
         checks.check_process_set(process_set)
-        checks.check_exchange(exchange, grouping, staleness, policy)
         checks.check_backward_passes(backward_passes_per_step, staleness)
         half = resolve_compression(compression)
-        checks.check_compression(half, exchange, staleness)
+        checks.check_compression_with_staleness(half, staleness)
+        candidates = checks.exchange_candidates(exchange, grouping, staleness, policy, half)
         checks.check_boolean(average_aggregated_gradients, "average_aggregated_gradients")
         super().__init__(learning_rate=0.0, name=name)
         self._keras_accumulation = keras_accumulation
@@ -316,9 +316,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self.exchange = exchange
         self.compression = "none" if compression is None else compression
         self._half = half
-        self._exchange = Exchange(name=self._prefix, process_set=process_set, grouping=grouping,
-                                  method="allgather" if exchange == "auto" else exchange,
-                                  compression=half)
+        self._exchange_candidates = candidates  # exchange="auto" chooses among them at build
+        first = "allgather" if "allgather" in candidates else candidates[0]
+        self._exchange = create_exchange(first, grouping, name=self._prefix,
+                                         process_set=process_set, compression=half)
         self._feedback = ErrorFeedback(self.error_feedback, self.momentum_correction,
                                        self.momentum_masking)
         self._loss_scaling = LossScaling(optimizer)
@@ -350,6 +351,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self._feedback.build(self, var_list, self.process_set)
         self._routes = [route_for(v, self.density, self.min_elements, self._half)
                         for v in var_list]
+        if not self._exchange.sends_selections:  # exchange="dense"
+            self._routes = [route._replace(sparse=False) for route in self._routes]
         checks.check_index_range(var_list, self._routes)
         self._counters = CommunicationCounters(len(var_list))
         if self._delayed:
@@ -372,11 +375,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         )
         if self.dense_fallback:
             self._route_densely_where_faster(var_list)
-        if self.exchange == "auto":
+        if self.exchange == "auto" and not self.staleness:  # the delayed pipeline gathers
             self._choose_exchange()
         self.density_policy.prepare(self, var_list, self._routes)
-        if self._exchange.sparse_allreduce is not None:
-            self._exchange.sparse_allreduce.build(self, self._routes, runtime.size(self.process_set))
+        self._exchange.build(self, self._routes)
         if self._accumulation:
             self._accumulation.build(self, var_list)
 
@@ -388,11 +390,12 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
 
         with tf.init_scope():
             choice, _ = choose_exchange(self._routes, self.density, name=self._prefix,
-                                        process_set=self.process_set)
+                                        process_set=self.process_set,
+                                        candidates=self._exchange_candidates)
         if choice == "dense":
             self._routes = [route._replace(sparse=False) for route in self._routes]
-        else:
-            self._exchange.use(choice)
+        self._exchange = create_exchange(choice, self._exchange.grouping, name=self._prefix,
+                                         process_set=self.process_set, compression=self._half)
 
     def _route_densely_where_faster(self, var_list):
         """``dense_fallback``: the layers a dense allreduce moves faster go dense
@@ -728,7 +731,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         builder = PayloadBuilder(check_finite=self.nonfinite != "ignore")
         step = self._policy_step()
         order = range(len(grads_and_vars))
-        if self._exchange.grouping == "layerwise":
+        if self._exchange.per_layer:
             order = reversed(order)
         prepared = []  # (position, index, route, rows, gradient as it travels)
         for position in order:

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from . import collectives
-from .exchange import Exchange
+from .exchanges import Exchange
 
 _POLL_SECONDS = 1.0  # how often a waiting step re-checks that the thread is alive
 
@@ -54,7 +54,7 @@ class DelayedExchange:
     """Runs each step's exchange on a background thread and hands back the averages later.
 
     Args:
-        exchange: the :class:`~sparse_hvd.exchange.Exchange` whose collectives move the data
+        exchange: the :class:`~sparse_hvd.exchanges.Exchange` whose collectives move the data
             (its name must differ from every other collective's in the job).
         num_elements: entries of each trainable variable, in the optimizer's build order.
         dtypes: each variable's numpy dtype.

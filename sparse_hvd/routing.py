@@ -28,9 +28,9 @@ import tensorflow as tf
 
 from . import collectives, runtime
 from .adaptive import fit_latency_bandwidth, probe_allgather_costs, probe_allreduce_costs
+from .averaging import average_entries
 from .density import elements_to_send
 from .error_feedback import compensate_and_select
-from .exchange import average_entries
 from .payload import INDEX_BYTES
 
 PROBE_BYTES = (65536, 524288, 2097152, 8388608)

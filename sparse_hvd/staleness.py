@@ -30,7 +30,7 @@ from typing import Callable, List, NamedTuple
 import keras
 import tensorflow as tf
 
-from .exchange import Exchange
+from .exchanges import create as create_exchange
 from .payload import Payload
 from .pipeline import DelayedExchange, PayloadLayout
 
@@ -79,7 +79,7 @@ class DelayedUpdates:
         self._shapes = [variable.shape for variable in var_list]
         self._num_elements = [route.num_elements for route in routes]
         self.pipeline = DelayedExchange(
-            Exchange(name=f"{name}.delayed", process_set=process_set),
+            create_exchange("allgather", name=f"{name}.delayed", process_set=process_set),
             self._num_elements, [d.as_numpy_dtype for d in self._dtypes],
         )
 

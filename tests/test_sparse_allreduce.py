@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import sparse_hvd
 from sparse_hvd.exchange_choice import decide, modelled_seconds
-from sparse_hvd.sparse_allreduce import LEVELS, even_boundaries, next_threshold, owners_of
+from sparse_hvd.exchanges.sparse_allreduce import LEVELS, even_boundaries, next_threshold, owners_of
 
 
 def test_even_boundaries_cover_the_index_space():

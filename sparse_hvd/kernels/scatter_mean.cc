@@ -1,5 +1,5 @@
 // SparseHvdScatterMean: what every rank received in the fused allgather, turned into the
-// average of each variable in one walk over the entries (sparse_hvd/exchange.py, steps 3-4).
+// average of each variable in one walk over the entries (sparse_hvd/exchanges/fused_allgather.py, steps 3-4).
 //
 // Inputs: the gathered int32 ``indices`` of every sparse variable (rank by rank, and within a
 // rank variable by variable), the gathered ``values`` of the variables of one dtype (the

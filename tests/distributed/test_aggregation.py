@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
-from sparse_hvd.exchange import Exchange
+from sparse_hvd.exchanges import create
 from sparse_hvd.sparsifiers import Selection, register_sparsifier, topk
 from conftest import digest, gather
 from helpers import numpy_topk_indices, numpy_topk_split
@@ -31,7 +31,7 @@ def test_sparse_average_with_different_counts_per_rank_and_one_rank_sending_none
     n_a, n_b = 500, 37
     counts_a = [r for r in range(size)]  # rank 0 sends nothing
     counts_b = [size - r for r in range(size)]
-    exchange = Exchange(name=f"test.exchange.{mode}.{grouping}", grouping=grouping)
+    exchange = create("allgather", grouping, name=f"test.exchange.{mode}.{grouping}")
 
     def run():
         selections = []
@@ -266,3 +266,32 @@ def test_the_default_warmup_and_a_model_wide_budget_apply_the_mean_of_every_sele
                                           residuals[rank][i])
     digests = gather(hvd, digest([v.numpy() for v in variables]), name=f"defaults.{budget}")
     assert len(set(digests)) == 1, "replicas differ"
+
+
+@pytest.mark.parametrize("grouping", ["grouped", "layerwise"])
+def test_dense_exchange_applies_the_mean_of_every_ranks_whole_gradient(hvd, grouping):
+    """exchange="dense": Horovod's allreduce of every gradient (nothing selected, residuals
+    zero); what every rank applies is the NumPy mean of all ranks' gradients."""
+    rank, size = hvd.rank(), hvd.size()
+
+    def gradients(r, step):
+        rng = np.random.RandomState(1000 * step + r)
+        return [rng.randn(*BIG).astype("float32"), rng.randn(*SMALL).astype("float32")]
+
+    variables = [keras.Variable(np.ones(BIG, "float32")), keras.Variable(np.ones(SMALL, "float32"))]
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(0.1), density=0.01, exchange="dense", grouping=grouping,
+        name=f"dense_{grouping}")
+    expected = [np.ones(BIG, "float32"), np.ones(SMALL, "float32")]
+    for step in range(2):
+        optimizer.apply([tf.constant(g) for g in gradients(rank, step)], variables)
+        every = [gradients(r, step) for r in range(size)]
+        for j in range(2):
+            mean = sum(g[j].astype("float64") for g in every) / size
+            expected[j] = expected[j] - 0.1 * mean
+    for variable, want in zip(variables, expected):
+        np.testing.assert_allclose(variable.numpy(), want, rtol=1e-5, atol=1e-6)
+    assert all(not np.any(r.numpy()) for r in optimizer.residuals)
+    assert {s["route"] for s in optimizer.layer_stats().values()} == {"dense"}
+    everyone = gather(hvd, digest([v.numpy() for v in variables]), f"dense.{grouping}")
+    assert len(set(everyone)) == 1, "replicas differ"

@@ -40,3 +40,21 @@ def test_every_rank_applies_the_average_of_the_rounded_selections(hvd, name, gro
         np.testing.assert_allclose(variables[1].numpy(), expected_small, rtol=2e-3, atol=1e-3)
     assert optimizer.communication_stats()["bytes_sent"] == k * 6 + 29 * 2
     assert len(set(gather(hvd, digest([v.numpy() for v in variables]), "compression.replicas"))) == 1
+
+
+def test_auto_with_compression_chooses_an_exchange_that_carries_16_bit_values(hvd):
+    """exchange="auto" with compression: the sparse allreduce (which cannot carry 16-bit values)
+    is not a candidate; the choice is the same on every rank and the replicas stay identical."""
+    rank = hvd.rank()
+    variables = [keras.Variable(np.zeros((80, 40), "float32")), keras.Variable(np.zeros(29, "float32"))]
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(0.5), density=0.05, compression="float16", exchange="auto",
+        name="auto_half")
+    for step in range(3):
+        rng = np.random.RandomState(100 * step + rank)
+        optimizer.apply([tf.constant(rng.randn(80, 40).astype("float32")),
+                         tf.constant(rng.randn(29).astype("float32"))], variables)
+    methods = {stats["exchange"] for stats in optimizer.layer_stats().values()}
+    assert methods <= {"allgather", "dense"}, methods
+    everyone = gather(hvd, (sorted(methods), digest([v.numpy() for v in variables])), "auto_half")
+    assert all(e == everyone[0] for e in everyone), everyone

@@ -1,6 +1,6 @@
 """The grouped exchange's single fused allgather, checked on every rank against NumPy.
 
-Its rule (sparse_hvd/exchange.py): every variable's entries are summed rank by rank, in rank
+Its rule (sparse_hvd/exchanges/fused_allgather.py): every variable's entries are summed rank by rank, in rank
 order, and divided by the number of workers; small dense-route gradients are summed the same
 way; every rank's "finite" flag travels in the header. Because the order is fixed, the result
 is compared with NumPy's float arithmetic in the same order bit for bit, not to a tolerance.
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from sparse_hvd import exchange as exchange_module
-from sparse_hvd.exchange import Exchange
+from sparse_hvd.exchanges import base as exchange_module
+from sparse_hvd.exchanges.fused_allgather import FusedAllgather as Exchange
 from sparse_hvd.payload import PayloadBuilder, Route
 from sparse_hvd.sparsifiers import Selection
 from conftest import digest, gather

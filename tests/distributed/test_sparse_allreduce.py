@@ -16,7 +16,7 @@ DENSITY = 0.02
 
 
 class NumpyRule:
-    """The documented rule (sparse_hvd/sparse_allreduce.py, steps 2-8) for every rank at once."""
+    """The documented rule (sparse_hvd/exchanges/sparse_allreduce.py, steps 2-8) for every rank at once."""
 
     def __init__(self, size, select):
         self.size, self.select = size, select

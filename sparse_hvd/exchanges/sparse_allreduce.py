@@ -1,4 +1,4 @@
-"""The sparse allreduce: an exchange whose traffic per worker does not grow with the workers.
+"""``exchange="sparse_allreduce"``: an exchange whose traffic per worker does not grow with N.
 
 The allgather exchange hands every worker the selections of all N workers: (N - 1) k entries
 received per step, so from about 100 workers at 1% density it moves more than a dense ring
@@ -14,9 +14,10 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
 4. global selection: each owner keeps the summed entries whose magnitude reaches their
    variable's global threshold ``theta`` (identical on every rank), about k of the variable's
    entries in all; at the first step theta is 0 and every summed entry is kept;
-5. ONE ``allgather`` of the kept entries, a small header per rank (whether its gradients were
-   finite; its step and state, checked as in ``sparse_hvd.lockstep``; per variable, how many of its summed entries reach theta x 1, 2^-1/2, 1/2, 2^-3/2,
-   1/4; where its own selected indices fall), and the small dense-route gradients;
+5. ONE ``allgather`` of the kept entries, the header per rank (``base.header``: whether its
+   gradients were finite, its step and state for ``sparse_hvd.lockstep``; then per variable
+   how many of its summed entries reach theta x 1, 2^-1/2, 1/2, 2^-3/2, 1/4, and where its
+   own selected indices fall), and the small dense-route gradients (``base.pack_dense``);
 6. every rank computes the same next theta per variable from what was gathered: the k-th
    largest kept magnitude when at least k sums were kept, else theta times the largest level
    that k summed entries reached (at least 1/4: the search goes on next step); and applies the
@@ -45,9 +46,12 @@ from typing import List, NamedTuple, Sequence
 
 import tensorflow as tf
 
-from . import collectives, lockstep, wire
-from .averaging import average_entries, sum_rank_by_rank
-from .sparsifiers import spread_positions
+from .. import collectives, lockstep, wire
+from ..averaging import average_entries, sum_rank_by_rank
+from ..payload import Payload
+from ..sparsifiers import spread_positions
+from .base import HEADER_FIELDS, checked_headers, header, register
+from .fused_allgather import FusedAllgather
 
 # theta x these: the levels every owner counts (step 5); the first is the kept set itself
 LEVELS = (1.0, 2 ** -0.5, 0.5, 2 ** -1.5, 0.25)
@@ -191,26 +195,18 @@ class SparseAllreduce:
         keep = magnitude >= theta
 
         # Step 5: gather the kept entries, the headers and the dense words
-        header = tf.concat([tf.reshape(tf.cast(finite_here, tf.int32), [1]),
-                            lockstep.fields(step),
-                            tf.reshape(counts, [-1]),
-                            tf.cast(_sampled_quantiles(indices, size, boundaries[1:-1]), tf.int32)],
-                           0)
-        self._layout = (1 + lockstep.WIDTH + levels * len(keys) + size - 1, words,
-                        len(dense_words))
+        quantiles = _sampled_quantiles(indices, size, boundaries[1:-1])
+        own = tf.concat([tf.reshape(counts, [-1]), tf.cast(quantiles, tf.int32)], 0)
+        self._layout = (levels * len(keys) + size - 1, words, len(dense_words))
         gathered = collectives.grouped_allgather(
-            [header, tf.boolean_mask(unique, keep), wire.to_words(tf.boolean_mask(sums, keep))]
-            + list(dense_words),
+            [header(finite_here, step, rest=own), tf.boolean_mask(unique, keep),
+             wire.to_words(tf.boolean_mask(sums, keep))] + list(dense_words),
             name=f"{self.name}.sparse_allreduce.gather", process_set=self.process_set, step=step)
-        gathered = lockstep.after_check(
-            tf.reshape(gathered[0], [size, -1])[:, 1:1 + lockstep.WIDTH], gathered)
-        headers = tf.reshape(gathered[0], [size, -1])
-        headers = tf.concat([headers[:, :1], headers[:, 1 + lockstep.WIDTH:]], 1)  # no fields
+        gathered, finite, headers = checked_headers(gathered, size)  # headers: the own fields
         kept = gathered[1]  # ascending: the owners' regions in rank order, each ascending
         kept_values = wire.from_words(gathered[2], dtype)
-        finite = tf.reduce_all(tf.equal(headers[:, 0], 1))
         level_counts = tf.reduce_sum(
-            tf.reshape(headers[:, 1:1 + levels * len(keys)], [size, len(keys), levels]), 0)
+            tf.reshape(headers[:, :levels * len(keys)], [size, len(keys), levels]), 0)
 
         # Step 6: per variable (a slice of the ascending kept entries), the next threshold and
         # what is applied: the k largest kept sums (ties included), or all if fewer were kept
@@ -249,7 +245,7 @@ class SparseAllreduce:
         updated = tf.tensor_scatter_nd_update(tf.convert_to_tensor(self.thresholds),
                                               [[keys[j]] for j in order], tf.stack(next_theta))
         self.thresholds.assign(tf.where(finite, updated, self.thresholds))
-        quantiles = tf.cast(headers[:, 1 + levels * len(keys):], tf.int64)
+        quantiles = tf.cast(headers[:, levels * len(keys):], tf.int64)
         self.boundaries.assign(tf.concat(
             [[0], tf.reduce_sum(quantiles, 0) // size, [self.total]], 0))
         return Result(averages, returned, finite, gathered[3:])
@@ -264,7 +260,7 @@ class SparseAllreduce:
         (``lockstep.FINISHED`` or ``EPOCH_END`` after ``step`` steps); raises unless every rank
         does the same. In a trace (``Exchange.assert_same_step``), after a step was
         (:attr:`traced`)."""
-        header_length, words, dense = self._layout
+        own_length, words, dense = self._layout
         # Horovod's ops are not marked stateful: grappler's constant folding would run (and
         # re-run) a collective whose inputs are all constants while it optimizes the function.
         # So the splits (all zero) are computed from an argument.
@@ -274,10 +270,49 @@ class SparseAllreduce:
             name=f"{self.name}.sparse_allreduce.scatter", process_set=self.process_set)
         # in the step's order: the gather starts once the scatter is done
         empty = tf.zeros([0], tf.int32) + tf.reduce_sum(received[:0, :1])
-        header = tf.concat([[1], lockstep.fields(step, state),
-                            tf.zeros([header_length - 1 - lockstep.WIDTH], tf.int32)], 0)
-        header = tf.concat([header, empty], 0)
+        first = tf.concat([header(True, step, state, rest=tf.zeros([own_length], tf.int32)),
+                           empty], 0)
         gathered = collectives.grouped_allgather(
-            [header, empty, empty] + [empty] * dense,
+            [first, empty, empty] + [empty] * dense,
             name=f"{self.name}.sparse_allreduce.gather", process_set=self.process_set)
-        return lockstep.check(tf.reshape(gathered[0], [self.size, -1])[:, 1:1 + lockstep.WIDTH])
+        return lockstep.check(tf.reshape(gathered[0], [self.size, -1])[:, 1:HEADER_FIELDS])
+
+
+@register("sparse_allreduce", grouping="grouped")
+class SparseAllreduceExchange(FusedAllgather):
+    """The exchange around :class:`SparseAllreduce`: the small dense-route gradients travel in
+    its allgather (step 5); a step without sparse selections is the fused allgather's."""
+
+    compression_capable = False
+    layer_budgets = False
+    staleness = False
+    returns_unsent = True
+    grouping_reason = "the sparse allreduce exchanges every variable in one alltoall."
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sparse_allreduce = SparseAllreduce(self.name, self.process_set)
+
+    def build(self, optimizer, routes):
+        self.sparse_allreduce.build(optimizer, routes, self.size)
+
+    def _average_many(self, payload: Payload, sizes, step):
+        if not payload.sparse.items:
+            return super()._average_many(payload, sizes, step)
+        dense = list(payload.dense.items)
+        dense_groups, dense_words = self.pack_dense(dense)
+        result = self.sparse_allreduce.step(
+            payload.sparse.items, payload.sparse.keys, sizes, payload.budgets,
+            payload.finite_here(), dense_words, step)
+        averaged_dense = self.unpack_dense(dense, dense_groups, result.dense_words,
+                                           payload.dense.keys, step)
+        return result.averages, averaged_dense, result.finite, result.returned
+
+    @property
+    def traced(self) -> bool:
+        return self.sparse_allreduce.traced or super().traced
+
+    def _announce(self, step, state):
+        if self.sparse_allreduce.traced:
+            return self.sparse_allreduce.announce(step, state)
+        return super()._announce(step, state)

@@ -1,0 +1,29 @@
+"""Exchanges: how a step's payload moves between the workers and becomes averaged gradients.
+
+One module per exchange, each a subclass of :class:`~sparse_hvd.exchanges.base.Exchange`
+registered under the name ``exchange=`` takes and the ``grouping`` it runs:
+
+=====================  ===========  ==================================================
+``exchange``           grouping     module
+=====================  ===========  ==================================================
+``"allgather"``        grouped      ``fused_allgather``: one grouped allgather a step
+``"allgather"``        layerwise    ``layerwise``: an allgather pair per variable
+``"sparse_allreduce"`` grouped      ``sparse_allreduce``: regions summed by owners
+``"dense"``            both         ``dense``: Horovod's allreduce of every gradient
+=====================  ===========  ==================================================
+
+``sparse_hvd.checks`` reads the classes' capabilities (``per_layer``, ``layer_budgets``,
+``compression_capable``, ``staleness``, ``returns_unsent``, ``sends_selections``), never
+their names. To add an exchange: write a module
+with a subclass of ``Exchange`` that implements ``_average_many`` (and ``traced`` and
+``_announce`` for the lockstep check; build its header with ``base.header``), declare its
+capabilities, decorate it with ``@register("name", grouping=...)``, and import the module
+below. The README's developer section walks through it.
+"""
+
+from . import dense, fused_allgather, layerwise, sparse_allreduce  # noqa: F401 (registration)
+from .base import (DENSE_GATHER_LIMIT, Averaged, Exchange, available, create, exchange_class,
+                   groupings_of, register)
+
+__all__ = ["Averaged", "Exchange", "DENSE_GATHER_LIMIT", "available", "create",
+           "exchange_class", "groupings_of", "register"]

@@ -1,0 +1,35 @@
+"""``exchange="dense"``: every gradient averaged by Horovod's allreduce, as plain Horovod does.
+
+The baseline every sparse exchange is measured against, and what ``exchange="auto"`` runs when
+the dense allreduce is the fastest. It sends no selections (``sends_selections = False``): the
+optimizer routes every variable densely, so nothing is selected and the residuals stay zero.
+
+1. the gradients: one ``grouped_allreduce`` per dtype (or one allreduce per variable with
+   ``grouping="layerwise"``), 16-bit on the wire with ``compression="float16"``;
+2. whether every rank was finite: one tiny allreduce (``sparse_hvd.nonfinite``).
+"""
+
+from ..payload import Payload
+from .base import Exchange, register
+
+
+@register("dense", grouping="grouped")
+class DenseAllreduce(Exchange):
+    """Steps 1-2 of the module doc."""
+
+    sends_selections = False
+    staleness = False  # the delayed pipeline is an allgather of its own
+
+    def _average_many(self, payload: Payload, sizes, step):
+        if payload.sparse.items:
+            raise ValueError("exchange='dense' was handed sparse selections: every variable "
+                             "must be routed densely with it")
+        dense = self.dense_average(payload.dense.items, payload.dense.keys, step)
+        return [], dense, self.finite_everywhere(payload, step), ()
+
+
+@register("dense", grouping="layerwise")
+class LayerwiseDenseAllreduce(DenseAllreduce):
+    """One allreduce per variable, started as soon as its gradient exists."""
+
+    per_layer = True

@@ -1,0 +1,89 @@
+"""``exchange="allgather"`` (the default): ONE Horovod collective per step.
+
+Every collective costs a negotiation round among the ranks before any byte moves, so a step
+that needs one instead of four (values, indices, the dense-route gradients, the non-finite
+check) saves three rounds. The group starts only when every variable's gradient is ready:
+after backprop.
+
+1. pack (``sparse_hvd.wire``): the header (``base.header``: this rank's "all finite" flag, its
+   step and state for ``sparse_hvd.lockstep``, then the entries per sparse variable), the
+   selected values as int32 words (one tensor per dtype; two 16-bit values to a word with
+   ``compression``), every selected index, and the small dense-route gradients as int32
+   words: all int32, so that one ``grouped_allgather`` carries them (a Horovod group holds one
+   dtype);
+2. gather: every rank receives every rank's tensors, concatenated in rank order;
+3. unpack: the headers, one row per rank, say which variable each gathered entry belongs to;
+   first, every rank in this step (else every rank raises before unpacking);
+4. sum (``sparse_hvd.averaging``): each variable's entries are added into zeros rank by rank,
+   so every rank adds the same numbers in the same order: the same bits everywhere; then
+   divided by the number of workers;
+5. the small dense-route gradients are summed over the ranks in rank order too; those too
+   large to gather (``base.DENSE_GATHER_LIMIT``) are averaged by one ``grouped_allreduce`` per
+   dtype instead, and embeddings' row-sparse gradients by allgathers of their rows;
+6. the flags say whether every rank's gradients were finite (``nonfinite``): no extra
+   collective.
+"""
+
+import tensorflow as tf
+
+from .. import collectives, lockstep
+from ..averaging import average_entries
+from ..payload import Payload
+from .base import Exchange, checked_headers, group_positions_by_dtype, header, register
+
+
+@register("allgather", grouping="grouped")
+class FusedAllgather(Exchange):
+    """Steps 1-6 of the module doc."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._layout = None  # (selections, tensors after the header): what _announce sends
+
+    @property
+    def traced(self) -> bool:
+        return self._layout is not None
+
+    def _average_many(self, payload: Payload, sizes, step):
+        size = self.size
+        selections = payload.sparse.items
+        dense = list(payload.dense.items)
+        dense_groups, dense_words = self.pack_dense(dense)
+        # Step 1: pack
+        counts = [tf.size(s.indices, out_type=tf.int32) for s in selections]
+        value_groups = group_positions_by_dtype([s.values for s in selections])
+        words = [self.encode(tf.concat([selections[p].values for p in positions], 0))
+                 for positions in value_groups.values()]
+        indices = tf.concat([s.indices for s in selections] or [tf.zeros([0], tf.int32)], 0)
+        self._layout = (len(selections), 1 + len(words) + len(dense_words))
+        # Step 2: gather
+        gathered = collectives.grouped_allgather(
+            [header(payload.finite_here(), step, rest=counts), indices] + words + dense_words,
+            name=f"{self.name}.fused", process_set=self.process_set, step=step)
+        # Steps 3 and 6: every rank in this step, every rank's flag, the counts
+        gathered, finite, counts = checked_headers(gathered, size)
+        counts = tf.reshape(counts, [size, len(selections)])  # static: the unpacking needs it
+        all_indices, gathered_words = gathered[1], gathered[2:2 + len(words)]
+        gathered_dense = gathered[2 + len(words):]
+        # Step 4: each variable's entries in rank order, summed and averaged
+        sparse = [None] * len(selections)
+        for (dtype, positions), group_words in zip(value_groups.items(), gathered_words):
+            values = self.decode(group_words, dtype,
+                                 tf.reduce_sum(tf.gather(counts, positions, axis=1), 1))
+            averages = average_entries(all_indices, values, counts, positions,
+                                       [sizes[p] for p in positions], size)
+            for position, average in zip(positions, averages):
+                sparse[position] = average
+        # Step 5: the dense route
+        averaged_dense = self.unpack_dense(dense, dense_groups, gathered_dense,
+                                           payload.dense.keys, step)
+        return sparse, averaged_dense, finite, ()
+
+    def _announce(self, step, state):
+        """The fused exchange of a rank that sends nothing, with ``state`` for its fields."""
+        selections, tensors = self._layout
+        gathered = collectives.grouped_allgather(
+            [header(True, step, state, rest=tf.zeros([selections], tf.int32))]
+            + [tf.zeros([0], tf.int32)] * tensors, name=f"{self.name}.fused",
+            process_set=self.process_set)
+        return lockstep.check(tf.reshape(gathered[0], [self.size, -1])[:, 1:1 + lockstep.WIDTH])

@@ -1,0 +1,74 @@
+"""The exchange registry: names, groupings, capabilities, and what exchange="auto" may choose."""
+
+import keras
+import pytest
+
+import sparse_hvd
+from sparse_hvd import checks
+from sparse_hvd.adaptive import AdaptiveDensity
+from sparse_hvd.density import ConstantDensity
+from sparse_hvd.exchange_choice import decide
+from sparse_hvd.exchanges import available, create, exchange_class, groupings_of, register
+from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
+
+
+def test_every_exchange_is_registered_with_its_groupings():
+    assert set(available()) == {"dense", "allgather", "sparse_allreduce"}
+    assert set(groupings_of("allgather")) == {"grouped", "layerwise"}
+    assert groupings_of("sparse_allreduce") == ("grouped",)
+    assert exchange_class("allgather", "layerwise").per_layer
+    assert not exchange_class("allgather", "grouped").per_layer
+    made = create("sparse_allreduce", name="t", compression=None)
+    assert made.method == "sparse_allreduce" and made.returns_unsent
+
+
+def test_unknown_names_and_groupings_are_refused_naming_what_exists():
+    with pytest.raises(ValueError, match="`exchange` must be one of .*'allgather'.*'auto'.*got 'ring'"):
+        exchange_class("ring")
+    with pytest.raises(ValueError, match="exchange='sparse_allreduce' cannot be combined with "
+                                         "grouping='layerwise': .*one alltoall"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1),
+                                              exchange="sparse_allreduce", grouping="layerwise")
+
+
+def test_auto_chooses_among_the_exchanges_whose_capabilities_fit():
+    constant = ConstantDensity(0.01)
+    assert set(checks.exchange_candidates("auto", "grouped", 0, constant, None)) == {
+        "allgather", "sparse_allreduce", "dense"}
+    # 16-bit values: the sparse allreduce sums in the gradients' dtype
+    half = checks.exchange_candidates("auto", "grouped", 0, constant, "float16")
+    assert set(half) == {"allgather", "dense"}
+    assert checks.exchange_candidates("auto", "grouped", 2, constant, None) == ("allgather",)
+    assert set(checks.exchange_candidates("auto", "layerwise", 0, AdaptiveDensity(), None)) == {
+        "allgather", "dense"}
+    with pytest.raises(ValueError, match="`compression` cannot be combined with "
+                                         "exchange='sparse_allreduce'"):
+        checks.exchange_candidates("sparse_allreduce", "grouped", 0, constant, "float16")
+    seconds = {"allgather": 3.0, "sparse_allreduce": 1.0, "dense": 2.0}
+    assert decide(seconds) == "sparse_allreduce"
+    assert decide(seconds, half) == "dense"
+    assert decide(seconds, ("allgather",)) == "allgather"
+
+
+def test_a_new_exchange_is_one_class_and_its_registration():
+    @register("test_only", grouping="grouped")
+    class Nothing(Exchange):
+        compression_capable = False
+
+    try:
+        assert "test_only" in available()
+        assert isinstance(create("test_only", name="x"), Nothing)
+        with pytest.raises(ValueError, match="exchange='test_only'"):
+            checks.exchange_candidates("test_only", "grouped", 0, ConstantDensity(0.01),
+                                       "bfloat16")
+    finally:
+        del _REGISTRY[("test_only", "grouped")]
+
+
+def test_the_shared_header_is_flag_then_lockstep_fields_then_the_exchanges_own():
+    import tensorflow as tf
+
+    row = header(tf.constant(False), tf.constant(7, tf.int64), rest=[tf.constant(3),
+                                                                   tf.constant(4)]).numpy()
+    assert row[0] == 0 and list(row[HEADER_FIELDS:]) == [3, 4]
+    assert len(row) == HEADER_FIELDS + 2
