@@ -190,20 +190,23 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             decision depends on timings, so two runs may route differently.
         exchange: how the selections meet. ``"allgather"`` (default): every rank gathers every
             rank's selection and applies their average: (N - 1) k entries received per worker
-            and step, best for a few workers. ``"sparse_allreduce"`` (``sparse_hvd.
-            sparse_allreduce``, after Ok-Topk and SparCML): each rank sums one region of the
+            and step, best for a few workers. ``"sparse_allreduce"``
+            (``sparse_hvd.exchanges.sparse_allreduce``, after Ok-Topk and SparCML): each rank sums one region of the
             index space and keeps the entries whose sum passes a global threshold (about k per
             layer), so about 2k (N - 1) / N entries per worker, flat in N; it applies a global
             top-k of the SUM of the selections, not the average of every selection, and what
             was sent but not kept goes back to the sender's residual. Grouped exchange only;
-            not with ``staleness`` or the adaptive policy. ``"auto"``: when the optimizer is
-            built, one of the two or a dense allreduce of every layer, whichever a latency /
+            not with ``staleness``, ``compression`` or the adaptive policy. ``"dense"``:
+            Horovod's allreduce of every gradient (nothing selected). ``"auto"``: when the
+            optimizer is built, whichever of those that can run the other options a latency /
             bandwidth model timed on the live job says is fastest for this N and density
-            (the same choice on every rank, printed by rank 0, in ``layer_stats()``).
+            (the same choice on every rank, printed by rank 0, in ``layer_stats()``). The
+            exchanges are plug-ins: ``sparse_hvd.exchanges``.
         compression: ``"none"`` (default), ``"float16"`` or ``"bfloat16"``: float32 gradient
             values travel as 16-bit floats, sparse and dense routes alike, and the rounding
             error stays in the residual (``sparse_hvd.compression``): half the value bytes, and
-            unlike Horovod's fp16 compression nothing is lost. With ``exchange="allgather"``.
+            unlike Horovod's fp16 compression nothing is lost. With ``exchange="allgather"``
+            or ``"dense"`` (``"auto"`` then chooses between those).
         backward_passes_per_step: B >= 1 (Horovod's name and meaning): each rank adds up B
             backward passes locally and exchanges once, so the bytes per sample drop B-fold; the
             inner optimizer steps once per B passes (``iterations`` counts exchanges). Keras'
