@@ -10,13 +10,12 @@ state (residuals, DGC velocities) and its whole lifecycle.
 """
 
 import math
-import sys
 from typing import Dict, List, Tuple
 
 import keras
 import tensorflow as tf
 
-from . import runtime
+from . import log, runtime
 from .compression import rounded
 from .sparsifiers import Selection
 
@@ -258,5 +257,5 @@ class ErrorFeedback:
                 self.writer.assign(variable, variable * tf.constant(saved / now, variable.dtype))
             self.world_size.assign(now)
             if runtime.rank(process_set) == 0:
-                print(f"sparse_hvd: residuals saved by {saved} workers, restored on {now}: "
-                      f"scaled by {saved}/{now} to keep their sum", file=sys.stderr, flush=True)
+                log.info("residuals saved by %d workers, restored on %d: scaled by %d/%d to "
+                         "keep their sum", saved, now, saved, now)

@@ -23,7 +23,7 @@ sparse ones: it counts the network only.
 
 import tensorflow as tf
 
-from . import collectives, runtime
+from . import collectives, log, runtime
 from .adaptive import fit_latency_bandwidth, probe_allgather_costs, probe_sizes_for
 from .density import elements_to_send
 from .payload import INDEX_BYTES
@@ -73,8 +73,8 @@ def choose_exchange(routes, density, name, process_set=None, candidates=CANDIDAT
     details = {"workers": workers, "payload_bytes": payload, "dense_bytes": dense,
                "alpha": alpha, "beta": beta, "modelled_seconds": seconds, "choice": choice}
     if runtime.rank(process_set) == 0:
-        print(f"sparse_hvd: exchange='auto' chose {choice!r} for {workers} workers "
+        log.info(f"exchange='auto' chose {choice!r} for {workers} workers "
               f"(modelled ms per step: "
               + ", ".join(f"{m} {t * 1e3:.2f}" for m, t in seconds.items())
-              + f"; alpha {alpha * 1e6:.0f} us, beta {beta * 1e9:.3f} ns/B)", flush=True)
+              + f"; alpha {alpha * 1e6:.0f} us, beta {beta * 1e9:.3f} ns/B)")
     return choice, details

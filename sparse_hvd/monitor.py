@@ -12,7 +12,7 @@ import os
 
 import keras
 
-from . import runtime
+from . import log, runtime
 
 
 def _sparse_optimizer(model):
@@ -113,12 +113,11 @@ class CommunicationLogger(keras.callbacks.Callback):
                         tf.summary.scalar(f"sparse_hvd/{key}", value)
             self._writer.flush()
         if self.verbose:
-            print(
-                f"sparse_hvd epoch {epoch + 1}: {record['bytes_sent_per_step']:,.0f} B/step "
+            log.info(
+                f"epoch {epoch + 1}: {record['bytes_sent_per_step']:,.0f} B/step "
                 f"({record['compression']:.1f}x less than dense), density "
                 f"{100 * record['density_last_step']:.2f}%, residual norm "
                 f"{record['residual_norm']:.3g}, sparsify {record['sparsify_ms_per_step']:.2f} ms, "
                 f"exchange {record['exchange_ms_per_step']:.2f} ms per step"
                 + (f", {record['skipped_steps']} skipped" if record["skipped_steps"] else ""),
-                flush=True,
             )

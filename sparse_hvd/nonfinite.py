@@ -10,13 +10,12 @@ skipped its step alone would leave the others waiting in the next exchange. So:
    every rank, "raise" on every rank, or "ignore" (no check at all).
 """
 
-import sys
 
 import tensorflow as tf
 
-from . import collectives, runtime
+from . import collectives, log, runtime
 
-MESSAGE = "sparse_hvd: non-finite (NaN or infinite) gradients on at least one rank."
+MESSAGE = "non-finite (NaN or infinite) gradients on at least one rank."
 
 
 def agree(local_finite: tf.Tensor, name, process_set=None, step=None) -> tf.Tensor:
@@ -42,6 +41,6 @@ def guard(mode: str, finite, go_ahead, skip):
 
 
 def announce_skip(what, process_set=None):
-    """Rank 0 says on stderr that ``what`` was skipped on every rank (in the step's graph)."""
+    """Rank 0 logs that ``what`` was skipped on every rank (in the step's graph)."""
     if runtime.rank(process_set) == 0:
-        tf.print(MESSAGE, what, output_stream=sys.stderr)
+        log.info_in_graph(tf.constant(f"{MESSAGE} {what}"))

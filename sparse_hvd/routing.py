@@ -20,13 +20,12 @@ re-measured during training. With one worker nothing is sent, so every layer goe
 """
 
 import statistics
-import sys
 import time
 
 import numpy as np
 import tensorflow as tf
 
-from . import collectives, runtime
+from . import collectives, log, runtime
 from .adaptive import fit_latency_bandwidth, probe_allgather_costs, probe_allreduce_costs
 from .averaging import average_entries
 from .density import elements_to_send
@@ -97,8 +96,8 @@ def choose_dense_layers(routes, dtypes, density, sparsifier, error_feedback, nam
                            sparsify[position], beta_gather, beta_reduce)
     ]
     if runtime.rank(process_set) == 0:
-        print(f"sparse_hvd: dense fallback: {len(dense)} of {len(candidates)} sparse-route layers "
-              f"go dense (allreduce {1 / max(beta_reduce, 1e-30) / 1e6:,.0f} MB/s, allgather "
-              f"{1 / max(beta_gather, 1e-30) / 1e6:,.0f} MB/s per rank's payload, sparsify "
-              f"{1e3 * float(np.sum(sparsify)):.1f} ms per step)", file=sys.stderr, flush=True)
+        log.info(f"dense fallback: {len(dense)} of {len(candidates)} sparse-route layers go "
+                 f"dense (allreduce {1 / max(beta_reduce, 1e-30) / 1e6:,.0f} MB/s, allgather "
+                 f"{1 / max(beta_gather, 1e-30) / 1e6:,.0f} MB/s per rank's payload, sparsify "
+                 f"{1e3 * float(np.sum(sparsify)):.1f} ms per step)")
     return dense

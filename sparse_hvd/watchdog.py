@@ -39,6 +39,8 @@ import time
 
 import numpy as np
 
+from . import log
+
 ENVIRONMENT_VARIABLE = "SPARSE_HVD_STALL_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0
 EXIT_STATUS = 124  # what timeout(1) returns: the job ran out of time waiting
@@ -233,7 +235,7 @@ def stall_message(rank, size, name, step, waited, limit) -> str:
     """What a rank prints before it ends the job."""
     where = f"in collective '{name}'" + ("" if step is None else f" at training step {step}")
     return (
-        f"sparse_hvd: rank {rank} of {size} has waited {waited:.0f} s {where} for the other "
+        f"rank {rank} of {size} has waited {waited:.0f} s {where} for the other "
         f"ranks, longer than the limit of {limit:g} s ({ENVIRONMENT_VARIABLE}), and ends the "
         "job. Another rank has stopped, hangs, or runs other steps or collectives than this "
         "one: a crash or hang in its callbacks or data loader; uneven data (every rank must "
@@ -251,7 +253,6 @@ def _end_job(wait, limit):
         rank, size = runtime.rank(), runtime.size()
     except Exception:  # Horovod may be in a state where even this fails; say what we know
         rank, size = "?", "?"
-    print(stall_message(rank, size, name, step, time.monotonic() - start, limit),
-          file=sys.stderr, flush=True)
+    log.error("%s", stall_message(rank, size, name, step, time.monotonic() - start, limit))
     sys.stdout.flush()
     os._exit(EXIT_STATUS)

@@ -40,7 +40,7 @@ def test_one_record_per_epoch_with_closed_form_bytes(tmp_path, capsys):
         assert len(record["layers"]) == 4
     expected_norm = math.sqrt(sum(float((r.numpy().astype("float64") ** 2).sum()) for r in optimizer.residuals))
     assert records[-1]["residual_norm"] == pytest.approx(expected_norm)
-    assert capsys.readouterr().out.count("sparse_hvd epoch") == 3
+    assert capsys.readouterr().err.count("sparse_hvd: epoch") == 3
 
 
 def test_report_prints_a_table_and_writes_a_plot(tmp_path, capsys):

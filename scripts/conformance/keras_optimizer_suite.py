@@ -20,7 +20,6 @@ Run
 
 import argparse
 import collections
-import glob
 import inspect
 import os
 import sys

@@ -93,7 +93,9 @@ def compile_library(output: str):
 
 
 def _to_stderr(message):
-    print(message, file=sys.stderr, flush=True)
+    from .. import log
+
+    log.info("%s", message)
 
 
 def ensure_built(path=None, announce=_to_stderr) -> str:
@@ -106,7 +108,7 @@ def ensure_built(path=None, announce=_to_stderr) -> str:
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be building it: wait for it
         if not os.path.exists(path):
-            announce(f"sparse_hvd: compiling the native kernels for this TensorFlow into {path} "
+            announce(f"compiling the native kernels for this TensorFlow into {path} "
                      "(once; about a minute)")
             compile_library(path)
     return path
@@ -114,7 +116,7 @@ def ensure_built(path=None, announce=_to_stderr) -> str:
 
 def main(argv=None):
     try:
-        path = ensure_built(announce=lambda message: print(message, flush=True))
+        path = ensure_built(announce=lambda message: print(f"sparse_hvd: {message}", flush=True))
     except BuildError as error:
         print(error, file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ def test_only_rank_0_writes_and_prints(hvd, tmp_path, capsys):
     model.fit(x, y, batch_size=16, epochs=2, verbose=0,
               callbacks=[sparse_hvd.BroadcastGlobalVariablesCallback(0),
                          sparse_hvd.CommunicationLogger(path=str(path))])
-    printed = capsys.readouterr().out.count("sparse_hvd epoch")
+    printed = capsys.readouterr().err.count("sparse_hvd: epoch")
     lines = len(path.read_text().splitlines()) if path.exists() else 0
     everyone = gather(hvd, (printed, lines), name="logging.counts")
     assert everyone[0] == (2, 2)
