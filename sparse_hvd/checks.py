@@ -154,7 +154,7 @@ def check_staleness(staleness, momentum_correction, policy):
 GROUPINGS = ("grouped", "layerwise")
 
 
-def exchange_candidates(exchange, grouping, staleness, policy, half):
+def exchange_candidates(exchange, grouping, staleness, policy, compression):
     """The registered exchanges that can run these settings, by their capabilities
     (``sparse_hvd.exchanges``): ``exchange`` itself, or for ``"auto"`` every one that can
     (what it chooses among). Raises a ValueError naming the setting an exchange cannot take."""
@@ -164,22 +164,23 @@ def exchange_candidates(exchange, grouping, staleness, policy, half):
         raise ValueError(f"`grouping` must be one of {GROUPINGS}, got {grouping!r}")
     if exchange != "auto":
         cls = exchange_class(exchange, grouping)  # names the exchanges and groupings there are
-        _check_capabilities(exchange, cls, staleness, policy, half)
+        _check_capabilities(exchange, cls, staleness, policy, compression)
         return (exchange,)
     candidates = []
     for name in available():
         try:
-            _check_capabilities(name, exchange_class(name, grouping), staleness, policy, half)
+            _check_capabilities(name, exchange_class(name, grouping), staleness, policy,
+                                compression)
         except ValueError:
             continue
         candidates.append(name)
     if not candidates:  # the default exchange's reason is the one to give
         _check_capabilities("allgather", exchange_class("allgather", grouping), staleness, policy,
-                            half)
+                            compression)
     return tuple(candidates)
 
 
-def _check_capabilities(name, cls, staleness, policy, half):
+def _check_capabilities(name, cls, staleness, policy, compression):
     if staleness and not cls.staleness:
         raise ValueError(
             f"exchange={name!r} cannot be combined with `staleness` > 0 (the delayed pipeline "
@@ -190,7 +191,7 @@ def _check_capabilities(name, cls, staleness, policy, half):
             "each layer from the time of that layer's own exchange: this exchange moves every "
             "layer in one collective. Use a constant or warm-up density, or "
             "exchange='allgather' with grouping='layerwise'.")
-    if half is not None and not cls.compression_capable:
+    if compression.enabled and not cls.compression_capable:
         raise ValueError(f"`compression` cannot be combined with exchange={name!r}: its owners "
                          "sum and select in the gradients' own dtype. Use exchange='allgather'.")
 
@@ -240,8 +241,8 @@ def check_not_wrapped_in_loss_scaling(optimizer, depth=6):
         frame = frame.f_back
 
 
-def check_compression_with_staleness(half, staleness):
-    if half is not None and staleness:
+def check_compression_with_staleness(compression, staleness):
+    if compression.enabled and staleness:
         raise ValueError("`compression` cannot be combined with `staleness` > 0")
 
 

@@ -11,6 +11,12 @@ gradient is lost, only delayed:
    rounded the same way, ``residual = c - float(h(c))``, and ``h(c)`` is exchanged;
 3. what arrives is widened back to the variable's dtype before it is summed, rank by rank.
 
+One :class:`Compression` object holds the setting, and every part that touches values uses it:
+the routes (bytes per value), error feedback (:meth:`Compression.round`), and every exchange
+(:meth:`Compression.encode`/:meth:`~Compression.decode` for allgathers, two 16-bit values to
+an int32 word; :meth:`Compression.for_allreduce` for Horovod's allreduce, which reduces float16
+but not bfloat16).
+
 float16 saturates at +-65504: larger magnitudes are sent as +-65504 and the rest stays in the
 residual. bfloat16 has float32's range and 8 bits of mantissa. The first step's rounding error
 is applied one step later, as error feedback applies everything it holds.
@@ -19,6 +25,8 @@ is applied one step later, as error feedback applies everything it holds.
 from typing import Optional
 
 import tensorflow as tf
+
+from . import wire
 
 CHOICES = {"none": None, "float16": tf.float16, "bfloat16": tf.bfloat16}
 FLOAT16_MAX = 65504.0
@@ -42,3 +50,60 @@ def rounded(values, half):
         narrow = tf.clip_by_value(values, -FLOAT16_MAX, FLOAT16_MAX)
     sent = tf.cast(tf.cast(narrow, half), values.dtype)
     return sent, values - sent
+
+
+class Compression:
+    """One ``compression=`` setting (``"none"``, ``"float16"`` or ``"bfloat16"``)."""
+
+    def __init__(self, name="none"):
+        self.half = resolve(name)
+        self.name = "none" if name is None else name
+
+    @property
+    def enabled(self) -> bool:
+        return self.half is not None
+
+    def wire_dtype(self, dtype) -> Optional[tf.DType]:
+        """The 16-bit dtype values of ``dtype`` travel as, or None (no compression, or values
+        that are 16-bit already)."""
+        if self.half is None or tf.as_dtype(dtype).size <= 2:
+            return None
+        return self.half
+
+    def itemsize(self, dtype) -> int:
+        """Bytes a value of ``dtype`` takes on the wire."""
+        half = self.wire_dtype(dtype)
+        return tf.as_dtype(half or dtype).size
+
+    def round(self, values):
+        """``(sent, error)`` of :func:`rounded` for ``values`` (``error`` zero when their dtype
+        travels as it is)."""
+        half = self.wire_dtype(values.dtype)
+        if half is None:
+            return values, tf.zeros_like(values)
+        return rounded(values, half)
+
+    def encode(self, values) -> tf.Tensor:
+        """1-D values as int32 words for an allgather (two 16-bit values to a word)."""
+        half = self.wire_dtype(values.dtype)
+        return wire.to_words(values) if half is None else wire.to_half_words(values, half)
+
+    def decode(self, words, dtype, per_rank) -> tf.Tensor:
+        """Gathered words back to values of ``dtype``; ``per_rank``: values each rank sent."""
+        half = self.wire_dtype(dtype)
+        if half is None:
+            return wire.from_words(words, dtype)
+        return wire.from_half_words(words, per_rank, half, dtype)
+
+    def for_allreduce(self, tensor) -> tf.Tensor:
+        """``tensor`` as Horovod's allreduce should carry it: float16 with float16 compression
+        (bfloat16 stays wide: Horovod cannot reduce it)."""
+        if self.half == tf.float16 and self.wire_dtype(tensor.dtype) is not None:
+            return tf.cast(tensor, tf.float16)
+        return tensor
+
+    def __repr__(self):
+        return f"Compression({self.name!r})"
+
+
+NONE = Compression("none")

@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 from . import log, runtime
-from .compression import rounded
+from .compression import NONE
 from .sparsifiers import Selection
 
 
@@ -148,13 +148,14 @@ class ErrorFeedback:
         """State that is each rank's own and must not be broadcast."""
         return self.residuals + self.velocities
 
-    def select(self, index, grad, sparsifier, k, half=None) -> Tuple[Selection, Tuple[tuple, ...]]:
+    def select(self, index, grad, sparsifier, k,
+               compression=NONE) -> Tuple[Selection, Tuple[tuple, ...]]:
         """Steps 1-3 of :func:`compensate_and_select` for variable ``index``, with DGC first.
 
         With momentum correction the rank's velocity ``u = m*u + g`` is sparsified instead of
         the gradient, and (with masking) the sent entries' velocity is cleared.
-        With ``half`` (``sparse_hvd.compression``) the selected values are rounded to it and
-        the rounding error stays in the residual at their positions.
+        With ``compression`` (``sparse_hvd.compression``) the selected values are rounded by it
+        and the rounding error stays in the residual at their positions.
         Returns the selection and the (variable, new flat value) writes; nothing is written.
         """
         updates = []
@@ -162,8 +163,8 @@ class ErrorFeedback:
             grad = accumulated_velocity(grad, self.velocities[index], self.momentum)
         selection, remainder = compensate_and_select(
             grad, self.residuals[index], sparsifier, k, self.enabled)
-        if half is not None:
-            sent, error = rounded(selection.values, half)
+        if compression.wire_dtype(grad.dtype) is not None:
+            sent, error = compression.round(selection.values)
             selection = selection._replace(values=sent)
             if remainder is not None:  # zero at the selected positions: now their error
                 remainder = tf.tensor_scatter_nd_add(
@@ -185,13 +186,13 @@ class ErrorFeedback:
             return flat
         return flat + tf.reshape(tf.convert_to_tensor(self.residuals[index]), [-1])
 
-    def round_dense(self, index, grad, half) -> Tuple[tf.Tensor, Tuple[tuple, ...]]:
-        """A dense-route gradient to send with compression: ``c = grad + residual`` rounded to
-        ``half``, and the write ``residual = c - rounded`` (none without error feedback)."""
+    def round_dense(self, index, grad, compression) -> Tuple[tf.Tensor, Tuple[tuple, ...]]:
+        """A dense-route gradient to send with ``compression``: ``c = grad + residual``
+        rounded, and the write ``residual = c - rounded`` (none without error feedback)."""
         if not self.enabled:
-            return rounded(grad, half)[0], ()
+            return compression.round(grad)[0], ()
         residual = self.residuals[index]
-        sent, error = rounded(grad + tf.cast(tf.convert_to_tensor(residual), grad.dtype), half)
+        sent, error = compression.round(grad + tf.cast(tf.convert_to_tensor(residual), grad.dtype))
         return sent, ((residual, error),)
 
     def after_exchange(self, index, averaged) -> Tuple[tf.Tensor, Tuple[tuple, ...]]:

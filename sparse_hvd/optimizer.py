@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from . import checks, consistency, lockstep, nonfinite, runtime, watchdog
 from .accumulation import LocalAccumulation, take_over_keras_accumulation
-from .compression import resolve as resolve_compression
+from .compression import Compression
 from .defaults import resolve_density
 from .density import serialize_density_policy
 from .error_feedback import ErrorFeedback
@@ -294,9 +294,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         process_set = runtime.as_process_set(process_set)  # an mpi4py communicator too
         checks.check_process_set(process_set)
         checks.check_backward_passes(backward_passes_per_step, staleness)
-        half = resolve_compression(compression)
-        checks.check_compression_with_staleness(half, staleness)
-        candidates = checks.exchange_candidates(exchange, grouping, staleness, policy, half)
+        wire_compression = Compression(compression)
+        checks.check_compression_with_staleness(wire_compression, staleness)
+        candidates = checks.exchange_candidates(exchange, grouping, staleness, policy,
+                                                wire_compression)
         checks.check_boolean(average_aggregated_gradients, "average_aggregated_gradients")
         super().__init__(learning_rate=0.0, name=name)
         self._keras_accumulation = keras_accumulation
@@ -317,12 +318,12 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self.min_elements = min_elements
         self.process_set = process_set
         self.exchange = exchange
-        self.compression = "none" if compression is None else compression
-        self._half = half
+        self.compression = wire_compression.name
+        self._compression = wire_compression  # the one object every stage uses
         self._exchange_candidates = candidates  # exchange="auto" chooses among them at build
         first = "allgather" if "allgather" in candidates else candidates[0]
         self._exchange = create_exchange(first, grouping, name=self._prefix,
-                                         process_set=process_set, compression=half)
+                                         process_set=process_set, compression=wire_compression)
         self._feedback = ErrorFeedback(self.error_feedback, self.momentum_correction,
                                        self.momentum_masking)
         self._loss_scaling = LossScaling(optimizer)
@@ -352,7 +353,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         checks.check_not_wrapped_in_loss_scaling(self)
         var_list = list(var_list)
         self._feedback.build(self, var_list, self.process_set)
-        self._routes = [route_for(v, self.density, self.min_elements, self._half)
+        self._routes = [route_for(v, self.density, self.min_elements, self._compression)
                         for v in var_list]
         if not self._exchange.sends_selections:  # exchange="dense"
             self._routes = [route._replace(sparse=False) for route in self._routes]
@@ -398,7 +399,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         if choice == "dense":
             self._routes = [route._replace(sparse=False) for route in self._routes]
         self._exchange = create_exchange(choice, self._exchange.grouping, name=self._prefix,
-                                         process_set=self.process_set, compression=self._half)
+                                         process_set=self.process_set,
+                                         compression=self._compression)
 
     def _route_densely_where_faster(self, var_list):
         """``dense_fallback``: the layers a dense allreduce moves faster go dense
@@ -756,10 +758,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             elif route.sparse:
                 k = budgets[index]
                 selection, updates = self._feedback.select(index, grad, sparsifier, k,
-                                                           self._exchange.half_for(grad.dtype))
+                                                           self._compression)
                 builder.add_sparse(position, index, route, grad, selection, updates, budget=k)
-            elif self._exchange.half_for(grad.dtype) is not None:
-                sent, updates = self._feedback.round_dense(index, grad, self._half)
+            elif self._compression.wire_dtype(grad.dtype) is not None:
+                sent, updates = self._feedback.round_dense(index, grad, self._compression)
                 builder.add_dense(position, index, route, grad, updates, sent=sent)
             else:
                 builder.add_dense(position, index, route, grad)

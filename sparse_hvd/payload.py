@@ -13,6 +13,7 @@ from typing import NamedTuple, Tuple
 
 import tensorflow as tf
 
+from .compression import NONE
 from .density import elements_to_send
 from .sparsifiers import Selection
 
@@ -36,15 +37,13 @@ def entries_in(shape) -> int:
     return n
 
 
-def route_for(variable, density: float, min_elements: int, compression=None) -> Route:
+def route_for(variable, density: float, min_elements: int, compression=NONE) -> Route:
     """Sparse when the variable has at least ``min_elements`` entries and its (value, index)
     pairs at ``density`` (the density the policy settles at; a warm-up may briefly send more)
     take fewer bytes than the dense gradient. ``itemsize``: bytes of a value on the wire (2
-    with a 16-bit ``compression``)."""
+    with a 16-bit ``compression``, a ``sparse_hvd.compression.Compression``)."""
     n = entries_in(variable.shape)
-    itemsize = tf.as_dtype(variable.dtype).size
-    if compression is not None:
-        itemsize = min(itemsize, tf.as_dtype(compression).size)
+    itemsize = compression.itemsize(variable.dtype)
     k = elements_to_send(n, density)
     sparse = n >= min_elements and k * (itemsize + INDEX_BYTES) < n * itemsize
     return Route(num_elements=n, sparse=sparse, itemsize=itemsize)

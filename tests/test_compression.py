@@ -84,3 +84,22 @@ def test_compression_is_checked_and_serialised():
                                               exchange="sparse_allreduce")
     optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), compression="bfloat16")
     assert sparse_hvd.SparseDistributedOptimizer.from_config(optimizer.get_config()).compression == "bfloat16"
+
+
+def test_one_compression_object_holds_every_rule():
+    from sparse_hvd.compression import Compression
+
+    half, brain, none = Compression("float16"), Compression("bfloat16"), Compression()
+    assert (half.itemsize(tf.float32), half.itemsize(tf.bfloat16), none.itemsize(tf.float32)) == (2, 2, 4)
+    assert half.wire_dtype(tf.bfloat16) is None and brain.wire_dtype(tf.float64) == tf.bfloat16
+    values = tf.constant(np.random.RandomState(3).randn(7).astype("float32") * 1e5)
+    sent, error = half.round(values)
+    np.testing.assert_array_equal((sent + error).numpy(), values.numpy())
+    assert np.abs(sent.numpy()).max() <= 65504.0
+    words = half.encode(sent)  # 7 values: 4 words, the last half empty
+    assert words.dtype == tf.int32 and int(tf.size(words)) == 4
+    np.testing.assert_array_equal(half.decode(words, tf.float32, tf.constant([7])).numpy(),
+                                  sent.numpy())
+    assert half.for_allreduce(values).dtype == tf.float16
+    assert brain.for_allreduce(values).dtype == tf.float32  # Horovod cannot reduce bfloat16
+    assert none.round(values)[0] is values and not none.enabled

@@ -6,6 +6,7 @@ import pytest
 import sparse_hvd
 from sparse_hvd import checks
 from sparse_hvd.adaptive import AdaptiveDensity
+from sparse_hvd.compression import Compression
 from sparse_hvd.density import ConstantDensity
 from sparse_hvd.exchange_choice import decide
 from sparse_hvd.exchanges import available, create, exchange_class, groupings_of, register
@@ -33,17 +34,19 @@ def test_unknown_names_and_groupings_are_refused_naming_what_exists():
 
 def test_auto_chooses_among_the_exchanges_whose_capabilities_fit():
     constant = ConstantDensity(0.01)
-    assert set(checks.exchange_candidates("auto", "grouped", 0, constant, None)) == {
+    assert set(checks.exchange_candidates("auto", "grouped", 0, constant, Compression())) == {
         "allgather", "sparse_allreduce", "dense"}
     # 16-bit values: the sparse allreduce sums in the gradients' dtype
-    half = checks.exchange_candidates("auto", "grouped", 0, constant, "float16")
+    half = checks.exchange_candidates("auto", "grouped", 0, constant, Compression("float16"))
     assert set(half) == {"allgather", "dense"}
-    assert checks.exchange_candidates("auto", "grouped", 2, constant, None) == ("allgather",)
-    assert set(checks.exchange_candidates("auto", "layerwise", 0, AdaptiveDensity(), None)) == {
+    assert checks.exchange_candidates("auto", "grouped", 2, constant, Compression()) == ("allgather",)
+    assert set(checks.exchange_candidates("auto", "layerwise", 0, AdaptiveDensity(),
+                                      Compression())) == {
         "allgather", "dense"}
     with pytest.raises(ValueError, match="`compression` cannot be combined with "
                                          "exchange='sparse_allreduce'"):
-        checks.exchange_candidates("sparse_allreduce", "grouped", 0, constant, "float16")
+        checks.exchange_candidates("sparse_allreduce", "grouped", 0, constant,
+                                   Compression("float16"))
     seconds = {"allgather": 3.0, "sparse_allreduce": 1.0, "dense": 2.0}
     assert decide(seconds) == "sparse_allreduce"
     assert decide(seconds, half) == "dense"
@@ -60,7 +63,7 @@ def test_a_new_exchange_is_one_class_and_its_registration():
         assert isinstance(create("test_only", name="x"), Nothing)
         with pytest.raises(ValueError, match="exchange='test_only'"):
             checks.exchange_candidates("test_only", "grouped", 0, ConstantDensity(0.01),
-                                       "bfloat16")
+                                       Compression("bfloat16"))
     finally:
         del _REGISTRY[("test_only", "grouped")]
 

@@ -29,8 +29,9 @@ from typing import Dict, List, NamedTuple, Sequence, Tuple, Type
 
 import tensorflow as tf
 
-from .. import collectives, lockstep, nonfinite, runtime, wire
+from .. import collectives, lockstep, nonfinite, runtime
 from ..averaging import average_entries, divided, sum_rows_in_order
+from ..compression import NONE
 from ..payload import Payload, entries_in
 from ..sparsifiers import Selection
 
@@ -130,8 +131,8 @@ class Exchange:
             different names.
         process_set: Horovod process set (the global one by default).
         grouping: the grouping it was registered for (``"grouped"`` or ``"layerwise"``).
-        compression: None, or the 16-bit dtype that float32/float64 values travel as
-            (``sparse_hvd.compression``: the payload holds values already rounded to it).
+        compression: a ``sparse_hvd.compression.Compression`` (the payload holds values
+            already rounded by it); None: none.
     """
 
     registered_name = None
@@ -147,7 +148,7 @@ class Exchange:
         self.name = name
         self.process_set = process_set
         self.grouping = grouping
-        self.compression = compression
+        self.compression = NONE if compression is None else compression
         self._announce_function = None
 
     @property
@@ -161,27 +162,6 @@ class Exchange:
 
     def build(self, optimizer, routes):
         """Create the exchange's own state as ``optimizer``'s variables (none by default)."""
-
-    # ---- 16-bit values -----------------------------------------------------------------------
-
-    def half_for(self, dtype):
-        """The 16-bit dtype values of ``dtype`` travel as, or None (no compression, or values
-        that are 16-bit already)."""
-        if self.compression is None or tf.as_dtype(dtype).size <= 2:
-            return None
-        return self.compression
-
-    def encode(self, values):
-        """1-D values as int32 words for an allgather."""
-        half = self.half_for(values.dtype)
-        return wire.to_words(values) if half is None else wire.to_half_words(values, half)
-
-    def decode(self, words, dtype, per_rank):
-        """Gathered words back to values of ``dtype``; ``per_rank``: values each rank sent."""
-        half = self.half_for(dtype)
-        if half is None:
-            return wire.from_words(words, dtype)
-        return wire.from_half_words(words, per_rank, half, dtype)
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -263,7 +243,8 @@ class Exchange:
         if not dense or self.size * sum(entries_in(t.shape) for t in dense) > DENSE_GATHER_LIMIT:
             return {}, []
         groups = group_positions_by_dtype(dense)
-        words = [self.encode(tf.concat([tf.reshape(dense[p], [-1]) for p in positions], 0))
+        words = [self.compression.encode(
+                     tf.concat([tf.reshape(dense[p], [-1]) for p in positions], 0))
                  for positions in groups.values()]
         return groups, words
 
@@ -276,7 +257,7 @@ class Exchange:
         averaged = [None] * len(dense)
         for (dtype, positions), group_words in zip(groups.items(), gathered):
             lengths = [entries_in(dense[p].shape) for p in positions]
-            values = self.decode(group_words, dtype, tf.fill([size], sum(lengths)))
+            values = self.compression.decode(group_words, dtype, tf.fill([size], sum(lengths)))
             total = sum_rows_in_order(tf.reshape(values, [size, sum(lengths)]))
             average = divided(total, size)
             for position, piece in zip(positions, tf.split(average, lengths)):
@@ -291,9 +272,7 @@ class Exchange:
         if self.size == 1 or not tensors:
             return tensors
         dtypes = [t.dtype for t in tensors]
-        if self.compression == tf.float16:  # Horovod reduces float16 (not bfloat16)
-            tensors = [t if self.half_for(t.dtype) is None else tf.cast(t, tf.float16)
-                       for t in tensors]
+        tensors = [self.compression.for_allreduce(t) for t in tensors]
         if self.per_layer:
             averaged = [
                 collectives.allreduce(tensor, name=f"{self.name}.dense.{key}",
@@ -344,7 +323,7 @@ class Exchange:
 
     def _gather_selections(self, selections, keys, step=None) -> List[Selection]:
         """Every rank's selections, concatenated in rank order, variable by variable."""
-        half = [self.half_for(s.values.dtype) for s in selections]
+        half = [self.compression.wire_dtype(s.values.dtype) for s in selections]
         wide = [s.values.dtype for s in selections]
         selections = [s if h is None else Selection(tf.cast(s.values, h), s.indices)
                       for s, h in zip(selections, half)]

@@ -52,7 +52,7 @@ class FusedAllgather(Exchange):
         # Step 1: pack
         counts = [tf.size(s.indices, out_type=tf.int32) for s in selections]
         value_groups = group_positions_by_dtype([s.values for s in selections])
-        words = [self.encode(tf.concat([selections[p].values for p in positions], 0))
+        words = [self.compression.encode(tf.concat([selections[p].values for p in positions], 0))
                  for positions in value_groups.values()]
         indices = tf.concat([s.indices for s in selections] or [tf.zeros([0], tf.int32)], 0)
         self._layout = (len(selections), 1 + len(words) + len(dense_words))
@@ -68,7 +68,7 @@ class FusedAllgather(Exchange):
         # Step 4: each variable's entries in rank order, summed and averaged
         sparse = [None] * len(selections)
         for (dtype, positions), group_words in zip(value_groups.items(), gathered_words):
-            values = self.decode(group_words, dtype,
+            values = self.compression.decode(group_words, dtype,
                                  tf.reduce_sum(tf.gather(counts, positions, axis=1), 1))
             averages = average_entries(all_indices, values, counts, positions,
                                        [sizes[p] for p in positions], size)
