@@ -246,12 +246,9 @@ def check_compression_with_staleness(compression, staleness):
         raise ValueError("`compression` cannot be combined with `staleness` > 0")
 
 
-def check_backward_passes(passes, staleness):
+def check_backward_passes(passes):
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
         raise ValueError(f"`backward_passes_per_step` must be an int >= 1, got {passes!r}")
-    if passes > 1 and staleness:
-        raise ValueError("`backward_passes_per_step` > 1 cannot be combined with `staleness` > 0; "
-                         "use one of them.")
 
 
 def check_some_gradient(grads, variables):

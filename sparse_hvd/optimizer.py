@@ -293,7 +293,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         checks.check_boolean(dense_fallback, "dense_fallback")
         process_set = runtime.as_process_set(process_set)  # an mpi4py communicator too
         checks.check_process_set(process_set)
-        checks.check_backward_passes(backward_passes_per_step, staleness)
+        checks.check_backward_passes(backward_passes_per_step)
         wire_compression = Compression(compression)
         checks.check_compression_with_staleness(wire_compression, staleness)
         candidates = checks.exchange_candidates(exchange, grouping, staleness, policy,
@@ -659,14 +659,13 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         if not grads:  # an empty list, as Keras allows
             return
         grads_and_vars = self._present(grads, trainable_variables)
+        step = self._exchange_and_apply
         if self.staleness:
-            with tf.name_scope("delayed_exchange"):
-                self._apply_delayed(grads_and_vars)
-        elif self._accumulation:
-            self._accumulation.pass_or_step(grads_and_vars, self._get_variable_index,
-                                            self._exchange_and_apply)
+            step = self._apply_delayed
+        if self._accumulation:  # every B-th pass: the step on the B passes' sum
+            self._accumulation.pass_or_step(grads_and_vars, self._get_variable_index, step)
         else:
-            self._exchange_and_apply(grads_and_vars)
+            step(grads_and_vars)
         self._iterations.assign_add(1)  # backward passes, as Keras' own counter
 
     def _exchange_and_apply(self, grads_and_vars):
@@ -810,6 +809,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self._skip_step("A delayed step was skipped on every rank.", sent)
 
     def _apply_delayed(self, grads_and_vars):
+        with tf.name_scope("delayed_exchange"):
+            self._submit_and_apply_due(grads_and_vars)
+
+    def _submit_and_apply_due(self, grads_and_vars):
         """One step with staleness tau (``sparse_hvd.staleness``): hand this step's payload and
         this rank's finiteness to the pipeline, then apply the average of step t - tau.
 

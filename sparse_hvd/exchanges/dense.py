@@ -18,7 +18,6 @@ class DenseAllreduce(Exchange):
     """Steps 1-2 of the module doc."""
 
     sends_selections = False
-    staleness = False  # the delayed pipeline is an allgather of its own
 
     def _average_many(self, payload: Payload, sizes, step):
         if payload.sparse.items:

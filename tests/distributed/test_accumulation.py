@@ -51,3 +51,21 @@ def test_keras_accumulation_on_the_inner_optimizer_is_one_exchange_of_the_averag
     np.testing.assert_array_equal(results[0], results[1])
     everyone = gather(hvd, digest([results[0]]), "accumulation.keras")
     assert len(set(everyone)) == 1, "replicas differ"
+
+
+def test_accumulated_passes_with_staleness_are_the_delayed_exchange_of_their_sums(hvd):
+    rng = np.random.RandomState(30 + hvd.rank())
+    grads = [rng.randn(*SHAPE).astype("float32") for _ in range(6)]
+    results = []
+    for passes, fed in ((2, grads), (1, [grads[i] + grads[i + 1] for i in range(0, 6, 2)])):
+        variable = keras.Variable(np.ones(SHAPE, "float32"))
+        optimizer = sparse_hvd.SparseDistributedOptimizer(
+            keras.optimizers.SGD(0.1), density=0.02, warmup_steps=0, staleness=1,
+            backward_passes_per_step=passes, name=f"stale_passes_{passes}")
+        for grad in fed:
+            optimizer.apply([tf.constant(grad)], [variable])
+        optimizer.apply_pending()
+        results.append(variable.numpy())
+    np.testing.assert_array_equal(results[0], results[1])
+    everyone = gather(hvd, digest([results[0]]), "accumulation.staleness")
+    assert len(set(everyone)) == 1, "replicas differ"

@@ -268,10 +268,11 @@ def test_the_default_warmup_and_a_model_wide_budget_apply_the_mean_of_every_sele
     assert len(set(digests)) == 1, "replicas differ"
 
 
-@pytest.mark.parametrize("grouping", ["grouped", "layerwise"])
-def test_dense_exchange_applies_the_mean_of_every_ranks_whole_gradient(hvd, grouping):
+@pytest.mark.parametrize("grouping,staleness", [("grouped", 0), ("layerwise", 0), ("grouped", 1)])
+def test_dense_exchange_applies_the_mean_of_every_ranks_whole_gradient(hvd, grouping, staleness):
     """exchange="dense": Horovod's allreduce of every gradient (nothing selected, residuals
-    zero); what every rank applies is the NumPy mean of all ranks' gradients."""
+    zero); what every rank applies is the NumPy mean of all ranks' gradients (one step late
+    with staleness=1)."""
     rank, size = hvd.rank(), hvd.size()
 
     def gradients(r, step):
@@ -281,10 +282,11 @@ def test_dense_exchange_applies_the_mean_of_every_ranks_whole_gradient(hvd, grou
     variables = [keras.Variable(np.ones(BIG, "float32")), keras.Variable(np.ones(SMALL, "float32"))]
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(0.1), density=0.01, exchange="dense", grouping=grouping,
-        name=f"dense_{grouping}")
+        staleness=staleness, name=f"dense_{grouping}_{staleness}")
     expected = [np.ones(BIG, "float32"), np.ones(SMALL, "float32")]
-    for step in range(2):
+    for step in range(3):
         optimizer.apply([tf.constant(g) for g in gradients(rank, step)], variables)
+    for step in range(3 - staleness):
         every = [gradients(r, step) for r in range(size)]
         for j in range(2):
             mean = sum(g[j].astype("float64") for g in every) / size
@@ -293,5 +295,5 @@ def test_dense_exchange_applies_the_mean_of_every_ranks_whole_gradient(hvd, grou
         np.testing.assert_allclose(variable.numpy(), want, rtol=1e-5, atol=1e-6)
     assert all(not np.any(r.numpy()) for r in optimizer.residuals)
     assert {s["route"] for s in optimizer.layer_stats().values()} == {"dense"}
-    everyone = gather(hvd, digest([v.numpy() for v in variables]), f"dense.{grouping}")
+    everyone = gather(hvd, digest([v.numpy() for v in variables]), f"dense.{grouping}.{staleness}")
     assert len(set(everyone)) == 1, "replicas differ"
