@@ -11,10 +11,11 @@ reads as the list of them:
 
 * ``payload``: routes, and what one step sends (built by :meth:`_payload`);
 * ``error_feedback``: residuals and DGC velocities, and their lifecycle;
-* ``exchange`` (over ``collectives``): the averages over the workers;
+* ``steps``: how a step runs, chosen once: synchronous, or delayed (``staleness`` over
+  ``pipeline``);
+* ``exchanges`` (over ``collectives``): the averages over the workers, one module per exchange;
 * ``nonfinite``: every rank's agreement on finite gradients, and the skip/raise guard;
 * ``loss_scaling``: an inner LossScaleOptimizer's scale on the way in and out;
-* ``staleness`` (over ``pipeline``): the delayed step of ``staleness=tau``;
 * ``accumulation``: ``backward_passes_per_step``; ``compression``: 16-bit values on the wire;
 * ``lockstep``: every rank in the same step; ``watchdog`` (in ``collectives``): no endless wait;
 * ``stats``: the counters behind ``communication_stats()`` and ``layer_stats()``;
@@ -28,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from . import checks, consistency, lockstep, nonfinite, runtime, watchdog
+from . import checks, consistency, lockstep, nonfinite, runtime
 from .accumulation import LocalAccumulation, take_over_keras_accumulation
 from .compression import Compression
 from .defaults import resolve_density
@@ -36,10 +37,9 @@ from .density import serialize_density_policy
 from .error_feedback import ErrorFeedback
 from .exchanges import create as create_exchange
 from .loss_scaling import LossScaling
-from .payload import PayloadBuilder, route_for, write_state
-from .pipeline import PayloadLayout
+from .payload import PayloadBuilder, route_for
 from .sparsifiers import get_sparsifier, serialize_sparsifier
-from .staleness import DelayedUpdates
+from .steps import DelayedStep, SynchronousStep
 from .stats import EMPTY, CommunicationCounters, layer_stats
 
 try:  # the decorator Keras' own wrapper optimizers use; absent in some Keras versions
@@ -211,8 +211,9 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             backward passes locally and exchanges once, so the bytes per sample drop B-fold; the
             inner optimizer steps once per B passes (``iterations`` counts exchanges). Keras'
             ``fit`` calls the optimizer once per batch: B batches make one step. Passes left over
-            when ``fit`` ends stay in the accumulators (and in checkpoints). Not with
-            ``staleness``. See ``sparse_hvd.accumulation``.
+            when ``fit`` ends stay in the accumulators (and in checkpoints). With
+            ``staleness``, the B passes' sum is what the delayed step exchanges. See
+            ``sparse_hvd.accumulation``.
         average_aggregated_gradients: with B > 1, divide the sum of the B passes by B (Keras'
             own accumulation averages; Horovod's default, False, sums).
         min_elements: variables smaller than this are exchanged densely (default 1024: below a
@@ -327,7 +328,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self._feedback = ErrorFeedback(self.error_feedback, self.momentum_correction,
                                        self.momentum_masking)
         self._loss_scaling = LossScaling(optimizer)
-        self._delayed = DelayedUpdates(self.staleness) if self.staleness else None
+        # how a step runs (sparse_hvd.steps), chosen once
+        self._step = DelayedStep(self, staleness) if staleness else SynchronousStep(self)
         self.backward_passes_per_step = int(backward_passes_per_step)
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
         self._accumulation = (
@@ -359,8 +361,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             self._routes = [route._replace(sparse=False) for route in self._routes]
         checks.check_index_range(var_list, self._routes)
         self._counters = CommunicationCounters(len(var_list))
-        if self._delayed:
-            self._delayed.build(self, var_list, self._routes, self._prefix, self.process_set)
+        self._step.build(var_list, self._routes)
         self.inner_optimizer.build(var_list)
         self._building_base = True  # the base build must not copy the inner optimizer's state
         try:
@@ -485,8 +486,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         super().save_own_variables(store)
 
     def load_own_variables(self, store):
-        if self.staleness and self.built:
-            self._delayed.discard()  # the restored slots replace whatever is in flight
+        self._step.discard()  # the restored slots replace whatever is in flight
         ours = len(self.variables)
         if (self.built and self.use_ema
                 and len(store.keys()) == ours + len(self._trainable_variables)):
@@ -576,7 +576,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         checked before the first step, or with ``grouping="layerwise"`` or ``staleness``
         (there the stall watchdog ends a job whose ranks disagree).
         """
-        if self.built and not self.staleness:
+        if self.built and self._step.checks_lockstep:
             self._exchange.assert_same_step(int(self.iterations.numpy()), state)
 
     # ---- staleness: the delayed averages (sparse_hvd.staleness) --------------------------------
@@ -589,8 +589,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         before ``tf.train.Checkpoint.save``. Eager; no collective (only the rank that writes
         needs to call it). Nothing to do without staleness.
         """
-        if self.staleness and self.built:
-            self._delayed.hold_pending(undo=self._skip_delayed_step)
+        self._step.hold_pending()
 
     def apply_pending(self):
         """Apply every delayed average not applied yet, oldest first (eager, on every rank).
@@ -598,18 +597,17 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         ``model.fit`` calls it when it ends (through ``finalize_variable_values``), so the last
         ``staleness`` steps' updates are not lost. A later ``fit`` starts a new pipeline.
         """
-        if self.staleness and self.built:
-            self._delayed.apply_pending(apply=self._apply_inner, undo=self._skip_delayed_step)
+        self._step.apply_pending()
 
     def pending_steps(self) -> List[int]:
         """With staleness: the exchanged steps whose averages are not applied yet and not held
         in the slots, oldest first (empty without staleness)."""
-        return self._delayed.pending_steps() if self.staleness and self.built else []
+        return self._step.pending_steps()
 
     def held_steps(self) -> List[int]:
         """With staleness: the steps whose averages the slots hold (written by
         :meth:`hold_pending` or restored from a checkpoint), sorted."""
-        return self._delayed.held_steps() if self.staleness and self.built else []
+        return self._step.held_steps()
 
     # ---- statistics ----------------------------------------------------------------------------
 
@@ -659,37 +657,12 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         if not grads:  # an empty list, as Keras allows
             return
         grads_and_vars = self._present(grads, trainable_variables)
-        step = self._exchange_and_apply
-        if self.staleness:
-            step = self._apply_delayed
         if self._accumulation:  # every B-th pass: the step on the B passes' sum
-            self._accumulation.pass_or_step(grads_and_vars, self._get_variable_index, step)
+            self._accumulation.pass_or_step(grads_and_vars, self._get_variable_index,
+                                            self._step.run)
         else:
-            step(grads_and_vars)
+            self._step.run(grads_and_vars)
         self._iterations.assign_add(1)  # backward passes, as Keras' own counter
-
-    def _exchange_and_apply(self, grads_and_vars):
-        """Steps 1-5 of :meth:`apply` (the synchronous step) for ``grads_and_vars``."""
-        variables = [v for _, v in grads_and_vars]
-        with tf.name_scope("sparse_exchange"):
-            payload = self._payload(grads_and_vars)  # Steps 1-3
-            with watchdog.one_wait():  # one watched wait for all of the step's collectives
-                averaged = self._exchange.average(payload, self._num_elements(),  # Step 4
-                                                  step=self.iterations)
-            grads, state_updates = self._inner_gradients(payload, averaged.gradients, variables)
-            self._counters.record(payload)
-            self._counters.record_times(payload, grads)
-            with tf.control_dependencies(grads):  # re-measure after this step's traffic
-                self.density_policy.end_step(self._policy_step())
-
-        def go_ahead():
-            write_state(state_updates, self)
-            # sparse allreduce: what was sent but not applied goes back to the residuals
-            self._feedback.add_back(payload.sparse.keys, averaged.returned)
-            self._apply_inner(grads, variables)
-
-        nonfinite.guard(self.nonfinite, averaged.finite, go_ahead,  # Step 5
-                        lambda: self._skip_step("The step was skipped on every rank."))
 
     def _present(self, grads, trainable_variables):
         """The step's (gradient, variable) pairs with a gradient, after building the optimizer
@@ -720,7 +693,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
 
     def _policy_step(self):
         """The step the density policy sees: exchanged steps with staleness, else applied ones."""
-        return self._delayed.exchange_step if self.staleness else self.inner_optimizer.iterations
+        return self._step.policy_step()
 
     def _payload(self, grads_and_vars, keep_rows=True):
         """Steps 1-3 for every (gradient, variable) pair, without writing state: a Payload.
@@ -804,42 +777,6 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         self._counters.record_skip()
         self._loss_scaling.report_overflow(self._trainable_variables)
         nonfinite.announce_skip(what, self.process_set)
-
-    def _skip_delayed_step(self, sent):
-        self._skip_step("A delayed step was skipped on every rank.", sent)
-
-    def _apply_delayed(self, grads_and_vars):
-        with tf.name_scope("delayed_exchange"):
-            self._submit_and_apply_due(grads_and_vars)
-
-    def _submit_and_apply_due(self, grads_and_vars):
-        """One step with staleness tau (``sparse_hvd.staleness``): hand this step's payload and
-        this rank's finiteness to the pipeline, then apply the average of step t - tau.
-
-        No collective runs here: whether a step was finite on every rank travels with its
-        payload and is acted on when the step is due (``nonfinite``: skip it on every rank and
-        give this rank's sent entries back to its residuals, or stop).
-        """
-        step = tf.convert_to_tensor(self._delayed.exchange_step.value)
-        layout = PayloadLayout((), ())
-        if grads_and_vars:
-            payload = self._payload(grads_and_vars, keep_rows=False)
-            finite_here = payload.finite_here()
-            self._counters.record(payload)
-            self._counters.record_times(payload)
-            # this rank's gradients were not finite: write nothing
-            tf.cond(finite_here, lambda: write_state(payload.state_updates, self),
-                    lambda: None)
-            layout = self._delayed.submit(step, finite_here, payload)
-            self.density_policy.end_step(step)
-        due = self._delayed.take_due(step - self.staleness, layout, self._counters.record_wait)
-
-        def apply_due():
-            nonfinite.guard(self.nonfinite, due.finite, lambda: self._apply_inner(due.grads),
-                            lambda: self._skip_delayed_step(due.sent))
-
-        tf.cond(due.present, apply_due, lambda: None)
-        self._delayed.exchange_step.assign_add(1)
 
     # ---- serialisation -------------------------------------------------------------------------
 
