@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from . import checks, consistency, lockstep, nonfinite, runtime
+from . import clipping as clipping_rules
 from .accumulation import LocalAccumulation, take_over_keras_accumulation
 from .compression import Compression
 from .defaults import resolve_density
@@ -143,6 +144,11 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             for the whole model, the sum of the variables' k, spent on the entries of largest
             magnitude over all sparse variables together (``sparse_hvd.model_budget``; with
             the layer-wise exchange it waits for every gradient, so nothing overlaps).
+        clipping: ``"after"`` (default): the inner optimizer's ``clipnorm``,
+            ``global_clipnorm`` or ``clipvalue`` acts on the averaged gradient, as without
+            sparse_hvd. ``"local"``: each rank clips its own gradient before error feedback
+            (norms with the threshold times N^-1/2) and the average is not clipped again
+            (DGC's local gradient clipping; ``sparse_hvd.clipping``).
         sparsifier: a registered name (``sparse_hvd.available_sparsifiers()``: "topk",
             "approx_topk", "randomk", ...) or a configured sparsifier such as
             ``sparse_hvd.sparsifiers.Threshold(threshold=0.01)``.
@@ -267,6 +273,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         momentum_masking=True,
         warmup_steps=None,
         budget="layer",
+        clipping="after",
         grouping="grouped",
         nonfinite="skip",
         staleness=0,
@@ -285,6 +292,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         checks.check_no_base_options(kwargs)
         sparsify = get_sparsifier(sparsifier)
         policy = resolve_density(density, warmup_steps)
+        clipping_rules.check(clipping)
         checks.check_min_elements(min_elements)
         checks.check_momentum_correction(momentum_correction, optimizer)
         checks.check_nonfinite(nonfinite)
@@ -313,6 +321,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         if budget not in ("layer", "model"):
             raise ValueError(f"`budget` must be 'layer' or 'model', got {budget!r}")
         self.budget = budget
+        self.clipping = clipping
         self.nonfinite = nonfinite
         self.staleness = int(staleness)
         self.dense_fallback = bool(dense_fallback)
@@ -433,6 +442,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             "momentum_masking": self.momentum_masking,
             "warmup_steps": self.warmup_steps,
             "budget": self.budget,
+            "clipping": self.clipping,
             "grouping": self._exchange.grouping,
             "nonfinite": self.nonfinite,
             "staleness": self.staleness,
@@ -721,6 +731,10 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
                 _as_rows(grad, variable) if rows else _as_dense(grad, variable))
             self.density_policy.gradient_ready(index, grad.values if rows else grad)
             prepared.append((position, index, route, rows, grad))
+        if self.clipping == "local":
+            clipped = clipping_rules.clipped_locally([p[-1] for p in prepared], self._clipper,
+                                                     runtime.size(self.process_set))
+            prepared = [p[:-1] + (grad,) for p, grad in zip(prepared, clipped)]
         budgets = {index: self.density_policy.k(index, route.num_elements, step)
                    for _, index, route, rows, _ in prepared if route.sparse and not rows}
         sparsifier = self._model_wide_sparsifier(prepared, budgets) or self.sparsifier
@@ -766,7 +780,17 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         """Hand averaged true gradients to the inner optimizer (re-scaled for an inner
         LossScaleOptimizer, which divides by its scale again: exact both ways)."""
         variables = self._trainable_variables if variables is None else variables
-        self.inner_optimizer.apply(self._loss_scaling.rescale(grads), variables)
+        if self.clipping == "local":  # clipped before the exchange already
+            with clipping_rules.switched_off(self._clipper):
+                self.inner_optimizer.apply(self._loss_scaling.rescale(grads), variables)
+        else:
+            self.inner_optimizer.apply(self._loss_scaling.rescale(grads), variables)
+
+    @property
+    def _clipper(self):
+        """The optimizer whose clipping options act (inside an inner LossScaleOptimizer)."""
+        inner = self.inner_optimizer
+        return getattr(inner, "inner_optimizer", inner)
 
     def _skip_step(self, what, sent=None):
         """A step not finite on every rank: give what this rank sent back to its residuals (a

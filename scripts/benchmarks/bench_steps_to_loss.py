@@ -85,6 +85,8 @@ METHODS = {
     "mc": ("momentum correction without masking (inner SGD without momentum)",
            {"density": 0.01, "momentum_correction": 0.9, "momentum_masking": False,
             "warmup_steps": 0, "inner": {"momentum": 0.0}}),
+    "local_clip": ("the defaults with DGC's local gradient clipping (clipping='local')",
+                   {"density": 0.01, "clipping": "local"}),
     "topk_noclip": ("top-k 1%, the inner optimizer without clipnorm", 
                     {"density": 0.01, "inner": {"clipnorm": None}, **OLD}),
     "small_dense_32k": ("top-k 1%, variables under 32,768 entries dense",
