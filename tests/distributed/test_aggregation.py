@@ -297,3 +297,25 @@ def test_dense_exchange_applies_the_mean_of_every_ranks_whole_gradient(hvd, grou
     assert {s["route"] for s in optimizer.layer_stats().values()} == {"dense"}
     everyone = gather(hvd, digest([v.numpy() for v in variables]), f"dense.{grouping}.{staleness}")
     assert len(set(everyone)) == 1, "replicas differ"
+
+
+def test_local_clipping_clips_each_ranks_gradient_to_the_threshold_over_sqrt_n(hvd):
+    """clipping="local", clipnorm c: every rank applies the mean over ranks of each rank's
+    gradient clipped to c / sqrt(N) (NumPy), and the average is not clipped again."""
+    rank, size = hvd.rank(), hvd.size()
+    clipnorm, lr = 0.5, 0.1
+
+    def gradient(r):
+        return (np.random.RandomState(70 + r).randn(*BIG) * (r + 1)).astype("float32")
+
+    variable = keras.Variable(np.ones(BIG, "float32"))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(lr, clipnorm=clipnorm), density=1.0, min_elements=0,
+        clipping="local", name="local_clip")
+    optimizer.apply([tf.constant(gradient(rank))], [variable])
+    threshold = clipnorm / math.sqrt(size)
+    clipped = [gradient(r).astype("float64") * min(1.0, threshold / np.linalg.norm(gradient(r)))
+               for r in range(size)]
+    np.testing.assert_allclose(variable.numpy(), 1 - lr * sum(clipped) / size, rtol=1e-5, atol=1e-6)
+    everyone = gather(hvd, digest([variable.numpy()]), "local_clip")
+    assert len(set(everyone)) == 1, "replicas differ"
