@@ -455,7 +455,7 @@ def plot(configs, out_dir):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = dict(zip(METHODS, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
+    colors = dict(zip(METHODS, plt.cm.tab20.colors))  # one colour per method (14 of 20)
     n = len(configs)
     cols = min(n, 2)
     rows = -(-n // cols)
