@@ -1,6 +1,5 @@
 """CommunicationLogger's records and the report built from them."""
 
-import json
 import math
 
 import keras

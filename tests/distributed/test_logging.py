@@ -1,7 +1,6 @@
 """Only rank 0 logs: CommunicationLogger writes and prints nothing on the other ranks."""
 
 import keras
-import numpy as np
 
 import sparse_hvd
 from conftest import gather

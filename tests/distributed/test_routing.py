@@ -4,7 +4,6 @@ slower than any network sends nothing sparsely."""
 import time
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 import sparse_hvd
