@@ -158,42 +158,36 @@ def exchange_candidates(exchange, grouping, staleness, policy, compression):
     """The registered exchanges that can run these settings, by their capabilities
     (``sparse_hvd.exchanges``): ``exchange`` itself, or for ``"auto"`` every one that can
     (what it chooses among). Raises a ValueError naming the setting an exchange cannot take."""
-    from .exchanges import available, exchange_class
+    from .exchanges import available, exchange_class, groupings_of
 
     if grouping not in GROUPINGS:
         raise ValueError(f"`grouping` must be one of {GROUPINGS}, got {grouping!r}")
-    if exchange != "auto":
-        cls = exchange_class(exchange, grouping)  # names the exchanges and groupings there are
-        _check_capabilities(exchange, cls, staleness, policy, compression)
-        return (exchange,)
-    candidates = []
-    for name in available():
-        try:
-            _check_capabilities(name, exchange_class(name, grouping), staleness, policy,
-                                compression)
-        except ValueError:
-            continue
-        candidates.append(name)
-    if not candidates:  # the default exchange's reason is the one to give
-        _check_capabilities("allgather", exchange_class("allgather", grouping), staleness, policy,
-                            compression)
-    return tuple(candidates)
+    names = ((exchange,) if exchange != "auto"
+             else tuple(name for name in available() if grouping in groupings_of(name)))
+    # exchange_class names the exchanges and groupings there are
+    refusals = {name: _refusal(name, exchange_class(name, grouping), staleness, policy,
+                               compression) for name in names}
+    candidates = tuple(name for name in names if refusals[name] is None)
+    if not candidates:  # auto: the default exchange's reason is the one to give
+        raise ValueError(refusals[exchange if exchange != "auto" else "allgather"])
+    return candidates
 
 
-def _check_capabilities(name, cls, staleness, policy, compression):
+def _refusal(name, cls, staleness, policy, compression):
+    """Why exchange ``name`` (class ``cls``) cannot run these settings, or None."""
     if staleness and not cls.staleness:
-        raise ValueError(
-            f"exchange={name!r} cannot be combined with `staleness` > 0 (the delayed pipeline "
-            "gathers every rank's selections). Use staleness=0 or exchange='allgather'.")
+        return (f"exchange={name!r} cannot be combined with `staleness` > 0 (the delayed "
+                "pipeline gathers every rank's selections). Use staleness=0 or "
+                "exchange='allgather'.")
     if policy.requires_layerwise and not cls.layer_budgets:
-        raise ValueError(
-            f"exchange={name!r} cannot be combined with {type(policy).__name__}, which sizes "
-            "each layer from the time of that layer's own exchange: this exchange moves every "
-            "layer in one collective. Use a constant or warm-up density, or "
-            "exchange='allgather' with grouping='layerwise'.")
+        return (f"exchange={name!r} cannot be combined with {type(policy).__name__}, which "
+                "sizes each layer from the time of that layer's own exchange: this exchange "
+                "moves every layer in one collective. Use a constant or warm-up density, or "
+                "exchange='allgather' with grouping='layerwise'.")
     if compression.enabled and not cls.compression_capable:
-        raise ValueError(f"`compression` cannot be combined with exchange={name!r}: its owners "
-                         "sum and select in the gradients' own dtype. Use exchange='allgather'.")
+        return (f"`compression` cannot be combined with exchange={name!r}: its owners sum and "
+                "select in the gradients' own dtype. Use exchange='allgather'.")
+    return None
 
 
 def warn_about_poor_combinations(optimizer, policy, grouping, density):

@@ -32,11 +32,6 @@ def check(clipping):
         raise ValueError(f"`clipping` must be one of {CHOICES}, got {clipping!r}")
 
 
-def clips(optimizer) -> bool:
-    """Whether ``optimizer`` clips its gradients at all."""
-    return any(getattr(optimizer, option, None) for option in OPTIONS)
-
-
 def clipped_locally(grads, optimizer, workers):
     """Step 1 of the module doc for a list of dense gradients (None kept)."""
     scale = 1.0 / math.sqrt(workers)

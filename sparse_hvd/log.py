@@ -50,10 +50,6 @@ def info(message, *args):
     logger().info(message, *args)
 
 
-def warning(message, *args):
-    logger().warning(message, *args)
-
-
 def error(message, *args):
     logger().error(message, *args)
 

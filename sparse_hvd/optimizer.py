@@ -22,6 +22,7 @@ reads as the list of them:
 * ``checks``: argument checks and their messages.
 """
 
+import contextlib
 import functools
 from typing import List
 
@@ -780,10 +781,9 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         """Hand averaged true gradients to the inner optimizer (re-scaled for an inner
         LossScaleOptimizer, which divides by its scale again: exact both ways)."""
         variables = self._trainable_variables if variables is None else variables
-        if self.clipping == "local":  # clipped before the exchange already
-            with clipping_rules.switched_off(self._clipper):
-                self.inner_optimizer.apply(self._loss_scaling.rescale(grads), variables)
-        else:
+        clipped_already = self.clipping == "local"  # before the exchange
+        with (clipping_rules.switched_off(self._clipper) if clipped_already
+              else contextlib.nullcontext()):
             self.inner_optimizer.apply(self._loss_scaling.rescale(grads), variables)
 
     @property

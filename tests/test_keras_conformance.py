@@ -112,29 +112,22 @@ class _RecordingWrapper(sparse_hvd.SparseDistributedOptimizer):
         self.written = []
         self.inside = 0  # > 0 while one of the methods below writes
 
-    def assign(self, variable, value):
-        self.written.append(("assign", _handle(variable), type(value).__name__))
+    def _record(self, method, variable, value):
+        self.written.append((method, _handle(variable), type(value).__name__))
         self.inside += 1
         try:
-            super().assign(variable, value)
+            getattr(super(), method)(variable, value)
         finally:
             self.inside -= 1
+
+    def assign(self, variable, value):
+        self._record("assign", variable, value)
 
     def assign_add(self, variable, value):
-        self.written.append(("assign_add", _handle(variable), type(value).__name__))
-        self.inside += 1
-        try:
-            super().assign_add(variable, value)
-        finally:
-            self.inside -= 1
+        self._record("assign_add", variable, value)
 
     def assign_sub(self, variable, value):
-        self.written.append(("assign_sub", _handle(variable), type(value).__name__))
-        self.inside += 1
-        try:
-            super().assign_sub(variable, value)
-        finally:
-            self.inside -= 1
+        self._record("assign_sub", variable, value)
 
 
 def test_every_write_of_a_step_goes_through_the_optimizers_assign_methods():

@@ -84,11 +84,8 @@ def create(kind: str, grouping: str = "grouped", **kwargs) -> "Exchange":
 def header(finite_here, step, state=lockstep.TRAINING, rest=()) -> tf.Tensor:
     """One rank's header: ``[all finite, lockstep fields, *rest]`` (int32)."""
     flag = tf.reshape(tf.cast(finite_here, tf.int32), [1])
-    parts = [flag, lockstep.fields(step, state)]
-    if isinstance(rest, tf.Tensor) or len(rest):
-        parts.append(tf.cast(tf.reshape(rest, [-1]) if isinstance(rest, tf.Tensor)
-                             else tf.stack(list(rest)), tf.int32))
-    return tf.concat(parts, 0)
+    own = tf.cast(tf.reshape(rest, [-1]), tf.int32)  # a tensor or a list of scalars, maybe empty
+    return tf.concat([flag, lockstep.fields(step, state), own], 0)
 
 
 HEADER_FIELDS = 1 + lockstep.WIDTH  # what :func:`header` puts before the exchange's own
