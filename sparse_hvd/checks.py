@@ -132,18 +132,13 @@ def check_momentum_correction(momentum, optimizer):
         )
 
 
-def check_staleness(staleness, momentum_correction, policy):
+def check_staleness(staleness, policy):
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
         raise ValueError(
             f"`staleness` must be a non-negative int (steps an update is applied late), got {staleness!r}"
         )
     if not staleness:
         return
-    if momentum_correction:
-        raise ValueError(
-            "`staleness` > 0 cannot be combined with `momentum_correction`: use the inner "
-            "optimizer's momentum (e.g. SGD(lr, momentum=0.9)) instead."
-        )
     if not policy.supports_staleness:
         raise ValueError(
             f"`staleness` > 0 cannot be combined with {type(policy).__name__}, which sizes each "

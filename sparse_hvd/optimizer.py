@@ -185,10 +185,12 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             checkpoint holds it (``hold_pending``), so a resumed job continues the same
             sequence. Every rank applies bit-identical updates at the same steps. Costs tau
             copies of the model's size in optimizer variables. Works under mpirun, horovodrun
-            (MPI or Gloo) and srun alike; not with ``momentum_correction`` or the adaptive
-            policy. No collective runs in the step itself: whether a step was finite on every
-            rank travels with its payload, and a step that was not is skipped on every rank
-            when it is due (its sent entries go back to the residuals) or stops the job.
+            (MPI or Gloo) and srun alike; not with the adaptive policy. With
+            ``momentum_correction`` the velocity is corrected and masked when a step is sent,
+            and dense-route variables get their momentum when their average is applied. No
+            collective runs in the step itself: whether a step was finite on every rank
+            travels with its payload, and a step that was not is skipped on every rank when it
+            is due (its sent entries go back to the residuals) or stops the job.
         dense_fallback: decide per layer, when the optimizer is built, whether the sparse path
             (sparsify, allgather, scatter-add) is faster than a dense allreduce on this job's
             network and CPUs, and send densely where it is not (``sparse_hvd.routing``; timed
@@ -297,7 +299,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         checks.check_min_elements(min_elements)
         checks.check_momentum_correction(momentum_correction, optimizer)
         checks.check_nonfinite(nonfinite)
-        checks.check_staleness(staleness, momentum_correction, policy)
+        checks.check_staleness(staleness, policy)
         checks.check_boolean(error_feedback, "error_feedback")
         checks.check_boolean(momentum_masking, "momentum_masking")
         checks.check_boolean(dense_fallback, "dense_fallback")

@@ -126,11 +126,25 @@ class DelayedStep(SynchronousStep):
             due = self.delayed.take_due(step - self.staleness, layout, opt._counters.record_wait)
 
             def apply_due():
-                nonfinite.guard(opt.nonfinite, due.finite, lambda: opt._apply_inner(due.grads),
+                nonfinite.guard(opt.nonfinite, due.finite, lambda: self._apply(due.grads),
                                 lambda: self._skip(due.sent))
 
             tf.cond(due.present, apply_due, lambda: None)
             self.delayed.exchange_step.assign_add(1)
+
+    def _apply(self, grads):
+        """A delayed average of every variable to the inner optimizer; with momentum
+        correction, the dense-route variables' averages first through ordinary momentum, as the
+        synchronous step does (their velocity is written now, when the average is applied)."""
+        opt = self.optimizer
+        # all in this (branch) graph: Keras' all-reduce hook takes gradients of one graph only
+        grads, updates = [tf.identity(g) for g in grads], []
+        for index, route in enumerate(opt._routes):
+            if not route.sparse:
+                grads[index], written = opt._feedback.after_exchange(index, grads[index])
+                updates.extend(written)
+        write_state(updates, opt)
+        opt._apply_inner(grads)
 
     def _skip(self, sent):
         self.optimizer._skip_step("A delayed step was skipped on every rank.", sent)
@@ -141,7 +155,7 @@ class DelayedStep(SynchronousStep):
 
     def apply_pending(self):
         if self.optimizer.built:
-            self.delayed.apply_pending(apply=self.optimizer._apply_inner, undo=self._skip)
+            self.delayed.apply_pending(apply=self._apply, undo=self._skip)
 
     def discard(self):
         if self.optimizer.built:

@@ -195,14 +195,71 @@ def test_bad_staleness_is_refused(bad):
         sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), staleness=bad)
 
 
-def test_staleness_refuses_momentum_correction_and_the_adaptive_policy():
-    with pytest.raises(ValueError, match="momentum_correction"):
-        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), staleness=1,
-                                              momentum_correction=0.9)
+def test_staleness_refuses_the_adaptive_policy():
     with pytest.raises(ValueError, match="AdaptiveDensity"):
         sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), staleness=1,
                                               density=sparse_hvd.AdaptiveDensity(),
                                               grouping="layerwise")
+
+
+def _expected_momentum_correction_run(tau, steps, density, lr, m):
+    """DGC's momentum correction with masking, delayed by tau, independently: the sparse
+    variable's velocity u = m u + g and accumulation v = v + u, the top-k of v sent at step t
+    and applied at t + tau, u and v cleared where sent; the dense-route variable's averaged
+    gradient gets ordinary momentum when it is applied (SGD without momentum inside)."""
+    rng = np.random.RandomState(11)
+    big, small = np.ones(BIG, "float32"), np.full(SMALL, 2.0, "float32")
+    u = np.zeros(big.size, "float32")
+    v = np.zeros(big.size, "float32")
+    small_velocity = np.zeros(SMALL, "float32")
+    k, m32, lr32 = math.ceil(density * big.size), np.float32(m), np.float32(lr)
+    sent, history = {}, []
+
+    def apply(u_big, u_small):
+        nonlocal big, small, small_velocity
+        small_velocity = m32 * small_velocity + u_small
+        big = big - lr32 * u_big
+        small = small - lr32 * small_velocity
+
+    for t in range(steps):
+        g_big, g_small = _gradients(rng, big, small)
+        u = m32 * u + g_big.ravel()
+        chosen, update, v = numpy_topk_split(u + v, k)
+        u[chosen] = 0
+        sent[t] = (update.reshape(BIG), g_small)
+        if t - tau in sent:
+            apply(*sent.pop(t - tau))
+        history.append((big.copy(), small.copy()))
+    for t in sorted(sent):
+        apply(*sent[t])
+    return history, (big, small)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_staleness_with_momentum_correction_as_a_numpy_recomputation(mode):
+    tau, steps, density, lr, m = 2, 8, 0.05, 0.2, 0.9
+    expected, final = _expected_momentum_correction_run(tau, steps, density, lr, m)
+    big = keras.Variable(np.ones(BIG, "float32"))
+    small = keras.Variable(np.full(SMALL, 2.0, "float32"))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(lr), density=density, staleness=tau, momentum_correction=m,
+        warmup_steps=0)
+
+    def step(g_big, g_small):
+        optimizer.apply_gradients([(g_big, big), (g_small, small)])
+
+    step = tf.function(step) if mode == "function" else step
+    rng = np.random.RandomState(11)
+    for t in range(steps):
+        g_big, g_small = _gradients(rng, big.numpy(), small.numpy())
+        step(tf.constant(g_big), tf.constant(g_small))
+        np.testing.assert_allclose(big.numpy(), expected[t][0], rtol=1e-6, atol=1e-6,
+                                   err_msg=f"step {t}")
+        np.testing.assert_allclose(small.numpy(), expected[t][1], rtol=1e-6, atol=1e-6,
+                                   err_msg=f"step {t}")
+    optimizer.apply_pending()
+    np.testing.assert_allclose(big.numpy(), final[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(small.numpy(), final[1], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
