@@ -230,11 +230,6 @@ def check_not_wrapped_in_loss_scaling(optimizer, depth=6):
         frame = frame.f_back
 
 
-def check_compression_with_staleness(compression, staleness):
-    if compression.enabled and staleness:
-        raise ValueError("`compression` cannot be combined with `staleness` > 0")
-
-
 def check_backward_passes(passes):
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
         raise ValueError(f"`backward_passes_per_step` must be an int >= 1, got {passes!r}")

@@ -205,7 +205,7 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             layer), so about 2k (N - 1) / N entries per worker, flat in N; it applies a global
             top-k of the SUM of the selections, not the average of every selection, and what
             was sent but not kept goes back to the sender's residual. Grouped exchange only;
-            not with ``staleness``, ``compression`` or the adaptive policy. ``"dense"``:
+            not with ``staleness`` or the adaptive policy. ``"dense"``:
             Horovod's allreduce of every gradient (nothing selected). ``"auto"``: when the
             optimizer is built, whichever of those that can run the other options a latency /
             bandwidth model timed on the live job says is fastest for this N and density
@@ -214,8 +214,9 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         compression: ``"none"`` (default), ``"float16"`` or ``"bfloat16"``: float32 gradient
             values travel as 16-bit floats, sparse and dense routes alike, and the rounding
             error stays in the residual (``sparse_hvd.compression``): half the value bytes, and
-            unlike Horovod's fp16 compression nothing is lost. With ``exchange="allgather"``
-            or ``"dense"`` (``"auto"`` then chooses between those).
+            unlike Horovod's fp16 compression nothing is lost. With every exchange and with
+            ``staleness`` (the sparse allreduce sends 16-bit values to the owners; their sums
+            travel in the gradients' dtype).
         backward_passes_per_step: B >= 1 (Horovod's name and meaning): each rank adds up B
             backward passes locally and exchanges once, so the bytes per sample drop B-fold; the
             inner optimizer steps once per B passes (``iterations`` counts exchanges). Keras'
@@ -307,7 +308,6 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
         checks.check_process_set(process_set)
         checks.check_backward_passes(backward_passes_per_step)
         wire_compression = Compression(compression)
-        checks.check_compression_with_staleness(wire_compression, staleness)
         candidates = checks.exchange_candidates(exchange, grouping, staleness, policy,
                                                 wire_compression)
         checks.check_boolean(average_aggregated_gradients, "average_aggregated_gradients")

@@ -71,6 +71,9 @@ class DelayedExchange:
         self.exchange = exchange
         self.num_elements = list(num_elements)
         self.dtypes = [np.dtype(d) for d in dtypes]
+        # what sparse values travel as: 16-bit with the exchange's compression
+        self.wire_dtypes = [np.dtype((exchange.compression.wire_dtype(d) or tf.as_dtype(d))
+                                     .as_numpy_dtype) for d in self.dtypes]
         self._queue = deque()  # (step, layout, finite, arrays), in submission order
         self._results: Dict[int, Delayed] = {}
         self._pending: List[int] = []  # submitted and not yet taken, in order
@@ -124,7 +127,7 @@ class DelayedExchange:
         for index in layout.sparse:
             values, indices = (result.own.get(index) if result and not result.finite else None) or (
                 np.zeros(0, self.dtypes[index]), np.zeros(0, np.int32))
-            sent += [values, indices]
+            sent += [values.astype(self.dtypes[index]), indices]  # 16-bit widened: exact
         return [np.bool_(result is not None), np.bool_(result is None or result.finite)] + averages + sent
 
     # ---- called eagerly, between steps ---------------------------------------------------------
@@ -175,13 +178,14 @@ class DelayedExchange:
     def _exchange(self, layout: PayloadLayout, finite: bool, arrays) -> Delayed:
         """One step's exchange: two eager Horovod collectives, everything else in NumPy.
 
-        1. Each sparse variable's payload becomes one int32 table (:func:`pack`): a header row
-           with its entry count, then one row per entry holding the value's bits and its index.
-           All tables, and the rank's finiteness flag, go to every rank in ONE
+        1. Each sparse variable's payload becomes one int32 table (:func:`pack`): its entry
+           count, the values' bits (16-bit values with ``compression``, two to a word), then
+           the indices. All tables, and the rank's finiteness flag, go to every rank in ONE
            ``grouped_allgather`` (an eager collective costs at least one Horovod cycle, and they
            run one after another here).
         2. The dense-route gradients are averaged by one ``grouped_allreduce`` per dtype.
-        3. Each rank's entries are added into a zero vector rank by rank (:func:`unpack_sum`);
+        3. Each rank's entries are widened to the variable's dtype and added into a zero vector
+           rank by rank (:func:`unpack_sum`);
            within one rank the indices are distinct, so the order of additions is fixed: the
            same bits on every rank. Then the sum is divided by the number of workers.
 
@@ -208,7 +212,8 @@ class DelayedExchange:
         if not everywhere:  # nothing of this step is applied; skip the arithmetic
             return Delayed(False, self._zeros_where_none(averages), own if finite else {})
         for index, table in zip(layout.sparse, tables):
-            total = unpack_sum(table, self.num_elements[index], self.dtypes[index])
+            total = unpack_sum(table, self.num_elements[index], self.dtypes[index],
+                               self.wire_dtypes[index])
             averages[index] = total if size == 1 else total / total.dtype.type(size)
         dense = arrays[2 * count:]
         if dense:
@@ -224,37 +229,35 @@ class DelayedExchange:
                 for a, n, d in zip(averages, self.num_elements, self.dtypes)]
 
 
-def _words(dtype) -> int:
-    """int32 words that hold one value of ``dtype`` (2-byte values are zero-extended)."""
-    return max(1, np.dtype(dtype).itemsize // 4)
+def _value_words(count: int, dtype) -> int:
+    """int32 words that hold ``count`` values of ``dtype`` (two 16-bit values to a word)."""
+    return -(-count * np.dtype(dtype).itemsize // 4)
 
 
 def pack(values: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """One rank's selection as an int32 table: ``[[m, 0...], [value bits..., index], ...]``."""
-    m, words = len(values), _words(values.dtype)
-    table = np.zeros((m + 1, words + 1), np.int32)
-    table[0, 0] = m
-    if values.dtype.itemsize == 2:
-        table[1:, 0] = values.view(np.uint16)
-    else:
-        table[1:, :words] = values.view(np.int32).reshape(m, words)
-    table[1:, words] = indices
+    """One rank's selection as flat int32 words: ``[m, the m values' bits (padded to a whole
+    word), the m indices]``; 16-bit values (``compression``) take half a word each."""
+    m = len(values)
+    words = _value_words(m, values.dtype)
+    table = np.zeros(1 + words + m, np.int32)
+    table[0] = m
+    table[1:1 + words].view(np.uint8)[:values.nbytes] = values.view(np.uint8)
+    table[1 + words:] = indices
     return table
 
 
-def unpack_sum(table: np.ndarray, num_elements: int, dtype) -> np.ndarray:
-    """The sum, added rank by rank in rank order, of the selections stacked in ``table``."""
+def unpack_sum(table: np.ndarray, num_elements: int, dtype, wire_dtype=None) -> np.ndarray:
+    """The sum in ``dtype``, added rank by rank in rank order, of the selections (values of
+    ``wire_dtype``, default ``dtype``) packed one after another in ``table``."""
     dtype = np.dtype(dtype)
-    words = _words(dtype)
+    wire_dtype = dtype if wire_dtype is None else np.dtype(wire_dtype)
     total = np.zeros(num_elements, dtype)
-    row = 0
-    while row < len(table):
-        m = int(table[row, 0])
-        entries = table[row + 1: row + 1 + m]
-        if dtype.itemsize == 2:
-            values = entries[:, 0].astype(np.uint16).view(dtype)
-        else:
-            values = np.ascontiguousarray(entries[:, :words]).view(dtype).reshape(m)
-        total[entries[:, words]] += values  # distinct indices within one rank
-        row += m + 1
+    at = 0
+    while at < len(table):
+        m = int(table[at])
+        words = _value_words(m, wire_dtype)
+        values = table[at + 1:at + 1 + words].view(np.uint8)[:m * wire_dtype.itemsize]
+        indices = table[at + 1 + words:at + 1 + words + m]
+        total[indices] += values.view(wire_dtype).astype(dtype)  # distinct within one rank
+        at += 1 + words + m
     return total

@@ -78,8 +78,10 @@ class DelayedUpdates:
         self._dtypes = [tf.as_dtype(variable.dtype) for variable in var_list]
         self._shapes = [variable.shape for variable in var_list]
         self._num_elements = [route.num_elements for route in routes]
+        self.compression = optimizer._compression
         self.pipeline = DelayedExchange(
-            create_exchange("allgather", name=f"{name}.delayed", process_set=process_set),
+            create_exchange("allgather", name=f"{name}.delayed", process_set=process_set,
+                            compression=self.compression),
             self._num_elements, [d.as_numpy_dtype for d in self._dtypes],
         )
 
@@ -89,12 +91,19 @@ class DelayedUpdates:
         """Step 1 of the module doc: hand ``payload`` (densified rows) and whether this rank's
         gradients were finite to the pipeline."""
         layout = PayloadLayout(tuple(payload.sparse.keys), tuple(payload.dense.keys))
-        arrays = [t for s in payload.sparse.items for t in (s.values, s.indices)]
+        arrays = [t for s in payload.sparse.items
+                  for t in (self._as_sent(s.values), s.indices)]
         arrays += [tf.reshape(g, [-1]) for g in payload.dense.items]
         tf.numpy_function(functools.partial(self.pipeline.submit, layout),
                           [step, finite_here] + arrays, tf.int64, stateful=True,
                           name="submit")
         return layout
+
+    def _as_sent(self, values):
+        """Sparse values as they travel: 16-bit with ``compression`` (the payload holds values
+        rounded to it already, so the cast is exact)."""
+        half = self.compression.wire_dtype(values.dtype)
+        return values if half is None else tf.cast(values, half)
 
     def take_due(self, due, layout: PayloadLayout, record_wait: Callable) -> Due:
         """Step 2 of the module doc: step ``due``'s average, from the slots after a restore,

@@ -78,10 +78,6 @@ def test_rounded_is_exact_in_sum():
 def test_compression_is_checked_and_serialised():
     with pytest.raises(ValueError, match="`compression` must be one of .*'float16'.*got 'fp16'"):
         sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), compression="fp16")
-    with pytest.raises(ValueError, match="`compression` cannot be combined with "
-                                         "exchange='sparse_allreduce'"):
-        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), compression="float16",
-                                              exchange="sparse_allreduce")
     optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), compression="bfloat16")
     assert sparse_hvd.SparseDistributedOptimizer.from_config(optimizer.get_config()).compression == "bfloat16"
 

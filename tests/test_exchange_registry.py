@@ -38,19 +38,15 @@ def test_auto_chooses_among_the_exchanges_whose_capabilities_fit():
         "allgather", "sparse_allreduce", "dense"}
     # 16-bit values: the sparse allreduce sums in the gradients' dtype
     half = checks.exchange_candidates("auto", "grouped", 0, constant, Compression("float16"))
-    assert set(half) == {"allgather", "dense"}
+    assert set(half) == {"allgather", "sparse_allreduce", "dense"}
     assert set(checks.exchange_candidates("auto", "grouped", 2, constant, Compression())) == {
         "allgather", "dense"}  # staleness: not the sparse allreduce
     assert set(checks.exchange_candidates("auto", "layerwise", 0, AdaptiveDensity(),
                                       Compression())) == {
         "allgather", "dense"}
-    with pytest.raises(ValueError, match="`compression` cannot be combined with "
-                                         "exchange='sparse_allreduce'"):
-        checks.exchange_candidates("sparse_allreduce", "grouped", 0, constant,
-                                   Compression("float16"))
     seconds = {"allgather": 3.0, "sparse_allreduce": 1.0, "dense": 2.0}
     assert decide(seconds) == "sparse_allreduce"
-    assert decide(seconds, half) == "dense"
+    assert decide(seconds, ("allgather", "dense")) == "dense"
     assert decide(seconds, ("allgather",)) == "allgather"
 
 

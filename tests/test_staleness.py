@@ -262,6 +262,57 @@ def test_staleness_with_momentum_correction_as_a_numpy_recomputation(mode):
     np.testing.assert_allclose(small.numpy(), final[1], rtol=1e-6, atol=1e-6)
 
 
+def _float16(values):
+    return np.clip(values, -65504, 65504).astype(np.float16).astype(np.float32)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_staleness_with_float16_values_as_a_numpy_recomputation(mode):
+    """compression="float16" through the delayed pipeline: the sparse values and the dense
+    gradient travel rounded to float16, the rounding error stays in each residual, and the
+    average is applied tau steps late."""
+    tau, steps, density, lr = 2, 7, 0.05, 0.3
+    rng = np.random.RandomState(11)
+    big, small = np.ones(BIG, "float32"), np.full(SMALL, 2.0, "float32")
+    residual = np.zeros(big.size, "float32")
+    small_residual = np.zeros(SMALL, "float32")
+    k, lr32, sent, expected = math.ceil(density * big.size), np.float32(lr), {}, []
+    for t in range(steps):
+        g_big, g_small = _gradients(rng, big, small)
+        compensated = g_big.ravel() + residual
+        chosen, _, residual = numpy_topk_split(compensated, k)
+        update = np.zeros_like(compensated)
+        update[chosen] = _float16(compensated[chosen])
+        residual[chosen] = compensated[chosen] - update[chosen]
+        small_sent = _float16(g_small + small_residual)
+        small_residual = (g_small + small_residual) - small_sent
+        sent[t] = (update.reshape(BIG), small_sent)
+        if t - tau in sent:
+            u_big, u_small = sent.pop(t - tau)
+            big, small = big - lr32 * u_big, small - lr32 * u_small
+        expected.append((big.copy(), small.copy()))
+
+    big_v = keras.Variable(np.ones(BIG, "float32"))
+    small_v = keras.Variable(np.full(SMALL, 2.0, "float32"))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(lr), density=density, staleness=tau, compression="float16",
+        warmup_steps=0)
+
+    def step(g_big, g_small):
+        optimizer.apply_gradients([(g_big, big_v), (g_small, small_v)])
+
+    step = tf.function(step) if mode == "function" else step
+    rng = np.random.RandomState(11)
+    for t in range(steps):
+        g_big, g_small = _gradients(rng, big_v.numpy(), small_v.numpy())
+        step(tf.constant(g_big), tf.constant(g_small))
+        np.testing.assert_array_equal(big_v.numpy(), expected[t][0], err_msg=f"step {t}")
+        np.testing.assert_array_equal(small_v.numpy(), expected[t][1], err_msg=f"step {t}")
+    np.testing.assert_array_equal(optimizer.residuals[0].numpy().ravel(), residual)
+    np.testing.assert_array_equal(optimizer.residuals[1].numpy(), small_residual)
+    assert np.count_nonzero(residual[np.abs(residual) < 1e-2]) > 0  # rounding errors kept
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_packed_tables_sum_every_ranks_entries_in_rank_order(dtype):
     from sparse_hvd.pipeline import pack, unpack_sum

@@ -8,9 +8,13 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
 1. one index space: every sparse-route variable gets a contiguous range, in build order;
 2. regions: the space is cut into N contiguous regions, one per rank (``boundaries``, the same
    on every rank); each worker sends each region's selected (index, value) pairs to the
-   region's owner: ONE ``alltoall`` with splits for all variables together;
+   region's owner: ONE ``alltoall`` with splits for all variables together, one block per
+   owner, ``[indices | values as int32 words]`` (with ``compression`` the values are 16-bit,
+   two to a word: 6 bytes an entry instead of 8);
 3. each owner sums what it received, entry by entry in rank order (a sparse reduce-scatter; the
-   same additions in the same order as the allgather exchange, so the same bits);
+   same additions in the same order as the allgather exchange, so the same bits), 16-bit
+   values widened to the gradients' dtype first; the sums stay in that dtype (a sum of 16-bit
+   values is not one) for the rest of the step;
 4. global selection: each owner keeps the summed entries whose magnitude reaches their
    variable's global threshold ``theta`` (identical on every rank), about k of the variable's
    entries in all; at the first step theta is 0 and every summed entry is kept;
@@ -48,6 +52,7 @@ import tensorflow as tf
 
 from .. import collectives, lockstep, wire
 from ..averaging import average_entries, sum_rank_by_rank
+from ..compression import NONE
 from ..payload import Payload
 from ..sparsifiers import spread_positions
 from .base import HEADER_FIELDS, checked_headers, header, register
@@ -121,9 +126,10 @@ class SparseAllreduce:
         process_set: Horovod process set (the global one by default).
     """
 
-    def __init__(self, name, process_set=None):
+    def __init__(self, name, process_set=None, compression=NONE):
         self.name = name
         self.process_set = process_set
+        self.compression = compression
         self.thresholds = None
         self._layout = None  # (header length, words per value, dense tensors): for announce()
 
@@ -158,29 +164,29 @@ class SparseAllreduce:
             raise ValueError("exchange='sparse_allreduce' needs one dtype for every sparsely "
                              f"sent gradient, got {sorted({s.values.dtype.name for s in selections})}; "
                              "use exchange='allgather'")
-        words = wire.words_per_value(dtype)
         order = sorted(range(len(keys)), key=lambda j: keys[j])  # ascending in the index space
         starts = tf.constant([self.offsets[keys[j]] for j in order], tf.int32)
         boundaries = tf.convert_to_tensor(self.boundaries)
         levels = len(LEVELS)
 
-        # Step 2: every selected entry as one int32 row (global index, value words), by owner
+        # Step 2: each owner's block, [its entries' global indices | their values as words]
         sent = [s.indices + self.offsets[key] for s, key in zip(selections, keys)]
         indices = tf.concat(sent, 0)
         values = tf.concat([s.values for s in selections], 0)
-        rows = tf.concat([tf.expand_dims(indices, 1),
-                          tf.reshape(wire.to_words(values), [-1, words])], 1)
-        by_owner = tf.dynamic_partition(rows, owners_of(tf.cast(indices, tf.int64), boundaries),
-                                        size)
-        splits = tf.stack([tf.shape(part)[0] for part in by_owner])
-        received, from_each = collectives.alltoall(tf.concat(by_owner, 0), splits,
+        owners = owners_of(tf.cast(indices, tf.int64), boundaries)
+        blocks = [tf.concat([owned, self.compression.encode(owned_values)], 0)
+                  for owned, owned_values in zip(tf.dynamic_partition(indices, owners, size),
+                                                 tf.dynamic_partition(values, owners, size))]
+        splits = tf.stack([tf.size(block) for block in blocks])
+        received, from_each = collectives.alltoall(tf.concat(blocks, 0), splits,
                                         name=f"{self.name}.sparse_allreduce.scatter",
                                         process_set=self.process_set, step=step)
 
-        # Step 3: the sums, in rank order (the rows arrive rank by rank), ascending by index
-        unique, slot = tf.unique(received[:, 0])
-        sums = sum_rank_by_rank(wire.from_words(tf.reshape(received[:, 1:], [-1]), dtype), slot,
-                                from_each, tf.size(unique))
+        # Step 3: the sums, in rank order (the blocks arrive rank by rank), ascending by index
+        received_indices, received_values, per_rank = self._unpack_blocks(received, from_each,
+                                                                          dtype)
+        unique, slot = tf.unique(received_indices)
+        sums = sum_rank_by_rank(received_values, slot, per_rank, tf.size(unique))
         ascending = tf.argsort(unique)
         unique, sums = tf.gather(unique, ascending), tf.gather(sums, ascending)
 
@@ -197,7 +203,7 @@ class SparseAllreduce:
         # Step 5: gather the kept entries, the headers and the dense words
         quantiles = _sampled_quantiles(indices, size, boundaries[1:-1])
         own = tf.concat([tf.reshape(counts, [-1]), tf.cast(quantiles, tf.int32)], 0)
-        self._layout = (levels * len(keys) + size - 1, words, len(dense_words))
+        self._layout = (levels * len(keys) + size - 1, len(dense_words))
         gathered = collectives.grouped_allgather(
             [header(finite_here, step, rest=own), tf.boolean_mask(unique, keep),
              wire.to_words(tf.boolean_mask(sums, keep))] + list(dense_words),
@@ -250,6 +256,24 @@ class SparseAllreduce:
             [[0], tf.reduce_sum(quantiles, 0) // size, [self.total]], 0))
         return Result(averages, returned, finite, gathered[3:])
 
+    def _unpack_blocks(self, received, from_each, dtype):
+        """Step 3's input: the blocks this owner received (``from_each[r]`` int32 words from
+        rank r, each ``[m indices | their values as words]``) as ``(indices, values, m per
+        rank)``, in rank order. A block of m entries has m + ceil(m / 2) words with 16-bit
+        values (two to a word) and m (1 + w) with values of w words."""
+        from_each = tf.cast(from_each, tf.int32)
+        if self.compression.wire_dtype(dtype) is not None:
+            per_rank = (2 * from_each) // 3
+        else:
+            per_rank = from_each // (1 + wire.words_per_value(dtype))
+        rank_of = tf.repeat(tf.range(tf.size(from_each)), from_each)
+        within = tf.range(tf.size(received)) - tf.gather(tf.cumsum(from_each, exclusive=True),
+                                                         rank_of)
+        is_index = within < tf.gather(per_rank, rank_of)
+        values = self.compression.decode(tf.boolean_mask(received, tf.logical_not(is_index)),
+                                         dtype, per_rank)
+        return tf.boolean_mask(received, is_index), values, per_rank
+
     @property
     def traced(self) -> bool:
         """Whether a step was traced (and :meth:`announce` knows what to send)."""
@@ -260,16 +284,16 @@ class SparseAllreduce:
         (``lockstep.FINISHED`` or ``EPOCH_END`` after ``step`` steps); raises unless every rank
         does the same. In a trace (``Exchange.assert_same_step``), after a step was
         (:attr:`traced`)."""
-        own_length, words, dense = self._layout
+        own_length, dense = self._layout
         # Horovod's ops are not marked stateful: grappler's constant folding would run (and
         # re-run) a collective whose inputs are all constants while it optimizes the function.
         # So the splits (all zero) are computed from an argument.
         no_rows = tf.fill([self.size], tf.minimum(tf.cast(state, tf.int32), 0))
         received, _ = collectives.alltoall(
-            tf.zeros([0, 1 + words], tf.int32), no_rows,
+            tf.zeros([0], tf.int32), no_rows,
             name=f"{self.name}.sparse_allreduce.scatter", process_set=self.process_set)
         # in the step's order: the gather starts once the scatter is done
-        empty = tf.zeros([0], tf.int32) + tf.reduce_sum(received[:0, :1])
+        empty = tf.zeros([0], tf.int32) + tf.reduce_sum(received[:0])
         first = tf.concat([header(True, step, state, rest=tf.zeros([own_length], tf.int32)),
                            empty], 0)
         gathered = collectives.grouped_allgather(
@@ -283,7 +307,6 @@ class SparseAllreduceExchange(FusedAllgather):
     """The exchange around :class:`SparseAllreduce`: the small dense-route gradients travel in
     its allgather (step 5); a step without sparse selections is the fused allgather's."""
 
-    compression_capable = False
     layer_budgets = False
     staleness = False
     returns_unsent = True
@@ -291,7 +314,7 @@ class SparseAllreduceExchange(FusedAllgather):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.sparse_allreduce = SparseAllreduce(self.name, self.process_set)
+        self.sparse_allreduce = SparseAllreduce(self.name, self.process_set, self.compression)
 
     def build(self, optimizer, routes):
         self.sparse_allreduce.build(optimizer, routes, self.size)

@@ -18,8 +18,9 @@ DENSITY = 0.02
 class NumpyRule:
     """The documented rule (sparse_hvd/exchanges/sparse_allreduce.py, steps 2-8) for every rank at once."""
 
-    def __init__(self, size, select):
+    def __init__(self, size, select, rounding=None):
         self.size, self.select = size, select
+        self.rounding = rounding or (lambda values: values)  # what compression sends
         self.sizes = [int(np.prod(s)) for s in SHAPES]
         self.budgets = [math.ceil(DENSITY * n) for n in self.sizes]
         self.theta = [0.0] * len(SHAPES)
@@ -33,9 +34,10 @@ class NumpyRule:
             for r in range(self.size):
                 compensated = grads[r][v] + self.residuals[r][v]
                 chosen = self.select(r, compensated, self.budgets[v])
-                sent.append((chosen, compensated[chosen]))
+                values = self.rounding(compensated[chosen])
+                sent.append((chosen, values))
                 self.residuals[r][v] = compensated.copy()
-                self.residuals[r][v][chosen] = 0.0
+                self.residuals[r][v][chosen] -= values  # zero, or the rounding error
             sums = {}
             for chosen, values in sent:  # rank order, from 0.0 as the segment sum does
                 for i, x in zip(chosen.tolist(), values.tolist()):
@@ -72,16 +74,16 @@ def _gradients(rank, step, silent_rank=None):
     return grads
 
 
-def _run(hvd, sparsifier, select, steps, silent_rank, name):
+def _run(hvd, sparsifier, select, steps, silent_rank, name, compression="none", rounding=None):
     rank, size = hvd.rank(), hvd.size()
     variables = [keras.Variable(np.zeros(s), dtype="float64") for s in SHAPES]
     bias = keras.Variable(np.zeros(10), dtype="float64")
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(1.0), density=DENSITY, sparsifier=sparsifier,
-        exchange="sparse_allreduce", name=name)
+        exchange="sparse_allreduce", compression=compression, warmup_steps=0, name=name)
     step = tf.function(lambda a, b, c: optimizer.apply_gradients(
         [(a, variables[0]), (b, variables[1]), (c, bias)]))
-    rule = NumpyRule(size, select)
+    rule = NumpyRule(size, select, rounding)
     expected = [np.zeros(int(np.prod(s))) for s in SHAPES]
     state = optimizer._exchange.sparse_allreduce
     for t in range(steps):
@@ -97,7 +99,8 @@ def _run(hvd, sparsifier, select, steps, silent_rank, name):
                                           rule.residuals[rank][v],
                                           err_msg=f"residual of variable {v} at step {t}")
         np.testing.assert_array_equal(state.thresholds.numpy()[:2], rule.theta)
-    np.testing.assert_allclose(bias.numpy(), -steps * (size - 1) / 2 * np.ones(10))
+    if rounding is None:  # the bias goes dense; with compression it is rounded too
+        np.testing.assert_allclose(bias.numpy(), -steps * (size - 1) / 2 * np.ones(10))
     bounds = gather(hvd, state.boundaries.numpy().tolist(), name=f"{name}.bounds")
     assert all(b == bounds[0] for b in bounds)
     return rule, bounds[0]
@@ -111,6 +114,20 @@ def test_each_step_applies_the_kept_sums_and_returns_the_rest(hvd):
     assert all(theta > 0 for theta in rule.theta)
     assert bounds[0] == 0 and bounds[-1] == 4600 and bounds == sorted(bounds)
     assert bounds[1] < 4600 // hvd.size(), "the regions did not follow the selections"
+
+
+def test_float16_values_reach_the_owners_and_the_rounding_stays_in_the_residual(hvd):
+    # compression="float16": each rank's selected values are rounded to float16 (and travel
+    # so, two to a word), the owners sum them in float64; residual = compensated - rounded
+    def to_float16(values):
+        return np.clip(values, -65504, 65504).astype(np.float16).astype(np.float64)
+
+    rule, _ = _run(hvd, "topk", lambda r, c, k: numpy_topk_indices(c, k), steps=4,
+                   silent_rank=None, name="sar_float16", compression="float16",
+                   rounding=to_float16)
+    rank = hvd.rank()
+    assert any(np.any((r != 0) & (np.abs(r) < 1e-2)) for r in rule.residuals[rank]), \
+        "no rounding error was kept"
 
 
 def test_a_rank_that_sends_nothing_and_empty_regions(hvd):
