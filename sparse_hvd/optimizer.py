@@ -204,8 +204,8 @@ class SparseDistributedOptimizer(keras.optimizers.Optimizer):
             index space and keeps the entries whose sum passes a global threshold (about k per
             layer), so about 2k (N - 1) / N entries per worker, flat in N; it applies a global
             top-k of the SUM of the selections, not the average of every selection, and what
-            was sent but not kept goes back to the sender's residual. Grouped exchange only;
-            not with ``staleness`` or the adaptive policy. ``"dense"``:
+            was sent but not kept goes back to the sender's residual (``grouping="layerwise"``:
+            one per variable). Not with ``staleness``. ``"dense"``:
             Horovod's allreduce of every gradient (nothing selected). ``"auto"``: when the
             optimizer is built, whichever of those that can run the other options a latency /
             bandwidth model timed on the live job says is fastest for this N and density

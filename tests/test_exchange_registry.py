@@ -16,7 +16,8 @@ from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 def test_every_exchange_is_registered_with_its_groupings():
     assert set(available()) == {"dense", "allgather", "sparse_allreduce"}
     assert set(groupings_of("allgather")) == {"grouped", "layerwise"}
-    assert groupings_of("sparse_allreduce") == ("grouped",)
+    assert set(groupings_of("sparse_allreduce")) == {"grouped", "layerwise"}
+    assert exchange_class("sparse_allreduce", "layerwise").per_layer
     assert exchange_class("allgather", "layerwise").per_layer
     assert not exchange_class("allgather", "grouped").per_layer
     made = create("sparse_allreduce", name="t", compression=None)
@@ -26,24 +27,32 @@ def test_every_exchange_is_registered_with_its_groupings():
 def test_unknown_names_and_groupings_are_refused_naming_what_exists():
     with pytest.raises(ValueError, match="`exchange` must be one of .*'allgather'.*'auto'.*got 'ring'"):
         exchange_class("ring")
-    with pytest.raises(ValueError, match="exchange='sparse_allreduce' cannot be combined with "
-                                         "grouping='layerwise': .*one alltoall"):
-        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1),
-                                              exchange="sparse_allreduce", grouping="layerwise")
+
+    @register("test_grouped_only", grouping="grouped")
+    class GroupedOnly(Exchange):
+        grouping_reason = "it moves every variable in one collective."
+
+    try:
+        with pytest.raises(ValueError, match="exchange='test_grouped_only' cannot be combined "
+                                             "with grouping='layerwise': it moves every"):
+            sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                  exchange="test_grouped_only",
+                                                  grouping="layerwise")
+    finally:
+        del _REGISTRY[("test_grouped_only", "grouped")]
 
 
 def test_auto_chooses_among_the_exchanges_whose_capabilities_fit():
     constant = ConstantDensity(0.01)
     assert set(checks.exchange_candidates("auto", "grouped", 0, constant, Compression())) == {
         "allgather", "sparse_allreduce", "dense"}
-    # 16-bit values: the sparse allreduce sums in the gradients' dtype
     half = checks.exchange_candidates("auto", "grouped", 0, constant, Compression("float16"))
     assert set(half) == {"allgather", "sparse_allreduce", "dense"}
     assert set(checks.exchange_candidates("auto", "grouped", 2, constant, Compression())) == {
         "allgather", "dense"}  # staleness: not the sparse allreduce
     assert set(checks.exchange_candidates("auto", "layerwise", 0, AdaptiveDensity(),
                                       Compression())) == {
-        "allgather", "dense"}
+        "allgather", "sparse_allreduce", "dense"}
     seconds = {"allgather": 3.0, "sparse_allreduce": 1.0, "dense": 2.0}
     assert decide(seconds) == "sparse_allreduce"
     assert decide(seconds, ("allgather", "dense")) == "dense"

@@ -9,6 +9,7 @@ registered under the name ``exchange=`` takes and the ``grouping`` it runs:
 ``"allgather"``        grouped      ``fused_allgather``: one grouped allgather a step
 ``"allgather"``        layerwise    ``layerwise``: an allgather pair per variable
 ``"sparse_allreduce"`` grouped      ``sparse_allreduce``: regions summed by owners
+``"sparse_allreduce"`` layerwise    ``sparse_allreduce``: the same, one per variable
 ``"dense"``            both         ``dense``: Horovod's allreduce of every gradient
 =====================  ===========  ==================================================
 

@@ -55,7 +55,7 @@ from ..averaging import average_entries, sum_rank_by_rank
 from ..compression import NONE
 from ..payload import Payload
 from ..sparsifiers import spread_positions
-from .base import HEADER_FIELDS, checked_headers, header, register
+from .base import HEADER_FIELDS, Exchange, checked_headers, header, register
 from .fused_allgather import FusedAllgather
 
 # theta x these: the levels every owner counts (step 5); the first is the kept set itself
@@ -307,10 +307,8 @@ class SparseAllreduceExchange(FusedAllgather):
     """The exchange around :class:`SparseAllreduce`: the small dense-route gradients travel in
     its allgather (step 5); a step without sparse selections is the fused allgather's."""
 
-    layer_budgets = False
     staleness = False
     returns_unsent = True
-    grouping_reason = "the sparse allreduce exchanges every variable in one alltoall."
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -339,3 +337,40 @@ class SparseAllreduceExchange(FusedAllgather):
         if self.sparse_allreduce.traced:
             return self.sparse_allreduce.announce(step, state)
         return super()._announce(step, state)
+
+
+@register("sparse_allreduce", grouping="layerwise")
+class LayerwiseSparseAllreduce(Exchange):
+    """``grouping="layerwise"``: one sparse allreduce per variable (its own alltoall and
+    allgather, named by the variable's key), which TensorFlow starts as soon as that variable's
+    gradient exists, while backprop of the layers below goes on (as the layer-wise allgather
+    does). Each variable is an index space of its own, with its own regions and threshold;
+    steps 2-8 of the module doc are otherwise the same. Dense-route gradients: one allreduce
+    each. Whether every rank was finite comes with the headers of the sparse variables'
+    allgathers (a tiny allreduce when there are none)."""
+
+    per_layer = True
+    staleness = False
+    returns_unsent = True
+
+    def build(self, optimizer, routes):
+        self.parts = {}
+        for key, route in enumerate(routes):
+            if route.sparse:
+                part = SparseAllreduce(f"{self.name}.{key}", self.process_set, self.compression)
+                part.build(optimizer, [route], self.size)
+                self.parts[key] = part
+
+    def _average_many(self, payload: Payload, sizes, step):
+        finite_here = payload.finite_here()
+        averages, returned, finite = [], [], []
+        for selection, key, n, budget in zip(payload.sparse.items, payload.sparse.keys, sizes,
+                                             payload.budgets):
+            result = self.parts[key].step([selection], [0], [n], [budget], finite_here,
+                                          step=step)
+            averages += result.averages
+            returned += result.returned
+            finite.append(result.finite)
+        finite = tf.reduce_all(finite) if finite else self.finite_everywhere(payload, step)
+        dense = self.dense_average(payload.dense.items, payload.dense.keys, step)
+        return averages, dense, finite, returned

@@ -74,18 +74,26 @@ def _gradients(rank, step, silent_rank=None):
     return grads
 
 
-def _run(hvd, sparsifier, select, steps, silent_rank, name, compression="none", rounding=None):
+def _thresholds(exchange):
+    """The thresholds of the two sparse variables (one state, or one per variable)."""
+    if exchange.per_layer:
+        return [float(exchange.parts[key].thresholds.numpy()[0]) for key in (0, 1)]
+    return exchange.sparse_allreduce.thresholds.numpy()[:2].tolist()
+
+
+def _run(hvd, sparsifier, select, steps, silent_rank, name, compression="none", rounding=None,
+         grouping="grouped"):
     rank, size = hvd.rank(), hvd.size()
     variables = [keras.Variable(np.zeros(s), dtype="float64") for s in SHAPES]
     bias = keras.Variable(np.zeros(10), dtype="float64")
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(1.0), density=DENSITY, sparsifier=sparsifier,
-        exchange="sparse_allreduce", compression=compression, warmup_steps=0, name=name)
+        exchange="sparse_allreduce", compression=compression, warmup_steps=0, grouping=grouping,
+        name=name)
     step = tf.function(lambda a, b, c: optimizer.apply_gradients(
         [(a, variables[0]), (b, variables[1]), (c, bias)]))
     rule = NumpyRule(size, select, rounding)
     expected = [np.zeros(int(np.prod(s))) for s in SHAPES]
-    state = optimizer._exchange.sparse_allreduce
     for t in range(steps):
         everyone = [_gradients(r, t, silent_rank) for r in range(size)]
         mine = everyone[rank]
@@ -98,10 +106,13 @@ def _run(hvd, sparsifier, select, steps, silent_rank, name, compression="none", 
             np.testing.assert_array_equal(optimizer.residuals[v].numpy().reshape(-1),
                                           rule.residuals[rank][v],
                                           err_msg=f"residual of variable {v} at step {t}")
-        np.testing.assert_array_equal(state.thresholds.numpy()[:2], rule.theta)
+        np.testing.assert_array_equal(_thresholds(optimizer._exchange), rule.theta)
     if rounding is None:  # the bias goes dense; with compression it is rounded too
         np.testing.assert_allclose(bias.numpy(), -steps * (size - 1) / 2 * np.ones(10))
-    bounds = gather(hvd, state.boundaries.numpy().tolist(), name=f"{name}.bounds")
+    if grouping == "layerwise":
+        return rule, None
+    bounds = gather(hvd, optimizer._exchange.sparse_allreduce.boundaries.numpy().tolist(),
+                    name=f"{name}.bounds")
     assert all(b == bounds[0] for b in bounds)
     return rule, bounds[0]
 
@@ -128,6 +139,14 @@ def test_float16_values_reach_the_owners_and_the_rounding_stays_in_the_residual(
     rank = hvd.rank()
     assert any(np.any((r != 0) & (np.abs(r) < 1e-2)) for r in rule.residuals[rank]), \
         "no rounding error was kept"
+
+
+def test_layerwise_runs_the_same_rule_one_variable_at_a_time(hvd):
+    # grouping="layerwise": a sparse allreduce per variable; the thresholds and the kept sums
+    # are per variable in both groupings, so the same NumPy rule holds, bit for bit
+    rule, _ = _run(hvd, "topk", lambda r, c, k: numpy_topk_indices(c, k), steps=4,
+                   silent_rank=None, name="sar_layerwise", grouping="layerwise")
+    assert all(theta > 0 for theta in rule.theta)
 
 
 def test_a_rank_that_sends_nothing_and_empty_regions(hvd):
