@@ -120,6 +120,8 @@ def check_momentum_correction(momentum, optimizer):
         raise ValueError(f"`momentum_correction` must be a number in [0, 1), got {momentum!r}")
     if not momentum:
         return
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):  # mixed precision
+        optimizer = optimizer.inner_optimizer
     if not isinstance(optimizer, keras.optimizers.SGD):
         raise ValueError(
             "`momentum_correction` replaces SGD's momentum: wrap keras.optimizers.SGD(lr) "

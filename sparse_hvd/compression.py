@@ -10,6 +10,12 @@ gradient is lost, only delayed:
 2. the dense route: ``c = gradient + residual`` (that residual is zero without compression) is
    rounded the same way, ``residual = c - float(h(c))``, and ``h(c)`` is exchanged;
 3. what arrives is widened back to the variable's dtype before it is summed, rank by rank.
+   The exception is a dense-route gradient that goes through Horovod's allreduce (with
+   ``grouping="layerwise"``, or too large to travel in the fused allgather): with float16
+   Horovod sums the 16-bit values in float16, so the sum over the ranks is rounded (to half a
+   float16 unit in the last place per addition), as with Horovod's own fp16 compression; each
+   rank's own rounding error is still kept. bfloat16 is summed in float32 (Horovod cannot
+   reduce it), so nothing is rounded there.
 
 One :class:`Compression` object holds the setting, and every part that touches values uses it:
 the routes (bytes per value), error feedback (:meth:`Compression.round`), and every exchange
