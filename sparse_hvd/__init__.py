@@ -9,20 +9,25 @@ and launch it with ``horovodrun``, ``mpirun`` or ``srun``.
 
 __version__ = "0.1.0"
 
-from .broadcast import average_variables, broadcast_variables
-from .callbacks import (
+from . import _moved
+
+_moved.install(__name__)  # the old module paths (sparse_hvd.density, ...) keep working
+
+
+from .runtime.broadcast import average_variables, broadcast_variables
+from .monitoring.callbacks import (
     AverageNonTrainableCallback,
     BroadcastGlobalVariablesCallback,
     MetricAverageCallback,
     ShareResidualsCallback,
 )
-from .data import equal_shards, steps_per_epoch
+from .runtime.data import equal_shards, steps_per_epoch
 from .optimizer import SparseDistributedOptimizer
-from .runtime import init, local_rank, rank, size
-from .adaptive import AdaptiveDensity
-from .density import ConstantDensity, WarmupDensity
-from .monitor import CommunicationLogger
-from .sparsifiers import (
+from .runtime.startup import init, local_rank, rank, size
+from .selection.adaptive import AdaptiveDensity
+from .selection.density import ConstantDensity, WarmupDensity
+from .monitoring.monitor import CommunicationLogger
+from .selection.sparsifiers import (
     ApproxTopK,
     RandomK,
     Selection,

@@ -5,6 +5,7 @@ at construction (or at build), before any collective could start and hang on a m
 """
 
 import sys
+from typing import NamedTuple, Optional
 
 import keras
 import tensorflow as tf
@@ -259,3 +260,54 @@ def check_gradients_match_variables(grads, variables):
             f"Got {len(grads)} gradients for {len(variables)} variables; "
             "pass one gradient (or None) per variable."
         )
+
+
+class Settings(NamedTuple):
+    """The constructor's arguments that :func:`checked_settings` resolves into objects."""
+
+    keras_accumulation: Optional[int]  # Keras' gradient_accumulation_steps, taken over
+    sparsifier: object  # a Sparsifier
+    policy: object  # a DensityPolicy
+    process_set: object  # a Horovod ProcessSet or None
+    compression: object  # a Compression
+    candidates: tuple  # the exchanges that can run these settings ("auto" chooses among them)
+
+
+def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_steps,
+                     sparsifier, min_elements, error_feedback, momentum_correction,
+                     momentum_masking, budget, clipping, grouping, nonfinite, staleness,
+                     dense_fallback, exchange, compression, backward_passes_per_step,
+                     average_aggregated_gradients, process_set) -> Settings:
+    """Every check of ``SparseDistributedOptimizer``'s arguments, in the order their errors are
+    raised, and the objects the arguments stand for."""
+    from .exchanges.compression import Compression
+    from .feedback import clipping as clipping_rules
+    from .feedback.accumulation import take_over_keras_accumulation
+    from .runtime import startup
+    from .selection.defaults import resolve_density
+    from .selection.sparsifiers import get_sparsifier
+
+    check_backend()
+    check_inner_optimizer(optimizer, wrapper_type)
+    keras_accumulation = take_over_keras_accumulation(optimizer, backward_passes_per_step)
+    check_no_base_options(base_options)
+    sparsify = get_sparsifier(sparsifier)
+    policy = resolve_density(density, warmup_steps)
+    clipping_rules.check(clipping)
+    check_min_elements(min_elements)
+    check_momentum_correction(momentum_correction, optimizer)
+    check_nonfinite(nonfinite)
+    check_staleness(staleness, policy)
+    check_boolean(error_feedback, "error_feedback")
+    check_boolean(momentum_masking, "momentum_masking")
+    check_boolean(dense_fallback, "dense_fallback")
+    process_set = startup.as_process_set(process_set)  # an mpi4py communicator too
+    check_process_set(process_set)
+    check_backward_passes(backward_passes_per_step)
+    wire_compression = Compression(compression)
+    candidates = exchange_candidates(exchange, grouping, staleness, policy, wire_compression)
+    check_boolean(average_aggregated_gradients, "average_aggregated_gradients")
+    if budget not in ("layer", "model"):
+        raise ValueError(f"`budget` must be 'layer' or 'model', got {budget!r}")
+    return Settings(keras_accumulation, sparsify, policy, process_set, wire_compression,
+                    candidates)

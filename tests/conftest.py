@@ -22,6 +22,6 @@ def _mechanism_defaults(request, monkeypatch):
     ``convergence_defaults`` run with the defaults as users get them."""
     if request.node.get_closest_marker("convergence_defaults"):
         return
-    import sparse_hvd.defaults
+    import sparse_hvd.selection.defaults
 
-    monkeypatch.setattr(sparse_hvd.defaults, "WARMUP_STEPS", 0)
+    monkeypatch.setattr(sparse_hvd.selection.defaults, "WARMUP_STEPS", 0)

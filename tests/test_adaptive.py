@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
-from sparse_hvd.adaptive import AdaptiveDensity, fit_latency_bandwidth, solve_densities
+from sparse_hvd.selection.adaptive import AdaptiveDensity, fit_latency_bandwidth, solve_densities
 
 
 def test_fit_recovers_latency_and_bandwidth_of_an_exact_line():
@@ -139,7 +139,7 @@ def test_adaptive_without_layerwise_exchange_warns_and_bad_settings_fail():
 
 
 def test_probe_sizes_bracket_the_jobs_payloads_within_limits():
-    from sparse_hvd.adaptive import probe_sizes_for
+    from sparse_hvd.selection.adaptive import probe_sizes_for
 
     assert probe_sizes_for([12_000, 300_000, 80]) == (1024, 300_000)
     assert probe_sizes_for([100_000, 200_000]) == (65536, 262144)  # 4x apart at least

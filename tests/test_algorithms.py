@@ -10,8 +10,8 @@ import tensorflow as tf
 
 import sparse_hvd
 from sparse_hvd import kernels
-from sparse_hvd.density import WarmupDensity, get_density_policy
-from sparse_hvd.sparsifiers import ApproxTopK, RandomK, Threshold, get_sparsifier, serialize_sparsifier
+from sparse_hvd.selection.density import WarmupDensity, get_density_policy
+from sparse_hvd.selection.sparsifiers import ApproxTopK, RandomK, Threshold, get_sparsifier, serialize_sparsifier
 from helpers import numpy_topk_indices
 
 LAMBDA = 2.0  # for N(0, 1) data about 4.6% of entries pass

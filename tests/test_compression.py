@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
-from sparse_hvd import wire
-from sparse_hvd.compression import rounded
+from sparse_hvd.exchanges import wire
+from sparse_hvd.exchanges.compression import rounded
 
 HALF = {"float16": np.float16, "bfloat16": tf.bfloat16.as_numpy_dtype}
 
@@ -83,7 +83,7 @@ def test_compression_is_checked_and_serialised():
 
 
 def test_one_compression_object_holds_every_rule():
-    from sparse_hvd.compression import Compression
+    from sparse_hvd.exchanges.compression import Compression
 
     half, brain, none = Compression("float16"), Compression("bfloat16"), Compression()
     assert (half.itemsize(tf.float32), half.itemsize(tf.bfloat16), none.itemsize(tf.float32)) == (2, 2, 4)

@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
-from sparse_hvd.defaults import WARMUP_INITIAL_DENSITY, resolve_density
-from sparse_hvd.density import ConstantDensity, DenseStart, WarmupDensity
+from sparse_hvd.selection.defaults import WARMUP_INITIAL_DENSITY, resolve_density
+from sparse_hvd.selection.density import ConstantDensity, DenseStart, WarmupDensity
 from helpers import numpy_topk_indices
 
 SHAPE = (100, 100)  # 10,000 entries: sparse route
@@ -150,3 +150,20 @@ def test_momentum_correction_without_masking_keeps_the_velocity():
     np.testing.assert_allclose(optimizer.local_variables[1].numpy().ravel(), u, rtol=1e-12)
     with pytest.raises(TypeError, match="momentum_masking"):
         sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), momentum_masking=1)
+
+
+@pytest.mark.parametrize("margin", [2.0, 0.25])  # 0.25: the estimate misses, every entry sorted
+def test_the_model_wide_cut_of_a_large_model_is_exact(margin, monkeypatch):
+    """Above SAMPLED_ABOVE entries the cut is found among sampled candidates: the same K-th
+    largest magnitude as a sort of everything (NumPy), whether the estimate holds or misses."""
+    from sparse_hvd.selection import model_budget
+
+    monkeypatch.setattr(model_budget, "CANDIDATE_MARGIN", margin)
+    rng = np.random.RandomState(9)
+    tensors = [rng.standard_cauchy(n).astype("float32") * s
+               for n, s in ((200_000, 1.0), (70_000, 0.1), (3_000, 5.0))]
+    budgets = [2000, 700, 30]
+    for function in (model_budget.model_wide_cut, tf.function(model_budget.model_wide_cut)):
+        cut = float(function([tf.constant(t) for t in tensors], budgets))
+        expected = np.sort(np.abs(np.concatenate(tensors)))[::-1][sum(budgets) - 1]
+        assert cut == expected

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from sparse_hvd.density import elements_to_send, validate_density
+from sparse_hvd.selection.density import elements_to_send, validate_density
 
 
 @pytest.mark.parametrize(

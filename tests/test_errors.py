@@ -135,7 +135,7 @@ def test_a_sparse_optimizer_inside_another_is_refused():
 def test_a_variable_too_large_for_int32_indices_is_named_at_build():
     """Checked on the routes (a real 2^31-entry variable would take 8 GiB)."""
     from sparse_hvd import checks
-    from sparse_hvd.payload import Route
+    from sparse_hvd.feedback.payload import Route
 
     class Huge:
         path = "model/embedding/embeddings"

@@ -10,8 +10,8 @@ import pytest
 import tensorflow as tf
 
 from sparse_hvd import kernels
-from sparse_hvd import averaging as averaging_module
-from sparse_hvd.averaging import average_entries
+from sparse_hvd.exchanges import averaging as averaging_module
+from sparse_hvd.exchanges.averaging import average_entries
 
 SIZES = [1000, 70000, 33]
 

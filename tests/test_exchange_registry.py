@@ -5,10 +5,10 @@ import pytest
 
 import sparse_hvd
 from sparse_hvd import checks
-from sparse_hvd.adaptive import AdaptiveDensity
-from sparse_hvd.compression import Compression
-from sparse_hvd.density import ConstantDensity
-from sparse_hvd.exchange_choice import decide
+from sparse_hvd.selection.adaptive import AdaptiveDensity
+from sparse_hvd.exchanges.compression import Compression
+from sparse_hvd.selection.density import ConstantDensity
+from sparse_hvd.exchanges.auto import decide
 from sparse_hvd.exchanges import available, create, exchange_class, groupings_of, register
 from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 

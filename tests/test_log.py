@@ -8,7 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 import sparse_hvd
-from sparse_hvd import log
+from sparse_hvd.runtime import log
 
 
 class _Records(logging.Handler):

@@ -13,7 +13,8 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
-from sparse_hvd import lockstep, watchdog
+from sparse_hvd.runtime import lockstep
+from sparse_hvd.runtime import watchdog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +33,7 @@ def test_a_wait_longer_than_the_limit_ends_the_process_saying_what_it_waited_for
         import time
         import numpy as np
         import tensorflow as tf
-        from sparse_hvd import watchdog
+        from sparse_hvd.runtime import watchdog
 
         def never_returns(tensors):
             if {traced}:

@@ -4,7 +4,7 @@ import keras
 import pytest
 
 import sparse_hvd
-from sparse_hvd.routing import dense_is_faster
+from sparse_hvd.selection.routing import dense_is_faster
 from helpers import classification_data, mlp
 
 

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
-from sparse_hvd import runtime
+from sparse_hvd.runtime import startup as runtime
 
 
 @pytest.fixture

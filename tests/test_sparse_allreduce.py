@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
-from sparse_hvd.exchange_choice import decide, modelled_seconds
+from sparse_hvd.exchanges.auto import decide, modelled_seconds
 from sparse_hvd.exchanges.sparse_allreduce import LEVELS, even_boundaries, next_threshold, owners_of
 
 

@@ -3,7 +3,7 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
-from sparse_hvd.sparsifiers import register_sparsifier, topk
+from sparse_hvd.selection.sparsifiers import register_sparsifier, topk
 from helpers import numpy_topk_indices
 
 
@@ -43,7 +43,7 @@ def test_registering_a_name_twice_is_refused():
 
 
 def _fast_and_sorted(flat_grad, flat_residual, k):
-    from sparse_hvd.error_feedback import compensate_and_select
+    from sparse_hvd.feedback.error_feedback import compensate_and_select
 
     fast = compensate_and_select(tf.constant(flat_grad), tf.constant(flat_residual), sparse_hvd.TopK(), k)
     plain = compensate_and_select(tf.constant(flat_grad), tf.constant(flat_residual),
@@ -89,7 +89,7 @@ def test_topk_settings_serialise():
 def test_a_capped_threshold_on_a_large_layer_sends_the_caps_top_entries_as_top_k_would(fuse):
     # lambda so low that every entry passes: the cap decides. The cap's largest must be found
     # (from candidates, not by a partial sort of the layer) with the same residual bits.
-    from sparse_hvd.error_feedback import compensate_and_select
+    from sparse_hvd.feedback.error_feedback import compensate_and_select
 
     n, cap_density = 200000, 0.01
     rng = np.random.RandomState(3)
@@ -157,7 +157,7 @@ def test_threshold_on_a_large_layer_follows_the_rule_in_one_pass(case, path, mon
     # Every branch of Threshold.fused_compensate_select (lambda or raised cut, all candidates
     # sent or the cap's largest, a missed sample) against the rule computed in NumPy.
     from sparse_hvd import kernels
-    from sparse_hvd.error_feedback import compensate_and_select
+    from sparse_hvd.feedback.error_feedback import compensate_and_select
 
     if path == "native" and kernels.compensate_topk() is None:
         pytest.skip("native kernels not built")

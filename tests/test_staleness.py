@@ -315,7 +315,7 @@ def test_staleness_with_float16_values_as_a_numpy_recomputation(mode):
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_packed_tables_sum_every_ranks_entries_in_rank_order(dtype):
-    from sparse_hvd.pipeline import pack, unpack_sum
+    from sparse_hvd.steps.pipeline import pack, unpack_sum
 
     rng = np.random.RandomState(5)
     n, tables, expected = 300, [], np.zeros(300, dtype)

@@ -93,6 +93,14 @@ METHODS = {
                         {"density": 0.01, "min_elements": 32768, **OLD}),
     "model_budget": ("top-k 1% over the whole model (one cut for all layers)",
                      {"density": 0.01, "budget": "model", **OLD}),
+    "default_model_budget": ("the defaults with one budget for the whole model (budget='model')",
+                             {"density": 0.01, "budget": "model"}),
+    "default_model_budget_0.001": ("the defaults at 0.1% with budget='model'",
+                                   {"density": 0.001, "budget": "model"}),
+    "adaptive": ("LAGS: AdaptiveDensity(0.01, min 0.1%, max 10%), grouping='layerwise'",
+                 {"density": {"class_name": "adaptive", "config": {
+                     "density": 0.01, "min_density": 0.001, "max_density": 0.1}},
+                  "grouping": "layerwise"}),
     "small_dense": ("top-k 1%, variables under 16,384 entries dense (Paddle's rule)",
                     {"density": 0.01, "min_elements": 16384, **OLD}),
 }

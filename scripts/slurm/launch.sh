@@ -31,7 +31,7 @@
 #                          they show in the job log and can be tuned per job): sparse_hvd already
 #                          sends a step's values and indices as one grouped allgather each, well
 #                          below 64 MiB at 1% density; a lower cycle time (0.2) cut latency on a
-#                          loaded machine in scripts/bench_convergence.py;
+#                          loaded machine in scripts/benchmarks/bench_convergence.py;
 #   SPARSE_HVD_STALL_TIMEOUT = 300: a rank that has waited 300 s in one of sparse_hvd's
 #                          collectives (a peer is dead, hung, lost its node, or ran out of data)
 #                          says what it waited for and ends the job, instead of every rank

@@ -1,7 +1,7 @@
 """What every exchange is: the interface, the registry, the shared header and the pieces that
 every exchange uses (the dense route, embeddings' rows, one worker).
 
-An exchange turns one step's payload (``sparse_hvd.payload``: each rank's selections, its
+An exchange turns one step's payload (``sparse_hvd.feedback.payload``: each rank's selections, its
 dense-route gradients and row-sparse gradients, its finiteness) into the average over the
 workers of every gradient. Every collective has a name that is identical on every rank
 (Horovod matches collectives by name) and independent of TensorFlow's name scopes.
@@ -13,15 +13,15 @@ which ``sparse_hvd.checks`` reads (never the class's name):
 * ``per_layer``: its collectives are per variable and start while backprop goes on;
 * ``layer_budgets``: a policy that sizes each layer from its own exchange's time
   (``AdaptiveDensity``) can run with it (best with ``per_layer``: it warns otherwise);
-* ``compression``: it can carry 16-bit values (``sparse_hvd.compression``);
-* ``staleness``: the delayed pipeline (``sparse_hvd.staleness``) can stand in for it;
+* ``compression``: it can carry 16-bit values (``sparse_hvd.exchanges.compression``);
+* ``staleness``: the delayed pipeline (``sparse_hvd.steps.staleness``) can stand in for it;
 * ``returns_unsent``: it may apply less than was sent, and hands back what goes to the residuals;
 * ``sends_selections``: it moves sparse selections (else every variable is routed densely).
 
 The header every grouped exchange sends first (:func:`header`, read by
 :func:`checked_headers`): one int32 row per rank, ``[all finite, lockstep fields, ...]``, the
 rest the exchange's own (entry counts, ...). So one helper builds it and one reads it, and the
-lockstep check (``sparse_hvd.lockstep``) runs on every exchange's step the same way.
+lockstep check (``sparse_hvd.runtime.lockstep``) runs on every exchange's step the same way.
 """
 
 from collections import OrderedDict
@@ -29,11 +29,12 @@ from typing import Dict, List, NamedTuple, Sequence, Tuple, Type
 
 import tensorflow as tf
 
-from .. import collectives, lockstep, nonfinite, runtime
-from ..averaging import average_entries, divided, sum_rows_in_order
-from ..compression import NONE
-from ..payload import Payload, entries_in
-from ..sparsifiers import Selection
+from ..runtime import collectives, lockstep, startup as runtime
+from ..feedback import nonfinite
+from .averaging import average_entries, divided, sum_rows_in_order
+from .compression import NONE
+from ..feedback.payload import Payload, entries_in
+from ..selection.sparsifiers import Selection
 
 # Dense-route gradients travel in a grouped exchange's allgather while (workers x their
 # entries) stays below this (1 MiB of float32 received): a separate allreduce would cost one
@@ -128,7 +129,7 @@ class Exchange:
             different names.
         process_set: Horovod process set (the global one by default).
         grouping: the grouping it was registered for (``"grouped"`` or ``"layerwise"``).
-        compression: a ``sparse_hvd.compression.Compression`` (the payload holds values
+        compression: a ``sparse_hvd.exchanges.compression.Compression`` (the payload holds values
             already rounded by it); None: none.
     """
 
@@ -166,7 +167,7 @@ class Exchange:
         """The average over workers of every gradient in ``payload`` (by its position in the
         step's list) and whether every rank's gradients were finite. ``num_elements``: entries
         of each variable, by build index; ``step``: the training step, which grouped
-        exchanges send along and check (``sparse_hvd.lockstep``) and the stall watchdog names.
+        exchanges send along and check (``sparse_hvd.runtime.lockstep``) and the stall watchdog names.
 
         Sparse selections come back as flat dense tensors, dense gradients as they went,
         row-sparse gradients as IndexedSlices. With one worker no collective runs.
@@ -197,7 +198,7 @@ class Exchange:
 
     def assert_same_step(self, step, state):
         """Raise on every rank unless every rank calls this with the same ``step`` and ``state``
-        (``sparse_hvd.lockstep``): the step's own collectives with an empty payload, so a rank
+        (``sparse_hvd.runtime.lockstep``): the step's own collectives with an empty payload, so a rank
         still training receives it in its step and raises too. Called eagerly; the collectives
         run in a traced function, because Horovod names eager collectives by their op type, not
         by the name they are given. Nothing is checked with one worker or before the first

@@ -6,10 +6,10 @@ optimizer routes every variable densely, so nothing is selected and the residual
 
 1. the gradients: one ``grouped_allreduce`` per dtype (or one allreduce per variable with
    ``grouping="layerwise"``), 16-bit on the wire with ``compression="float16"``;
-2. whether every rank was finite: one tiny allreduce (``sparse_hvd.nonfinite``).
+2. whether every rank was finite: one tiny allreduce (``sparse_hvd.feedback.nonfinite``).
 """
 
-from ..payload import Payload
+from ..feedback.payload import Payload
 from .base import Exchange, register
 
 

@@ -5,8 +5,8 @@ that needs one instead of four (values, indices, the dense-route gradients, the 
 check) saves three rounds. The group starts only when every variable's gradient is ready:
 after backprop.
 
-1. pack (``sparse_hvd.wire``): the header (``base.header``: this rank's "all finite" flag, its
-   step and state for ``sparse_hvd.lockstep``, then the entries per sparse variable), the
+1. pack (``sparse_hvd.exchanges.wire``): the header (``base.header``: this rank's "all finite" flag, its
+   step and state for ``sparse_hvd.runtime.lockstep``, then the entries per sparse variable), the
    selected values as int32 words (one tensor per dtype; two 16-bit values to a word with
    ``compression``), every selected index, and the small dense-route gradients as int32
    words: all int32, so that one ``grouped_allgather`` carries them (a Horovod group holds one
@@ -14,7 +14,7 @@ after backprop.
 2. gather: every rank receives every rank's tensors, concatenated in rank order;
 3. unpack: the headers, one row per rank, say which variable each gathered entry belongs to;
    first, every rank in this step (else every rank raises before unpacking);
-4. sum (``sparse_hvd.averaging``): each variable's entries are added into zeros rank by rank,
+4. sum (``sparse_hvd.exchanges.averaging``): each variable's entries are added into zeros rank by rank,
    so every rank adds the same numbers in the same order: the same bits everywhere; then
    divided by the number of workers;
 5. the small dense-route gradients are summed over the ranks in rank order too; those too
@@ -26,9 +26,9 @@ after backprop.
 
 import tensorflow as tf
 
-from .. import collectives, lockstep
-from ..averaging import average_entries
-from ..payload import Payload
+from ..runtime import collectives, lockstep
+from .averaging import average_entries
+from ..feedback.payload import Payload
 from .base import Exchange, checked_headers, group_positions_by_dtype, header, register
 
 

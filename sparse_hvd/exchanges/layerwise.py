@@ -8,16 +8,16 @@ control dependencies do not chain them in program order.
 
 1. each variable's selection: its values and its indices, one allgather each (named by the
    variable's key, the same on every rank); every rank receives every rank's, in rank order;
-2. summed in rank order and divided by the number of workers (``sparse_hvd.averaging``), as
+2. summed in rank order and divided by the number of workers (``sparse_hvd.exchanges.averaging``), as
    the fused exchange does: the same bits;
 3. dense-route gradients: one allreduce each; whether every rank was finite: one tiny
-   allreduce (``sparse_hvd.nonfinite``).
+   allreduce (``sparse_hvd.feedback.nonfinite``).
 
 No lockstep header: the collectives are per variable, so a rank whose steps differ is caught
 by the stall watchdog instead.
 """
 
-from ..payload import Payload
+from ..feedback.payload import Payload
 from .base import Exchange, register
 
 

@@ -19,7 +19,7 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
    variable's global threshold ``theta`` (identical on every rank), about k of the variable's
    entries in all; at the first step theta is 0 and every summed entry is kept;
 5. ONE ``allgather`` of the kept entries, the header per rank (``base.header``: whether its
-   gradients were finite, its step and state for ``sparse_hvd.lockstep``; then per variable
+   gradients were finite, its step and state for ``sparse_hvd.runtime.lockstep``; then per variable
    how many of its summed entries reach theta x 1, 2^-1/2, 1/2, 2^-3/2, 1/4, and where its
    own selected indices fall), and the small dense-route gradients (``base.pack_dense``);
 6. every rank computes the same next theta per variable from what was gathered: the k-th
@@ -50,11 +50,12 @@ from typing import List, NamedTuple, Sequence
 
 import tensorflow as tf
 
-from .. import collectives, lockstep, wire
-from ..averaging import average_entries, sum_rank_by_rank
-from ..compression import NONE
-from ..payload import Payload
-from ..sparsifiers import spread_positions
+from ..runtime import collectives, lockstep
+from . import wire
+from .averaging import average_entries, sum_rank_by_rank
+from .compression import NONE
+from ..feedback.payload import Payload
+from ..selection.sparsifiers import spread_positions
 from .base import HEADER_FIELDS, Exchange, checked_headers, header, register
 from .fused_allgather import FusedAllgather
 

@@ -93,7 +93,7 @@ def compile_library(output: str):
 
 
 def _to_stderr(message):
-    from .. import log
+    from ..runtime import log
 
     log.info("%s", message)
 

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import sparse_hvd
 from sparse_hvd.exchanges import create
-from sparse_hvd.sparsifiers import Selection, register_sparsifier, topk
+from sparse_hvd.selection.sparsifiers import Selection, register_sparsifier, topk
 from conftest import digest, gather
 from helpers import numpy_topk_indices, numpy_topk_split
 

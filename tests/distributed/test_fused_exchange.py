@@ -12,8 +12,8 @@ import tensorflow as tf
 
 from sparse_hvd.exchanges import base as exchange_module
 from sparse_hvd.exchanges.fused_allgather import FusedAllgather as Exchange
-from sparse_hvd.payload import PayloadBuilder, Route
-from sparse_hvd.sparsifiers import Selection
+from sparse_hvd.feedback.payload import PayloadBuilder, Route
+from sparse_hvd.selection.sparsifiers import Selection
 from conftest import digest, gather
 
 # (entries, dtype) of the sparse-route variables, then of the dense-route ones

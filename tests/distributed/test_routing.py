@@ -7,7 +7,7 @@ import keras
 import tensorflow as tf
 
 import sparse_hvd
-from sparse_hvd.sparsifiers import Sparsifier, topk
+from sparse_hvd.selection.sparsifiers import Sparsifier, topk
 from conftest import digest, gather
 from helpers import classification_data, mlp
 

@@ -1,0 +1,46 @@
+"""Non-finite gradients: every rank takes the same decision, or none is taken.
+
+A NaN or infinite gradient on one rank would, once averaged, poison every replica; a rank that
+skipped its step alone would leave the others waiting in the next exchange. So:
+
+1. each rank flags its own gradients (``Payload.local_finite``: one reduction per gradient);
+2. the flags are agreed on by every rank (:func:`agree`: one tiny allreduce; the staleness
+   pipeline carries them with the payload instead);
+3. one guard (:func:`guard`) acts on the agreed flag, as ``nonfinite`` says: "skip" the step on
+   every rank, "raise" on every rank, or "ignore" (no check at all).
+"""
+
+
+import tensorflow as tf
+
+from ..runtime import collectives, log, startup as runtime
+
+MESSAGE = "non-finite (NaN or infinite) gradients on at least one rank."
+
+
+def agree(local_finite: tf.Tensor, name, process_set=None, step=None) -> tf.Tensor:
+    """True iff ``local_finite`` is True on every rank: the same answer everywhere."""
+    bad = tf.cast(tf.logical_not(local_finite), tf.float32)
+    if runtime.size(process_set) > 1:
+        bad = collectives.allreduce(bad, name=name, process_set=process_set, op=collectives.SUM,
+                                    step=step)
+    return tf.equal(bad, 0.0)
+
+
+def guard(mode: str, finite, go_ahead, skip):
+    """Run ``go_ahead()`` if ``finite`` (a bool tensor, the same on every rank), else ``skip()``
+    ("skip"), or stop with an InvalidArgumentError before anything is written ("raise").
+    With "ignore", ``go_ahead()`` runs unconditionally."""
+    if mode == "skip":
+        tf.cond(finite, go_ahead, skip)
+    elif mode == "raise":
+        with tf.control_dependencies([tf.debugging.Assert(finite, [MESSAGE])]):
+            go_ahead()  # nothing is written unless the check passed
+    else:
+        go_ahead()
+
+
+def announce_skip(what, process_set=None):
+    """Rank 0 logs that ``what`` was skipped on every rank (in the step's graph)."""
+    if runtime.rank(process_set) == 0:
+        log.info_in_graph(tf.constant(f"{MESSAGE} {what}"))

@@ -1,0 +1,114 @@
+"""Steps 1-3 of a step for every (gradient, variable) pair, and what the inner optimizer gets.
+
+:func:`make_payload` brings each gradient to its variable's dtype (a row-sparse one stays rows
+where it travels as rows), unscales it (an inner LossScaleOptimizer), lets the density policy
+see it, clips it locally (``clipping="local"``), asks the policy for each sparse variable's k
+(or one cut over the model, ``budget="model"``), then compensates and selects by route (error
+feedback), rounds for ``compression``, and returns the step's
+:class:`~sparse_hvd.feedback.payload.Payload`: nothing is written yet. :func:`inner_gradients`
+turns the exchange's averages into what the inner optimizer takes. What they use of the
+optimizer: its routes, density policy, sparsifier, budget, clipping, error feedback, loss
+scaling, compression, exchange, ``nonfinite``, ``momentum_correction`` and ``process_set``.
+"""
+
+import tensorflow as tf
+
+from ..runtime import startup as runtime
+from . import clipping as clipping_rules
+from .payload import PayloadBuilder
+
+
+def with_tensor_parts(grad):
+    """An IndexedSlices gradient with tensors for values and indices (Keras accepts Python
+    sequences there)."""
+    if isinstance(grad, tf.IndexedSlices) and not (
+            tf.is_tensor(grad.indices) and tf.is_tensor(grad.values)):
+        return tf.IndexedSlices(tf.convert_to_tensor(grad.values),
+                                tf.convert_to_tensor(grad.indices), grad.dense_shape)
+    return grad
+
+
+def as_rows(grad: tf.IndexedSlices, variable) -> tf.IndexedSlices:
+    """A row-sparse gradient with values in the variable's dtype."""
+    return tf.IndexedSlices(tf.cast(grad.values, variable.dtype), grad.indices, grad.dense_shape)
+
+
+def as_dense(grad, variable) -> tf.Tensor:
+    """``grad`` as a dense tensor of the variable's dtype; IndexedSlices rows are summed."""
+    if isinstance(grad, tf.IndexedSlices):
+        grad = tf.math.unsorted_segment_sum(grad.values, grad.indices, variable.shape[0])
+    return tf.cast(grad, variable.dtype)
+
+
+def make_payload(opt, grads_and_vars, keep_rows=True):
+    """Steps 1-3 for every (gradient, variable) pair, without writing state: a Payload.
+
+    Each gradient is brought to its variable's dtype and unscaled (an inner
+    LossScaleOptimizer); the density policy sees it; then by route: the sparse route
+    compensates and selects (error feedback), the dense route sends it whole, and an
+    embedding's row-sparse gradient on the dense route travels as rows (``keep_rows``;
+    False densifies it, as the delayed pipeline needs). With the layer-wise exchange the
+    variables are taken in backprop's order, output layers first.
+    """
+    builder = PayloadBuilder(check_finite=opt.nonfinite != "ignore")
+    step = opt._policy_step()
+    order = range(len(grads_and_vars))
+    if opt._exchange.per_layer:
+        order = reversed(order)
+    prepared = []  # (position, index, route, rows, gradient as it travels)
+    for position in order:
+        grad, variable = grads_and_vars[position]
+        index = opt._get_variable_index(variable)
+        route = opt._routes[index]
+        rows = (keep_rows and isinstance(grad, tf.IndexedSlices) and not route.sparse
+                and not opt.momentum_correction)
+        grad = opt._loss_scaling.unscale(
+            as_rows(grad, variable) if rows else as_dense(grad, variable))
+        opt.density_policy.gradient_ready(index, grad.values if rows else grad)
+        prepared.append((position, index, route, rows, grad))
+    if opt.clipping == "local":
+        clipped = clipping_rules.clipped_locally([p[-1] for p in prepared], opt._clipper,
+                                                 runtime.size(opt.process_set))
+        prepared = [p[:-1] + (grad,) for p, grad in zip(prepared, clipped)]
+    budgets = {index: opt.density_policy.k(index, route.num_elements, step)
+               for _, index, route, rows, _ in prepared if route.sparse and not rows}
+    sparsifier = model_wide_sparsifier(opt, prepared, budgets) or opt.sparsifier
+    for position, index, route, rows, grad in prepared:
+        if rows:
+            builder.add_rows(position, index, route, grad)
+        elif route.sparse:
+            k = budgets[index]
+            selection, updates = opt._feedback.select(index, grad, sparsifier, k,
+                                                       opt._compression)
+            builder.add_sparse(position, index, route, grad, selection, updates, budget=k)
+        elif opt._compression.wire_dtype(grad.dtype) is not None:
+            sent, updates = opt._feedback.round_dense(index, grad, opt._compression)
+            builder.add_dense(position, index, route, grad, updates, sent=sent)
+        else:
+            builder.add_dense(position, index, route, grad)
+    return builder.build()
+
+
+def model_wide_sparsifier(opt, prepared, budgets):
+    """``budget="model"``: a sparsifier that keeps every entry at or above this step's
+    model-wide cut (``selection.model_budget``); None with per-layer budgets."""
+    if opt.budget != "model" or not budgets:
+        return None
+    from ..selection.model_budget import AtOrAbove, model_wide_cut
+
+    compensated = [opt._feedback.compensated(index, grad)
+                   for _, index, route, rows, grad in prepared if index in budgets]
+    return AtOrAbove(model_wide_cut(compensated, list(budgets.values())))
+
+
+def inner_gradients(opt, payload, averaged, variables):
+    """The averages as the inner optimizer takes them (sparse ones reshaped; dense-route
+    ones through momentum correction), and every state write of the step."""
+    grads = list(averaged)
+    state_updates = list(payload.state_updates)
+    for position in payload.sparse.positions:
+        grads[position] = tf.reshape(averaged[position], variables[position].shape)
+    for position, index in zip(payload.dense.positions, payload.dense.keys):
+        grads[position], updates = opt._feedback.after_exchange(index, averaged[position])
+        state_updates.extend(updates)
+    return grads, state_updates

@@ -1,0 +1,75 @@
+"""One entry budget for the whole model instead of one per layer (``budget="model"``).
+
+With a per-layer budget every sparse variable sends ``ceil(density * n)`` entries each step,
+however large or small its gradient is compared with the others'. Ok-Topk (Li & Hoefler 2022)
+merges all layers into one index space and selects there; users of GRACE asked for the same.
+Here, each step on each rank:
+
+1. every sparse-route variable's compensated gradient ``c = gradient + residual`` is formed
+   (with momentum correction, its velocity plus residual: what the sparsifier would see);
+2. the cut is the K-th largest magnitude over all of them, K = the sum of the density policy's
+   per-variable k (so the same number of entries travels as with per-layer budgets);
+3. each variable sends its entries with ``|c| >= cut`` (ties at the cut included), through the
+   same error feedback as any sparsifier.
+
+The cut is found among the entries above a sampled estimate (:func:`model_wide_cut`), so a
+large model is not sorted whole each step. A layer whose gradient is large for its size (an output layer, an embedding) sends more, one
+whose gradient is small sends less. The cut is each rank's own, as a top-k selection is.
+"""
+
+import tensorflow as tf
+
+from .sparsifiers import Selection, Sparsifier, spread_positions
+
+
+# Models of more than this many entries find the cut among candidates (steps a-c below)
+SAMPLED_ABOVE = 1 << 16
+SAMPLES = 8192  # magnitudes sampled over the model, each variable in proportion to its size
+CANDIDATE_MARGIN = 2.0  # the sampled cut aims at this many times K candidates
+
+
+def model_wide_cut(compensated, budgets) -> tf.Tensor:
+    """The K-th largest magnitude over the flat tensors ``compensated`` (K = sum of
+    ``budgets``, at most their entries), in float32, exactly.
+
+    For a large model, without a sort of every entry: (a) the magnitudes at fixed spread
+    positions (:data:`SAMPLES`, the same on every step) give a cut that about
+    ``CANDIDATE_MARGIN x K`` entries pass; (b) one comparison per entry collects those
+    candidates; (c) if at least K passed, the K largest magnitudes are all among them, and the
+    K-th largest candidate is the cut; else (the estimate missed) every magnitude is sorted.
+    """
+    flats = [tf.abs(tf.cast(tf.reshape(c, [-1]), tf.float32)) for c in compensated]
+    sizes = [int(f.shape[0]) for f in flats]
+    entries = sum(sizes)
+    total = tf.minimum(tf.add_n([tf.convert_to_tensor(k, tf.int32) for k in budgets]), entries)
+
+    def kth_largest(magnitudes):
+        return tf.reduce_min(tf.math.top_k(magnitudes, k=total, sorted=False).values)
+
+    if entries <= SAMPLED_ABOVE:
+        return kth_largest(tf.concat(flats, 0))
+    sample = tf.concat([tf.gather(f, spread_positions(max(1, SAMPLES * n // entries), n))
+                        for f, n in zip(flats, sizes)], 0)
+    drawn = int(sample.shape[0])
+    want = tf.cast(tf.math.ceil(CANDIDATE_MARGIN * tf.cast(total, tf.float64) * drawn / entries),
+                   tf.int32)
+    estimate = tf.reduce_min(tf.math.top_k(sample, k=tf.clip_by_value(want, 1, drawn),
+                                           sorted=False).values)
+    candidates = tf.concat([tf.boolean_mask(f, f >= estimate) for f in flats], 0)
+    return tf.cond(tf.size(candidates) >= total, lambda: kth_largest(candidates),
+                   lambda: kth_largest(tf.concat(flats, 0)))
+
+
+class AtOrAbove(Sparsifier):
+    """Selects every entry with ``|c| >= cut`` (the cut of :func:`model_wide_cut`)."""
+
+    def __init__(self, cut):
+        self.cut = cut
+
+    def __call__(self, flat, k):
+        indices = tf.cast(tf.reshape(
+            tf.where(tf.abs(tf.cast(flat, tf.float32)) >= self.cut), [-1]), tf.int32)
+        return Selection(tf.gather(flat, indices), indices, capped=None)
+
+    def get_config(self):
+        raise TypeError("AtOrAbove is made per step by the optimizer; it is not serialised")
