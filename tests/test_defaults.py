@@ -96,19 +96,21 @@ def test_dense_start_sends_everything_then_the_density():
         DenseStart(0.01, dense_steps=-1)
 
 
-def test_a_model_wide_budget_sends_the_largest_entries_of_all_layers_together():
+@pytest.mark.parametrize("dtype", ["float64", "float32"])  # float32: the one-pass kernel
+def test_a_model_wide_budget_sends_the_largest_entries_of_all_layers_together(dtype):
     """budget="model": K = sum of the layers' k, the cut is the K-th largest |c| over both
     layers; a NumPy re-computation of three steps with error feedback, at lr 1."""
     rng = np.random.RandomState(5)
     shapes = [(50, 40), (30, 100)]  # 2,000 and 3,000 entries: k = 20 and 30 at 1%
     scales = [1.0, 0.2]  # the first layer's gradients are larger: it should send more
-    variables = [keras.Variable(np.zeros(s, "float64"), dtype="float64") for s in shapes]
+    variables = [keras.Variable(np.zeros(s, dtype), dtype=dtype) for s in shapes]
     optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(1.0), density=0.01,
                                                       budget="model")
-    weights = [np.zeros(math.prod(s)) for s in shapes]
-    residuals = [np.zeros(math.prod(s)) for s in shapes]
+    weights = [np.zeros(math.prod(s), dtype) for s in shapes]
+    residuals = [np.zeros(math.prod(s), dtype) for s in shapes]
     for _ in range(3):
-        grads = [scale * rng.standard_cauchy(s) for s, scale in zip(shapes, scales)]
+        grads = [(scale * rng.standard_cauchy(s)).astype(dtype)
+                 for s, scale in zip(shapes, scales)]
         optimizer.apply_gradients([(tf.constant(g), v) for g, v in zip(grads, variables)])
         compensated = [g.ravel() + r for g, r in zip(grads, residuals)]
         cut = np.sort(np.abs(np.concatenate(compensated)))[::-1][20 + 30 - 1]

@@ -19,7 +19,8 @@ whose gradient is small sends less. The cut is each rank's own, as a top-k selec
 
 import tensorflow as tf
 
-from .sparsifiers import Selection, Sparsifier, spread_positions
+from .sparsifiers import (Selection, Sparsifier, _magnitude_cut_step, _partial_sort_topk,
+                          spread_positions)
 
 
 # Models of more than this many entries find the cut among candidates (steps a-c below)
@@ -70,6 +71,17 @@ class AtOrAbove(Sparsifier):
         indices = tf.cast(tf.reshape(
             tf.where(tf.abs(tf.cast(flat, tf.float32)) >= self.cut), [-1]), tf.int32)
         return Selection(tf.gather(flat, indices), indices, capped=None)
+
+    def fused_compensate_select(self, flat_grad, flat_residual, k=None):
+        """Compensate, select and remember in one pass over the data (the hard threshold's
+        native kernel, with no cap), for float32 gradients (the cut is a float32, so the
+        comparison is the same); None for other dtypes (the three steps then run apart)."""
+        if flat_grad.dtype != tf.float32:
+            return None
+        n = int(flat_grad.shape[0])
+        selection, remainder = _magnitude_cut_step(flat_grad, flat_residual, self.cut, 0, n,
+                                                   _partial_sort_topk(n), fuse=True)
+        return selection._replace(capped=None), remainder
 
     def get_config(self):
         raise TypeError("AtOrAbove is made per step by the optimizer; it is not serialised")
