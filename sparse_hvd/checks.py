@@ -271,6 +271,7 @@ class Settings(NamedTuple):
     process_set: object  # a Horovod ProcessSet or None
     compression: object  # a Compression
     candidates: tuple  # the exchanges that can run these settings ("auto" chooses among them)
+    budget: str  # "layer" or "model"
 
 
 def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_steps,
@@ -284,7 +285,7 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     from .feedback import clipping as clipping_rules
     from .feedback.accumulation import take_over_keras_accumulation
     from .runtime import startup
-    from .selection.defaults import resolve_density
+    from .selection.defaults import resolve_budget, resolve_density
     from .selection.sparsifiers import get_sparsifier
 
     check_backend()
@@ -307,7 +308,6 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     wire_compression = Compression(compression)
     candidates = exchange_candidates(exchange, grouping, staleness, policy, wire_compression)
     check_boolean(average_aggregated_gradients, "average_aggregated_gradients")
-    if budget not in ("layer", "model"):
-        raise ValueError(f"`budget` must be 'layer' or 'model', got {budget!r}")
+    budget = resolve_budget(budget, grouping, policy)
     return Settings(keras_accumulation, sparsify, policy, process_set, wire_compression,
-                    candidates)
+                    candidates, budget)

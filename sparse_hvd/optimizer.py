@@ -72,8 +72,10 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         warmup_steps: a numeric ``density`` below 25% starts at 25% and decays exponentially
             to it over this many steps (None: 200; ``selection.defaults``); 0 keeps it
             constant from the first step. Ignored for a policy object.
-        budget: ``"layer"`` (default): each variable sends its own k; ``"model"``: the sum of
-            the variables' k spent on the largest entries of the whole model.
+        budget: ``"model"``: the sum of the variables' k spent on the largest entries of the
+            whole model; ``"layer"``: each variable sends its own k. None (default): "model"
+            with the grouped exchanges, "layer" with ``grouping="layerwise"`` or
+            ``AdaptiveDensity`` (``selection.defaults``).
         clipping: ``"after"`` (default): the inner optimizer's clipping acts on the average;
             ``"local"``: each rank clips its own gradient before error feedback (norms times
             N^-1/2, DGC's local clipping) and the average is not clipped again.
@@ -134,7 +136,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         momentum_correction=0.0,
         momentum_masking=True,
         warmup_steps=None,
-        budget="layer",
+        budget=None,
         clipping="after",
         grouping="grouped",
         nonfinite="skip",
@@ -170,7 +172,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         self.error_feedback = bool(error_feedback)
         self.momentum_correction = float(momentum_correction)
         self.momentum_masking = bool(momentum_masking)
-        self.budget = budget
+        self.budget = settings.budget
         self.clipping = clipping
         self.nonfinite = nonfinite
         self.staleness = int(staleness)
@@ -390,6 +392,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         config.setdefault("warmup_steps", 0)  # written before the warm-up default existed
+        config.setdefault("budget", "layer")  # written before the model-wide default
         inner = keras.saving.deserialize_keras_object(
             config.pop("optimizer"), custom_objects=custom_objects
         )

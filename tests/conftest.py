@@ -17,11 +17,13 @@ import pytest  # noqa: E402
 @pytest.fixture(autouse=True)
 def _mechanism_defaults(request, monkeypatch):
     """Most tests check a mechanism against a closed-form expectation for the density they
-    pass (k = ceil(density * n) from the first step, the inner optimizer's own momentum), so
-    the warm-up default of ``sparse_hvd.defaults`` is off for them; tests marked
+    pass (k = ceil(density * n) of each variable from the first step, the inner optimizer's
+    own momentum), so the warm-up and the model-wide budget of ``sparse_hvd.selection.defaults``
+    are off for them; tests marked
     ``convergence_defaults`` run with the defaults as users get them."""
     if request.node.get_closest_marker("convergence_defaults"):
         return
     import sparse_hvd.selection.defaults
 
     monkeypatch.setattr(sparse_hvd.selection.defaults, "WARMUP_STEPS", 0)
+    monkeypatch.setattr(sparse_hvd.selection.defaults, "BUDGET", "layer")

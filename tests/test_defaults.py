@@ -169,3 +169,27 @@ def test_the_model_wide_cut_of_a_large_model_is_exact(margin, monkeypatch):
         cut = float(function([tf.constant(t) for t in tensors], budgets))
         expected = np.sort(np.abs(np.concatenate(tensors)))[::-1][sum(budgets) - 1]
         assert cut == expected
+
+
+@pytest.mark.convergence_defaults
+def test_the_default_budget_is_model_wide_except_where_layers_are_sized_alone():
+    def made(**kwargs):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), **kwargs)
+
+    assert made().budget == "model"
+    assert made(exchange="sparse_allreduce").budget == "model"
+    assert made(grouping="layerwise").budget == "layer"  # the model-wide cut would wait
+    assert made(density=sparse_hvd.AdaptiveDensity()).budget == "layer"
+    assert made(budget="layer").budget == "layer"
+    assert made(grouping="layerwise", budget="model").budget == "model"
+    config = made().get_config()
+    assert config["budget"] == "model"
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).budget == "model"
+    del config["budget"]  # a config written before the option existed: as it ran
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).budget == "layer"
+    with pytest.raises(ValueError, match="`budget` must be 'layer' or 'model'"):
+        made(budget="global")

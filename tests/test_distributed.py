@@ -9,12 +9,16 @@ from launch import launcher_available, run_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RANK_TESTS = os.path.join(HERE, "distributed")
-JOB_TIMEOUT = 420  # seconds for a whole job; a hang fails the test instead of the suite
+JOB_TIMEOUT = 600  # seconds for a whole job; a hang fails the test instead of the suite
+# the job's own limit decides (pytest-timeout's default, setup.cfg, is shorter than a whole
+# folder's job on a loaded machine); a margin to report the hung job's output
+bounded_by_the_job = pytest.mark.timeout(JOB_TIMEOUT + 60)
 
 
 # MPI at an odd size, Gloo at an even one (the suite's 15-minute budget leaves no room for every
 # launcher at every size; run e.g. `mpirun -np 2 ... pytest tests/distributed` by hand for more).
 @pytest.mark.distributed
+@bounded_by_the_job
 @pytest.mark.parametrize("launcher,num_ranks", [("gloo", 2), ("mpirun", 3)])
 def test_rank_tests_pass_on_every_rank(launcher, num_ranks):
     reason = launcher_available(launcher)
@@ -34,6 +38,7 @@ def test_rank_tests_pass_on_every_rank(launcher, num_ranks):
 
 
 @pytest.mark.distributed
+@bounded_by_the_job
 @pytest.mark.parametrize("num_ranks", [5])
 def test_sparse_allreduce_rank_tests_pass_at_more_ranks(num_ranks):
     # the sparse allreduce's regions and alltoall at more ranks than the whole folder runs at
@@ -54,6 +59,7 @@ def test_sparse_allreduce_rank_tests_pass_at_more_ranks(num_ranks):
 
 
 @pytest.mark.distributed
+@bounded_by_the_job
 @pytest.mark.quick
 def test_quick_tier_aggregation_on_two_ranks():
     """The quick tier's one multi-rank job (scripts/test.sh --quick): the aggregation tests,

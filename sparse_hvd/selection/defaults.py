@@ -26,6 +26,8 @@ from .density import ConstantDensity, DensityPolicy, WarmupDensity, get_density_
 
 WARMUP_STEPS = 200  # what warmup_steps=None means
 WARMUP_INITIAL_DENSITY = 0.25
+BUDGET = "model"  # what budget=None means with the grouped exchanges
+BUDGETS = ("layer", "model")
 
 
 def resolve_density(density, warmup_steps) -> DensityPolicy:
@@ -40,3 +42,15 @@ def resolve_density(density, warmup_steps) -> DensityPolicy:
         return policy
     return WarmupDensity(policy.density, initial_density=WARMUP_INITIAL_DENSITY,
                          warmup_steps=warmup_steps)
+
+
+def resolve_budget(budget, grouping, policy) -> str:
+    """The entry budget for the optimizer's ``budget`` argument: None is :data:`BUDGET` with a
+    grouped exchange, and ``"layer"`` with ``grouping="layerwise"`` or a policy that sizes each
+    layer itself (a model-wide cut waits for every gradient, which would undo the layer-wise
+    overlap, and would override the policy's per-layer choice)."""
+    if budget is None:
+        return "layer" if grouping == "layerwise" or policy.requires_layerwise else BUDGET
+    if budget not in BUDGETS:
+        raise ValueError(f"`budget` must be 'layer' or 'model' (or None), got {budget!r}")
+    return budget
