@@ -14,7 +14,10 @@ Methods (``--methods``, comma-separated):
   lambda gives about density d (calibrated on the job's own top-k residuals in the warm-up);
   ``threshold_capped@<d>``: a threshold so low that every entry passes and the cap
   (``max_density=d``) decides; ``adaptive@<d>``: LAGS with ``grouping="layerwise"``;
-  ``sar_<sparsifier>@<d>``: the same with ``exchange="sparse_allreduce"``.
+  ``sar_<sparsifier>@<d>``: the same with ``exchange="sparse_allreduce"``;
+  ``<sparsifier>_model@<d>``: with one budget for the whole model (``budget="model"``, the
+  default of the grouped exchanges). Every sparse row has ``budget="layer"`` unless it says
+  ``_model``, and no warm-up (``warmup_steps=0``): the step of the steady state is timed.
 
 For each method: the median step (median over ranks of each rank's median), x floor, x dense,
 bytes this rank handed to the exchange per step, on the emulated cluster (``--rate``) the
@@ -153,6 +156,10 @@ def worker(args):
         sparse = None
         if name not in DENSE_METHODS:
             grouping, policy, sparsifier, exchange = "grouped", density, name, "allgather"
+            budget = "layer"
+            if name.endswith("_model"):  # one budget for the whole model (the default's)
+                budget, name = "model", name[:-len("_model")]
+                sparsifier = name
             if name.startswith("sar_"):
                 exchange, name = "sparse_allreduce", name[len("sar_"):]
                 sparsifier = name
@@ -164,8 +171,10 @@ def worker(args):
                 grouping, sparsifier = "layerwise", "topk"
                 policy = sparse_hvd.AdaptiveDensity(density, min_density=density / 10,
                                                     max_density=min(1.0, density * 10))
+            # the steady state: no warm-up (its first steps send up to 25% of each layer)
             sparse = sparse_hvd.SparseDistributedOptimizer(
                 inner, density=policy, sparsifier=sparsifier, grouping=grouping, exchange=exchange,
+                warmup_steps=0, budget=budget,
                 name=label or f"bench_{method.replace('@', '_').replace('.', '_')}")
         optimizer = sparse if sparse is not None else inner
         optimizer.build(variables)
