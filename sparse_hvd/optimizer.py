@@ -18,6 +18,7 @@ the inner optimizer. This module is the Keras wrapper only; the sub-packages hol
 import contextlib
 
 import keras
+import tensorflow as tf
 
 from . import checks
 from .exchanges import create as create_exchange
@@ -358,6 +359,9 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         """Hand averaged true gradients to the inner optimizer (re-scaled for an inner
         LossScaleOptimizer, which divides by its scale again: exact both ways)."""
         variables = self._trainable_variables if variables is None else variables
+        # every gradient a tensor of the graph being built (a gradient passed through untouched
+        # may be an eager constant the step captured), as Keras' all-reduce hook requires
+        grads = [g if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in grads]
         clipped_already = self.clipping == "local"  # before the exchange
         with (clipping_rules.switched_off(self._clipper) if clipped_already
               else contextlib.nullcontext()):

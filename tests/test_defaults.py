@@ -154,17 +154,26 @@ def test_momentum_correction_without_masking_keeps_the_velocity():
         sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), momentum_masking=1)
 
 
-@pytest.mark.parametrize("margin", [2.0, 0.25])  # 0.25: the estimate misses, every entry sorted
-def test_the_model_wide_cut_of_a_large_model_is_exact(margin, monkeypatch):
-    """Above SAMPLED_ABOVE entries the cut is found among sampled candidates: the same K-th
-    largest magnitude as a sort of everything (NumPy), whether the estimate holds or misses."""
+@pytest.mark.parametrize("margin,share", [
+    (2.0, 0.01),  # sampled candidates
+    (0.25, 0.01),  # the estimate misses: every magnitude sorted
+    (2.0, 0.25),  # the warm-up's share: the radix selection
+    (2.0, 1.0),  # every entry: the smallest magnitude
+])
+def test_the_model_wide_cut_of_a_large_model_is_exact(margin, share, monkeypatch):
+    """Above SAMPLED_ABOVE entries the cut is found among sampled candidates or by the radix
+    selection: the same K-th largest magnitude as a sort of everything (NumPy), whether the
+    estimate holds or misses, with ties, zeros and subnormal magnitudes."""
     from sparse_hvd.selection import model_budget
 
     monkeypatch.setattr(model_budget, "CANDIDATE_MARGIN", margin)
     rng = np.random.RandomState(9)
-    tensors = [rng.standard_cauchy(n).astype("float32") * s
-               for n, s in ((200_000, 1.0), (70_000, 0.1), (3_000, 5.0))]
-    budgets = [2000, 700, 30]
+    sizes = (200_000, 70_000, 3_000)
+    tensors = [rng.standard_cauchy(n).astype("float32") * s for n, s in zip(sizes, (1.0, 0.1, 5.0))]
+    tensors[1][:5000] = 0.0
+    tensors[1][5000:6000] = 1e-40  # subnormal
+    tensors[2][:] = np.round(tensors[2])  # ties
+    budgets = [max(1, int(share * n)) for n in sizes]
     for function in (model_budget.model_wide_cut, tf.function(model_budget.model_wide_cut)):
         cut = float(function([tf.constant(t) for t in tensors], budgets))
         expected = np.sort(np.abs(np.concatenate(tensors)))[::-1][sum(budgets) - 1]

@@ -138,8 +138,7 @@ class DelayedStep(SynchronousStep):
         correction, the dense-route variables' averages first through ordinary momentum, as the
         synchronous step does (their velocity is written now, when the average is applied)."""
         opt = self.optimizer
-        # all in this (branch) graph: Keras' all-reduce hook takes gradients of one graph only
-        grads, updates = [tf.identity(g) for g in grads], []
+        grads, updates = list(grads), []
         for index, route in enumerate(opt._routes):
             if not route.sparse:
                 grads[index], written = opt._feedback.after_exchange(index, grads[index])
