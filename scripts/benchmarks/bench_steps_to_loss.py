@@ -56,47 +56,50 @@ SETTINGS = {
     "mlp": {"inner": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "steps": 400, "eval_every": 10},
 }
 
-# the behaviour before the warm-up default (explicitly off)
-OLD = {"warmup_steps": 0}
+# the behaviour before the warm-up default and the model-wide budget (explicitly off)
+OLD = {"warmup_steps": 0, "budget": "layer"}
+# the ablations measured per layer (before the model-wide budget became the default)
+PER_LAYER = {"budget": "layer"}
 
 # name -> (description, SparseDistributedOptimizer kwargs, or None for the hand-written dense
 # allreduce; "inner" overrides the workload's inner optimizer)
 METHODS = {
     "dense": ("Horovod grouped_allreduce of every gradient (the baseline)", None),
-    "default": ("SparseDistributedOptimizer(opt, density=0.01): the library's defaults",
-                {"density": 0.01}),
+    "default": ("SparseDistributedOptimizer(opt, density=0.01): the library's defaults (the "
+                "warm-up and one budget for the whole model)", {"density": 0.01}),
     "default_0.001": ("the defaults at density=0.001", {"density": 0.001}),
-    "topk": ("top-k 1%, error feedback, the inner momentum after the exchange (the old default)",
-             {"density": 0.01, **OLD}),
+    "per_layer": ("the warm-up with a budget per layer (budget='layer': the previous default)",
+                  {"density": 0.01, "budget": "layer"}),
+    "per_layer_0.001": ("the previous default at 0.1%", {"density": 0.001, "budget": "layer"}),
+    "topk": ("top-k 1%, error feedback, the inner momentum after the exchange (the default two "
+             "releases ago)", {"density": 0.01, **OLD}),
     "topk_0.001": ("the old default at 0.1%", {"density": 0.001, **OLD}),
     "topk_0.05": ("the old default at 5%", {"density": 0.05, **OLD}),
     "warmup": ("DGC's warm-up: WarmupDensity 25% -> 1% over the first 20% of the steps",
                {"density": {"class_name": "warmup", "config": {
-                   "density": 0.01, "initial_density": 0.25, "warmup_steps": "20%"}}}),
+                   "density": 0.01, "initial_density": 0.25, "warmup_steps": "20%"}},
+                **PER_LAYER}),
     "dense_start": ("dense (density 1) for the first 5% of the steps, then top-k 1%",
                     {"density": {"class_name": "dense_start", "config": {
-                        "density": 0.01, "dense_steps": "5%"}}}),
+                        "density": 0.01, "dense_steps": "5%"}}, **PER_LAYER}),
     "dgc": ("DGC's recipe: the warm-up default plus momentum correction with masking (inner SGD "
             "without momentum)",
-            {"density": 0.01, "momentum_correction": 0.9, "inner": {"momentum": 0.0}}),
+            {"density": 0.01, "momentum_correction": 0.9, "inner": {"momentum": 0.0},
+             **PER_LAYER}),
     "mc_masked": ("DGC momentum correction with masking (inner SGD without momentum)",
                   {"density": 0.01, "momentum_correction": 0.9, "warmup_steps": 0,
-                   "inner": {"momentum": 0.0}}),
+                   "inner": {"momentum": 0.0}, **PER_LAYER}),
     "mc": ("momentum correction without masking (inner SGD without momentum)",
            {"density": 0.01, "momentum_correction": 0.9, "momentum_masking": False,
-            "warmup_steps": 0, "inner": {"momentum": 0.0}}),
+            "warmup_steps": 0, "inner": {"momentum": 0.0}, **PER_LAYER}),
     "local_clip": ("the defaults with DGC's local gradient clipping (clipping='local')",
-                   {"density": 0.01, "clipping": "local"}),
-    "topk_noclip": ("top-k 1%, the inner optimizer without clipnorm", 
+                   {"density": 0.01, "clipping": "local", **PER_LAYER}),
+    "topk_noclip": ("top-k 1%, the inner optimizer without clipnorm",
                     {"density": 0.01, "inner": {"clipnorm": None}, **OLD}),
     "small_dense_32k": ("top-k 1%, variables under 32,768 entries dense",
                         {"density": 0.01, "min_elements": 32768, **OLD}),
     "model_budget": ("top-k 1% over the whole model (one cut for all layers)",
-                     {"density": 0.01, "budget": "model", **OLD}),
-    "default_model_budget": ("the defaults with one budget for the whole model (budget='model')",
-                             {"density": 0.01, "budget": "model"}),
-    "default_model_budget_0.001": ("the defaults at 0.1% with budget='model'",
-                                   {"density": 0.001, "budget": "model"}),
+                     {"density": 0.01, **OLD, "budget": "model"}),
     "adaptive": ("LAGS: AdaptiveDensity(0.01, min 0.1%, max 10%), grouping='layerwise'",
                  {"density": {"class_name": "adaptive", "config": {
                      "density": 0.01, "min_density": 0.001, "max_density": 0.1}},

@@ -17,8 +17,8 @@ the user says otherwise:
   (``selection.model_budget``), so the same bytes travel, but a layer whose gradient is large
   for its size (an LSTM's bias and input kernel, an output layer, an embedding) sends more
   than ``density`` of itself and a large recurrent kernel less. With the warm-up it took the
-  LSTM from never reaching dense's half-run loss to a steps ratio of 1.41, and the CNN from
-  1.14 to 0.97 (4 workers; the README's table has every seed). Not with
+  LSTM from never reaching dense's half-run loss to a steps ratio of 1.40, and the CNN from
+  1.14 to 1.07 (4 workers, mean of 3 seeds; the README's table has every seed). Not with
   ``grouping="layerwise"`` (the cut waits for every gradient, undoing the overlap) or a policy
   that sizes each layer itself: there ``"layer"``.
 
