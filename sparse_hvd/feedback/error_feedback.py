@@ -176,15 +176,18 @@ class ErrorFeedback:
             updates.append((self.velocities[index], velocity))
         return selection, tuple(updates)
 
-    def compensated(self, index, grad) -> tf.Tensor:
-        """What :meth:`select` hands the sparsifier for variable ``index``, flat: the gradient
-        (or, with momentum correction, the next velocity) plus the residual."""
+    def compensated_at(self, index, grad, positions=None) -> tf.Tensor:
+        """What :meth:`select` hands the sparsifier for variable ``index``, flat, at the int64
+        ``positions`` (None: everywhere): the gradient (or, with momentum correction, the next
+        velocity) plus the residual; only those positions are read."""
+        def at(tensor):
+            flat = tf.reshape(tf.convert_to_tensor(tensor), [-1])
+            return flat if positions is None else tf.gather(flat, positions)
+
+        flat = at(grad)
         if self.momentum:
-            grad = accumulated_velocity(grad, self.velocities[index], self.momentum)
-        flat = tf.reshape(grad, [-1])
-        if not self.enabled:
-            return flat
-        return flat + tf.reshape(tf.convert_to_tensor(self.residuals[index]), [-1])
+            flat = accumulated_velocity(flat, at(self.velocities[index]), self.momentum)
+        return flat + at(self.residuals[index]) if self.enabled else flat
 
     def round_dense(self, index, grad, compression) -> Tuple[tf.Tensor, Tuple[tuple, ...]]:
         """A dense-route gradient to send with ``compression``: ``c = grad + residual``

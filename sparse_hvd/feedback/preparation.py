@@ -96,9 +96,14 @@ def model_wide_sparsifier(opt, prepared, budgets):
         return None
     from ..selection.model_budget import AtOrAbove, model_wide_cut
 
-    compensated = [opt._feedback.compensated(index, grad)
-                   for _, index, route, rows, grad in prepared if index in budgets]
-    return AtOrAbove(model_wide_cut(compensated, list(budgets.values())))
+    chosen = [(index, grad) for _, index, route, rows, grad in prepared if index in budgets]
+
+    def magnitudes_at(j, positions):
+        index, grad = chosen[j]
+        return tf.abs(tf.cast(opt._feedback.compensated_at(index, grad, positions), tf.float32))
+
+    sizes = [opt._routes[index].num_elements for index, _ in chosen]
+    return AtOrAbove(model_wide_cut(magnitudes_at, sizes, [budgets[i] for i, _ in chosen]))
 
 
 def inner_gradients(opt, payload, averaged, variables):
