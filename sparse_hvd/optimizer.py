@@ -24,11 +24,12 @@ from . import checks
 from .exchanges import create as create_exchange
 from .exchanges.auto import choose_for
 from .feedback import clipping as clipping_rules
-from .feedback import nonfinite, preparation
+from .feedback import nonfinite
 from .feedback.accumulation import LocalAccumulation
 from .feedback.error_feedback import ErrorFeedback
 from .feedback.loss_scaling import LossScaling
 from .feedback.payload import route_for
+from .feedback.preparation import with_tensor_parts
 from .feedback.state import LocalState
 from .monitoring.stats import EMPTY, CommunicationCounters, layer_stats
 from .runtime import consistency, lockstep
@@ -331,7 +332,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         grads = list(grads)
         checks.check_gradients_match_variables(grads, trainable_variables)
         checks.check_some_gradient(grads, trainable_variables)
-        grads = [preparation.with_tensor_parts(g) for g in grads]
+        grads = [with_tensor_parts(g) for g in grads]
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
@@ -347,13 +348,6 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
     def _policy_step(self):
         """The step the density policy sees: exchanged steps with staleness, else applied ones."""
         return self._step.policy_step()
-
-    def _payload(self, grads_and_vars, keep_rows=True):
-        """Steps 1-3 for every (gradient, variable) pair: a Payload (``feedback.preparation``)."""
-        return preparation.make_payload(self, grads_and_vars, keep_rows)
-
-    def _inner_gradients(self, payload, averaged, variables):
-        return preparation.inner_gradients(self, payload, averaged, variables)
 
     def _apply_inner(self, grads, variables=None):
         """Hand averaged true gradients to the inner optimizer (re-scaled for an inner

@@ -13,16 +13,16 @@ flight:
   apply the average of step t - tau (``sparse_hvd.steps.staleness``); averages in flight are held
   for checkpoints, applied when training ends, dropped on a restore.
 
-What a strategy uses of the optimizer: ``_payload``, ``_exchange``, ``_inner_gradients``,
-``_apply_inner``, ``_skip_step``, ``_counters``, ``_feedback``, ``density_policy``,
-``nonfinite``, ``iterations``.
+What a strategy uses of the optimizer (besides ``feedback.preparation``, which makes the
+payload from it): ``_exchange``, ``_apply_inner``, ``_skip_step``, ``_counters``,
+``_feedback``, ``_routes``, ``density_policy``, ``nonfinite``, ``iterations``.
 """
 
 from typing import List
 
 import tensorflow as tf
 
-from ..feedback import nonfinite
+from ..feedback import nonfinite, preparation
 from ..runtime import watchdog
 from ..feedback.payload import write_state
 from .pipeline import PayloadLayout
@@ -48,11 +48,12 @@ class SynchronousStep:
         opt = self.optimizer
         variables = [v for _, v in grads_and_vars]
         with tf.name_scope("sparse_exchange"):
-            payload = opt._payload(grads_and_vars)  # Steps 1-3
+            payload = preparation.make_payload(opt, grads_and_vars)  # Steps 1-3
             with watchdog.one_wait():  # one watched wait for all of the step's collectives
                 averaged = opt._exchange.average(payload, opt._num_elements(),  # Step 4
                                                  step=opt.iterations)
-            grads, state_updates = opt._inner_gradients(payload, averaged.gradients, variables)
+            grads, state_updates = preparation.inner_gradients(opt, payload, averaged.gradients,
+                                                               variables)
             opt._counters.record(payload)
             opt._counters.record_times(payload, grads)
             with tf.control_dependencies(grads):  # re-measure after this step's traffic
@@ -115,7 +116,7 @@ class DelayedStep(SynchronousStep):
             step = tf.convert_to_tensor(self.delayed.exchange_step.value)
             layout = PayloadLayout((), ())
             if grads_and_vars:
-                payload = opt._payload(grads_and_vars, keep_rows=False)
+                payload = preparation.make_payload(opt, grads_and_vars, keep_rows=False)
                 finite_here = payload.finite_here()
                 opt._counters.record(payload)
                 opt._counters.record_times(payload)
