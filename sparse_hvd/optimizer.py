@@ -22,7 +22,6 @@ import tensorflow as tf
 
 from . import checks
 from .exchanges import create as create_exchange
-from .exchanges.auto import choose_for
 from .feedback import clipping as clipping_rules
 from .feedback import nonfinite
 from .feedback.accumulation import LocalAccumulation
@@ -36,7 +35,8 @@ from .runtime import consistency, lockstep
 from .selection.density import serialize_density_policy
 from .selection.routing import route_densely_where_faster
 from .selection.sparsifiers import serialize_sparsifier
-from .steps import DelayedStep, SynchronousStep
+from .selection.defaults import resolve_exchange
+from .steps import DelayedStep, MeasuredChoiceStep, SynchronousStep
 from .wrapping import InnerOptimizerFacade, write_through
 
 # the constructor's options, in the order get_config writes them
@@ -101,12 +101,13 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         dense_fallback: time the sparse path of each layer against a dense allreduce when the
             optimizer is built and send densely where that is faster (``selection.routing``;
             the same decision on every rank; off by default, as timings differ run to run).
-        exchange: ``"allgather"`` (default: every rank gathers every selection, (N - 1) k
+        exchange: ``"auto"`` (default, None: the candidate below that runs this job's steps
+            fastest, timed on its first steps and re-timed every so often, CPU included;
+            ``steps.measured``), ``"allgather"`` (every rank gathers every selection, (N - 1) k
             entries received per worker), ``"sparse_allreduce"`` (Ok-Topk/SparCML: owners sum
             regions and keep a global top-k of the sums, about 2k (N - 1) / N entries per
-            worker; what was sent and not applied goes back to the residual), ``"dense"``
-            (Horovod's allreduce of every gradient) or ``"auto"`` (the one a cost model timed
-            on the live job says is fastest). Plug-ins: ``sparse_hvd.exchanges``.
+            worker; what was sent and not applied goes back to the residual) or ``"dense"``
+            (Horovod's allreduce of every gradient). Plug-ins: ``sparse_hvd.exchanges``.
         compression: ``"none"`` (default), ``"float16"`` or ``"bfloat16"``: values travel as
             16-bit floats and each rank's rounding error stays in its residual.
         backward_passes_per_step: B >= 1 (Horovod's): B backward passes are added up locally
@@ -144,7 +145,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         nonfinite="skip",
         staleness=0,
         dense_fallback=False,
-        exchange="allgather",
+        exchange=None,
         compression="none",
         backward_passes_per_step=1,
         average_aggregated_gradients=False,
@@ -152,6 +153,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         name=None,
         **kwargs,
     ):
+        exchange = resolve_exchange(exchange)
         settings = checks.checked_settings(
             optimizer, SparseDistributedOptimizer, kwargs, density=density,
             warmup_steps=warmup_steps, sparsifier=sparsifier, min_elements=min_elements,
@@ -192,7 +194,9 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
                                        self.momentum_masking)
         self._loss_scaling = LossScaling(optimizer)
         # how a step runs (sparse_hvd.steps), chosen once
-        self._step = DelayedStep(self, staleness) if staleness else SynchronousStep(self)
+        self._step = (DelayedStep(self, staleness) if staleness
+                      else MeasuredChoiceStep(self) if exchange == "auto"
+                      else SynchronousStep(self))
         self.backward_passes_per_step = int(backward_passes_per_step)
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
         self._accumulation = (
@@ -243,10 +247,10 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         )
         if self.dense_fallback:
             route_densely_where_faster(self, var_list)
-        if self.exchange == "auto" and not self.staleness:  # the delayed pipeline gathers
-            choose_for(self)
         self.density_policy.prepare(self, var_list, self._routes)
         self._exchange.build(self, self._routes)
+        if isinstance(self._step, MeasuredChoiceStep):  # exchange="auto": time the candidates
+            self._step.choose_among(self._exchange_candidates, self._routes)
         if self._accumulation:
             self._accumulation.build(self, var_list)
 
@@ -281,7 +285,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         sparse_hvd's epoch-end callbacks call it. Not checked before the first step, nor by
         per-layer exchanges or with ``staleness`` (the stall watchdog ends such a job)."""
         if self.built and self._step.checks_lockstep:
-            self._exchange.assert_same_step(int(self.iterations.numpy()), state)
+            self._step.current_exchange().assert_same_step(int(self.iterations.numpy()), state)
 
     # ---- statistics ----------------------------------------------------------------------------
 
@@ -297,9 +301,9 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         """Per variable (by path): entries, route, and entries/density sent in the last step."""
         if self._counters is None:
             return {}
-        return layer_stats(self._trainable_variables, self._routes, self._counters,
-                           self.density_policy, self.inner_optimizer.iterations,
-                           self._exchange.method)
+        exchange, routes = self._step.current_exchange(), self._step.current_routes()
+        return layer_stats(self._trainable_variables, routes, self._counters,
+                           self.density_policy, self.inner_optimizer.iterations, exchange.method)
 
     def apply(self, grads, trainable_variables=None):
         """One step: steps 1-3 make the payload (nothing written yet), step 4 averages it over

@@ -140,6 +140,7 @@ class Exchange:
     staleness = True
     returns_unsent = False
     sends_selections = True
+    saves_state = True  # its state (if any) is checkpointed; exchange="auto"'s extras are not
     grouping_reason = ""  # why the other grouping is not registered (for the message)
 
     def __init__(self, name: str, process_set=None, grouping="grouped", compression=None):

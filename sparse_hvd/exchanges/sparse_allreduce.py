@@ -134,9 +134,10 @@ class SparseAllreduce:
         self.thresholds = None
         self._layout = None  # (header length, words per value, dense tensors): for announce()
 
-    def build(self, optimizer, routes, size):
+    def build(self, optimizer, routes, size, saved=True):
         """Fix the index space of the sparse routes (step 1) and create the state: the global
-        thresholds (an optimizer variable, one per variable) and the boundaries."""
+        thresholds (an optimizer variable, one per variable; a variable outside the
+        checkpoint when not ``saved``) and the boundaries."""
         self.offsets, total = {}, 0
         for key, route in enumerate(routes):
             if route.sparse:
@@ -148,9 +149,13 @@ class SparseAllreduce:
                 "entries do not fit int32 indices; use exchange='allgather'")
         self.total = total
         self.size = size
-        self.thresholds = optimizer.add_variable(shape=(len(routes),), dtype="float64",
-                                                 name="global_threshold")
+        if saved:
+            self.thresholds = optimizer.add_variable(shape=(len(routes),), dtype="float64",
+                                                     name="global_threshold")
         with tf.init_scope():
+            if not saved:
+                self.thresholds = tf.Variable(tf.zeros([len(routes)], tf.float64),
+                                              trainable=False, name="global_threshold")
             self.boundaries = tf.Variable(tf.constant(even_boundaries(total, size), tf.int64),
                                           trainable=False, name="sparse_allreduce_boundaries")
 
@@ -316,7 +321,7 @@ class SparseAllreduceExchange(FusedAllgather):
         self.sparse_allreduce = SparseAllreduce(self.name, self.process_set, self.compression)
 
     def build(self, optimizer, routes):
-        self.sparse_allreduce.build(optimizer, routes, self.size)
+        self.sparse_allreduce.build(optimizer, routes, self.size, saved=self.saves_state)
 
     def _average_many(self, payload: Payload, sizes, step):
         if not payload.sparse.items:
@@ -359,7 +364,7 @@ class LayerwiseSparseAllreduce(Exchange):
         for key, route in enumerate(routes):
             if route.sparse:
                 part = SparseAllreduce(f"{self.name}.{key}", self.process_set, self.compression)
-                part.build(optimizer, [route], self.size)
+                part.build(optimizer, [route], self.size, saved=self.saves_state)
                 self.parts[key] = part
 
     def _average_many(self, payload: Payload, sizes, step):

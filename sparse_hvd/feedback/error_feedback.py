@@ -198,6 +198,31 @@ class ErrorFeedback:
         sent, error = compression.round(grad + tf.cast(tf.convert_to_tensor(residual), grad.dtype))
         return sent, ((residual, error),)
 
+    def flush(self, index, grad, compression=NONE) -> Tuple[tf.Tensor, Tuple[tuple, ...]]:
+        """Variable ``index`` sent whole although its route is sparse (``exchange="auto"``
+        running the dense allreduce): what :meth:`select` would send with k = every entry.
+        The compensated gradient ``c`` (with momentum correction: the next velocity plus the
+        residual) is sent, rounded by ``compression``; the residual becomes the rounding error
+        (zero without compression); with masking every velocity entry was sent and is
+        cleared. So switching between sparse and dense steps loses nothing."""
+        velocity = None
+        if self.momentum:
+            grad = velocity = accumulated_velocity(grad, self.velocities[index], self.momentum)
+        compensated = grad
+        if self.enabled:
+            compensated = grad + tf.cast(tf.convert_to_tensor(self.residuals[index]), grad.dtype)
+        updates = []
+        if compression.wire_dtype(grad.dtype) is not None:
+            sent, error = compression.round(compensated)
+        else:
+            sent, error = compensated, tf.zeros_like(compensated)
+        if self.enabled:
+            updates.append((self.residuals[index], error))
+        if self.momentum:
+            updates.append((self.velocities[index],
+                            tf.zeros_like(velocity) if self.masking else velocity))
+        return sent, tuple(updates)
+
     def after_exchange(self, index, averaged) -> Tuple[tf.Tensor, Tuple[tuple, ...]]:
         """A dense-route variable's averaged gradient as the inner optimizer gets it: with
         momentum correction, the velocity ``m*u + average`` (ordinary momentum), to be written

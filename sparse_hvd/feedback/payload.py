@@ -27,6 +27,9 @@ class Route(NamedTuple):
     num_elements: int
     sparse: bool  # False: dense allreduce (small, or larger sparse than dense)
     itemsize: int  # bytes per gradient value
+    # a sparse-route variable sent whole (exchange="auto" running dense): its compensated
+    # gradient travels and its residual is cleared, so no earlier unsent part is lost
+    flushed: bool = False
 
 
 def entries_in(shape) -> int:

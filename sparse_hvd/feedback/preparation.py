@@ -61,7 +61,7 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
         index = opt._get_variable_index(variable)
         route = opt._routes[index]
         rows = (keep_rows and isinstance(grad, tf.IndexedSlices) and not route.sparse
-                and not opt.momentum_correction)
+                and not route.flushed and not opt.momentum_correction)
         grad = opt._loss_scaling.unscale(
             as_rows(grad, variable) if rows else as_dense(grad, variable))
         opt.density_policy.gradient_ready(index, grad.values if rows else grad)
@@ -81,6 +81,9 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
             selection, updates = opt._feedback.select(index, grad, sparsifier, k,
                                                        opt._compression)
             builder.add_sparse(position, index, route, grad, selection, updates, budget=k)
+        elif route.flushed:
+            sent, updates = opt._feedback.flush(index, grad, opt._compression)
+            builder.add_dense(position, index, route, grad, updates, sent=sent)
         elif opt._compression.wire_dtype(grad.dtype) is not None:
             sent, updates = opt._feedback.round_dense(index, grad, opt._compression)
             builder.add_dense(position, index, route, grad, updates, sent=sent)
@@ -114,6 +117,9 @@ def inner_gradients(opt, payload, averaged, variables):
     for position in payload.sparse.positions:
         grads[position] = tf.reshape(averaged[position], variables[position].shape)
     for position, index in zip(payload.dense.positions, payload.dense.keys):
+        if opt._routes[index].flushed:  # momentum was applied before sending, as selected
+            grads[position] = tf.reshape(averaged[position], variables[position].shape)
+            continue
         grads[position], updates = opt._feedback.after_exchange(index, averaged[position])
         state_updates.extend(updates)
     return grads, state_updates

@@ -22,6 +22,11 @@ the user says otherwise:
   ``grouping="layerwise"`` (the cut waits for every gradient, undoing the overlap) or a policy
   that sizes each layer itself: there ``"layer"``.
 
+* **The exchange timed fastest on the job** (``exchange``, default :data:`EXCHANGE`):
+  ``"auto"`` times the dense allreduce, the allgather and the sparse allreduce on the job's
+  own first steps (``steps.measured``), so that a fast link runs dense and costs what dense
+  costs.
+
 The resolved settings go into ``get_config``, so a saved optimizer reloads as it ran; a config
 written before a default existed reloads as it ran then (constant density, per-layer budget).
 
@@ -39,6 +44,12 @@ WARMUP_STEPS = 200  # what warmup_steps=None means
 WARMUP_INITIAL_DENSITY = 0.25
 BUDGET = "model"  # what budget=None means with the grouped exchanges
 BUDGETS = ("layer", "model")
+EXCHANGE = "auto"  # what exchange=None means
+
+
+def resolve_exchange(exchange) -> str:
+    """The exchange for the optimizer's ``exchange`` argument (None: :data:`EXCHANGE`)."""
+    return EXCHANGE if exchange is None else exchange
 
 
 def resolve_density(density, warmup_steps) -> DensityPolicy:

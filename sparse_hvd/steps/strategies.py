@@ -68,6 +68,14 @@ class SynchronousStep:
         nonfinite.guard(opt.nonfinite, averaged.finite, go_ahead,  # Step 5
                         lambda: opt._skip_step("The step was skipped on every rank."))
 
+    def current_exchange(self):
+        """The exchange the steps run now (``exchange="auto"`` switches it)."""
+        return self.optimizer._exchange
+
+    def current_routes(self):
+        """The routes the steps run with now."""
+        return self.optimizer._routes
+
     # nothing is ever in flight
     def hold_pending(self):
         pass

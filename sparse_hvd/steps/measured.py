@@ -1,0 +1,180 @@
+"""``exchange="auto"``: the exchange that makes this job's steps fastest, timed on its own steps.
+
+A model of the network cannot see the CPU work around an exchange (selection, packing,
+summing), which on a fast link decides whether a sparse step is faster than dense at all. So
+every candidate (the exchanges that can run the optimizer's other settings: the dense
+allreduce of everything, the allgather, the sparse allreduce) is traced into the step, each as
+one branch of a ``tf.switch_case``; a variable, the same on every rank, says which branch
+runs. Only that branch's ops execute.
+
+1. **Trial.** From step ``trial_start`` on, each candidate runs ``TRIAL_STEPS`` steps in turn.
+   The first of each is not timed (a branch's first run sets up its collectives); the others
+   time what differs between candidates: from the moment the step's gradients exist to its last
+   write (compensation and selection, the exchange, averaging, the inner optimizer's update).
+2. **Decision**, in the trial's last step, on every rank at once: each candidate's median
+   time, averaged over the ranks by one allreduce, so that every rank sees the same numbers
+   and makes the same choice by one rule: the fastest, except that dense wins unless a sparse
+   exchange is faster than it by more than ``DENSE_WITHIN`` (a sparse run needs a few percent
+   more steps to the same loss: ``docs/steps_to_loss.md``). Rank 0 logs the times and the
+   choice.
+3. **Re-trials**, since the link and the density can change: at the density policy's first
+   settled step (the warm-up's end), then every ``RECHECK_STEPS`` steps.
+
+Switching keeps every replica identical (every rank runs the same branch) and error feedback
+exact: the dense candidate sends each sparse-route variable's compensated gradient whole and
+clears its residual (``ErrorFeedback.flush``: the selection with k = every entry), so the
+conservation identity holds across switches. The state of the candidates other than the
+default exchange (the sparse allreduce's thresholds) is not checkpointed: the checkpoint
+format does not depend on which exchanges were candidates, and a restored job measures again.
+"""
+
+from typing import List, NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+from ..exchanges import create
+from ..runtime import collectives, log, startup as runtime
+from .strategies import SynchronousStep
+
+TRIAL_STEPS = 4  # steps each candidate runs in a trial; the first is not timed
+RECHECK_STEPS = 1000  # a new trial this many steps after a decision
+DENSE_WITHIN = 0.03  # dense wins unless a sparse exchange is faster by more than this
+
+
+class Plan(NamedTuple):
+    """One candidate: its name, its exchange and the routes it runs with."""
+
+    name: str
+    exchange: object
+    routes: list
+
+
+def plans_for(optimizer, candidates, routes) -> List[Plan]:
+    """A plan per candidate, the optimizer's current exchange first. A candidate that sends no
+    selections (dense) runs every sparse route whole (``Route.flushed``)."""
+    plans = [Plan(optimizer._exchange.method, optimizer._exchange, list(routes))]
+    for name in candidates:
+        if name == plans[0].name:
+            continue
+        exchange = create(name, optimizer._exchange.grouping, name=optimizer._prefix,
+                          process_set=optimizer.process_set,
+                          compression=optimizer._compression)
+        exchange.saves_state = False
+        plan_routes = list(routes) if exchange.sends_selections else [
+            route._replace(sparse=False, flushed=route.sparse) for route in routes]
+        plans.append(Plan(name, exchange, plan_routes))
+    return plans
+
+
+def decide(seconds, names) -> int:
+    """Step 2: the index of the chosen candidate given each one's time (seconds)."""
+    fastest = min(range(len(names)), key=lambda i: (seconds[i], names[i]))
+    if "dense" in names:
+        dense = names.index("dense")
+        if seconds[dense] <= seconds[fastest] * (1 + DENSE_WITHIN):
+            return dense
+    return fastest
+
+
+class MeasuredChoiceStep(SynchronousStep):
+    """A synchronous step that runs the candidate exchange the trials timed fastest."""
+
+    def __init__(self, optimizer):
+        super().__init__(optimizer)
+        self.plans: List[Plan] = []
+        self.decisions = []  # (step, {name: seconds}, choice), as rank 0 logged them
+
+    def choose_among(self, candidates, routes):
+        """Make the plans (at build, once the routes are fixed); with one worker or one
+        candidate there is nothing to choose and the step is the synchronous one."""
+        opt = self.optimizer
+        self.plans = plans_for(opt, candidates, routes)
+        if runtime.size(opt.process_set) == 1:
+            self.plans = self.plans[:1]
+        for plan in self.plans[1:]:
+            plan.exchange.build(opt, plan.routes)
+        count = len(self.plans)
+        settled = int(getattr(opt.density_policy, "warmup_steps", 0) or 0)
+        with tf.init_scope():  # not optimizer variables: nothing of this is checkpointed
+            self.choice = tf.Variable(0, dtype=tf.int32, trainable=False, name="auto_choice")
+            self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="auto_steps")
+            self.trial_start = tf.Variable(1, dtype=tf.int64, trainable=False,
+                                           name="auto_trial_start")
+            self.settled = tf.constant(settled, tf.int64)
+            self.samples = tf.Variable(tf.zeros([count, TRIAL_STEPS - 1], tf.float64),
+                                       trainable=False, name="auto_samples")
+
+    def _current(self) -> Plan:
+        """The plan running now (eager)."""
+        return self.plans[int(self.choice.numpy())] if len(self.plans) > 1 else None
+
+    def current_exchange(self):
+        plan = self._current()
+        return plan.exchange if plan else super().current_exchange()
+
+    def current_routes(self):
+        plan = self._current()
+        return plan.routes if plan else super().current_routes()
+
+    def run(self, grads_and_vars):
+        if len(self.plans) < 2:
+            return super().run(grads_and_vars)
+        count = len(self.plans)
+        phase = self.steps - self.trial_start
+        in_trial = tf.logical_and(phase >= 0, phase < count * TRIAL_STEPS)
+        candidate = tf.cast(tf.math.floordiv(phase, TRIAL_STEPS), tf.int32)
+        branch = tf.where(in_trial, candidate, self.choice)
+        gradients = [g.values if isinstance(g, tf.IndexedSlices) else g
+                     for g, _ in grads_and_vars]
+        with tf.control_dependencies(gradients):
+            started = tf.timestamp()
+        elapsed = tf.switch_case(branch, [self._branch(plan, grads_and_vars, started)
+                                          for plan in self.plans])
+        slot = tf.cast(tf.math.floormod(phase, TRIAL_STEPS), tf.int32) - 1
+
+        def record():
+            self.samples.scatter_nd_update([[candidate, slot]], [elapsed])
+
+        tf.cond(tf.logical_and(in_trial, slot >= 0), record, lambda: None)
+        tf.cond(tf.logical_and(in_trial, tf.equal(phase, count * TRIAL_STEPS - 1)),
+                self._decide, lambda: None)
+        self.steps.assign_add(1)
+
+    def _branch(self, plan, grads_and_vars, started):
+        def run_plan():
+            opt = self.optimizer
+            saved = opt._exchange, opt._routes
+            opt._exchange, opt._routes = plan.exchange, plan.routes
+            try:
+                SynchronousStep.run(self, grads_and_vars)
+            finally:
+                opt._exchange, opt._routes = saved
+            return tf.timestamp() - started
+        return run_plan
+
+    def _decide(self):
+        """Step 2 and the next trial's start (step 3)."""
+        medians = tf.sort(self.samples, axis=1)[:, (TRIAL_STEPS - 1) // 2]
+        opt = self.optimizer
+        medians = collectives.allreduce(medians, name=f"{opt._prefix}.auto.times",
+                                        process_set=opt.process_set)
+        names = [plan.name for plan in self.plans]
+        choice = tf.numpy_function(
+            lambda seconds, step: self._decided(seconds, step, names),
+            [medians, self.steps], tf.int32, stateful=True)
+        self.choice.assign(tf.reshape(choice, []))
+        following = tf.where(self.steps < self.settled, self.settled,
+                             self.steps + RECHECK_STEPS)
+        self.trial_start.assign(following)
+
+    def _decided(self, seconds, step, names):
+        """Step 2 on the host: the choice (the same on every rank: same numbers, one rule),
+        recorded, and logged by rank 0."""
+        choice = decide([float(s) for s in seconds], names)
+        times = {name: float(s) for name, s in zip(names, seconds)}
+        self.decisions.append((int(step), times, names[choice]))
+        if runtime.rank(self.optimizer.process_set) == 0:
+            log.info("exchange='auto' at step %d: %s (median ms a step: %s)", int(step),
+                     names[choice], ", ".join(f"{n} {t * 1e3:.1f}" for n, t in times.items()))
+        return np.int32(choice)
