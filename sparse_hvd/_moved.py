@@ -26,7 +26,7 @@ MOVED = {
     "defaults": "selection.defaults",
     "density": "selection.density",
     "error_feedback": "feedback.error_feedback",
-    "exchange_choice": "exchanges.auto",
+    "exchange_choice": "steps.measured",
     "lockstep": "runtime.lockstep",
     "log": "runtime.log",
     "loss_scaling": "feedback.loss_scaling",

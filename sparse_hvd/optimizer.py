@@ -9,7 +9,7 @@ the inner optimizer. This module is the Keras wrapper only; the sub-packages hol
 * ``selection``: sparsifiers, density policies (the defaults, LAGS), the dense fallback;
 * ``feedback``: error feedback, a step's payload (``preparation``), accumulation, clipping,
   loss scaling, the non-finite guard;
-* ``exchanges``: one module per exchange, their wire format, compression and averaging, "auto";
+* ``exchanges``: one module per exchange, their wire format, compression and averaging;
 * ``steps``: synchronous or delayed (staleness) steps, chosen once;
 * ``runtime``: start-up, named collectives, the watchdog, lockstep and consistency checks;
 * ``monitoring``: Keras callbacks, the communication log and statistics.

@@ -214,3 +214,21 @@ def test_the_default_budget_is_model_wide_except_where_layers_are_sized_alone():
     assert sparse_hvd.SparseDistributedOptimizer.from_config(config).budget == "layer"
     with pytest.raises(ValueError, match="`budget` must be 'layer' or 'model'"):
         made(budget="global")
+
+
+@pytest.mark.convergence_defaults
+def test_the_default_exchange_is_the_timed_choice_and_round_trips():
+    from sparse_hvd.steps import MeasuredChoiceStep, SynchronousStep
+
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), density=0.01)
+    assert optimizer.exchange == "auto" and isinstance(optimizer._step, MeasuredChoiceStep)
+    config = optimizer.get_config()
+    assert config["exchange"] == "auto"
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).exchange == "auto"
+    fixed = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), exchange="allgather")
+    assert type(fixed._step) is SynchronousStep
+    # one worker: nothing to choose, the step is the allgather's and no collective runs
+    variable = keras.Variable(np.zeros(SHAPE, "float32"))
+    optimizer.apply([tf.ones(SHAPE)], [variable])
+    assert optimizer.layer_stats()[variable.path]["exchange"] == "allgather"
+    assert len(optimizer._step.plans) == 1

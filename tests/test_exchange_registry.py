@@ -8,7 +8,7 @@ from sparse_hvd import checks
 from sparse_hvd.selection.adaptive import AdaptiveDensity
 from sparse_hvd.exchanges.compression import Compression
 from sparse_hvd.selection.density import ConstantDensity
-from sparse_hvd.exchanges.auto import decide
+from sparse_hvd.steps.measured import DENSE_WITHIN, decide
 from sparse_hvd.exchanges import available, create, exchange_class, groupings_of, register
 from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 
@@ -53,10 +53,16 @@ def test_auto_chooses_among_the_exchanges_whose_capabilities_fit():
     assert set(checks.exchange_candidates("auto", "layerwise", 0, AdaptiveDensity(),
                                       Compression())) == {
         "allgather", "sparse_allreduce", "dense"}
-    seconds = {"allgather": 3.0, "sparse_allreduce": 1.0, "dense": 2.0}
-    assert decide(seconds) == "sparse_allreduce"
-    assert decide(seconds, ("allgather", "dense")) == "dense"
-    assert decide(seconds, ("allgather",)) == "allgather"
+
+def test_auto_takes_the_fastest_and_dense_unless_a_sparse_exchange_clearly_wins():
+    names = ["allgather", "dense", "sparse_allreduce"]
+    assert names[decide([3.0, 2.0, 1.0], names)] == "sparse_allreduce"
+    assert names[decide([1.0, 2.0, 3.0], names)] == "allgather"
+    # within DENSE_WITHIN of the fastest: dense (it needs no extra steps to a loss)
+    assert names[decide([1.0, 1.0 + DENSE_WITHIN * 0.9, 3.0], names)] == "dense"
+    assert names[decide([1.0, 1.0 + DENSE_WITHIN * 1.1, 3.0], names)] == "allgather"
+    # without dense among the candidates, ties go by name: the same on every rank
+    assert decide([2.0, 2.0], ["sparse_allreduce", "allgather"]) == 1
 
 
 def test_a_new_exchange_is_one_class_and_its_registration():

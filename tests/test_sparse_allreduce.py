@@ -7,7 +7,6 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
-from sparse_hvd.exchanges.auto import decide, modelled_seconds
 from sparse_hvd.exchanges.sparse_allreduce import LEVELS, even_boundaries, next_threshold, owners_of
 
 
@@ -40,15 +39,6 @@ def test_too_few_kept_lowers_the_threshold_to_the_level_k_sums_reached():
     assert _threshold(8.0, [9.0], [1, 1, 1, 2, 2], 4) == 2.0
     # theta 0 keeps every sum: fewer than k exist, it stays 0
     assert _threshold(0.0, [1.0], [1, 1, 1, 1, 1], 4) == 0.0
-
-
-def test_auto_prefers_allgather_for_few_workers_and_sparse_allreduce_for_many():
-    alpha, beta = 50e-6, 1e-9  # 50 us, 1 ns per byte per rank's share
-    payload, dense = 350_000, 17_400_000
-    assert decide(modelled_seconds(alpha, beta, payload, dense, 2)) == "allgather"
-    assert decide(modelled_seconds(alpha, beta, payload, dense, 64)) == "sparse_allreduce"
-    # at density 1 the payload is twice the dense bytes: dense wins
-    assert decide(modelled_seconds(alpha, beta, 2 * dense, dense, 8)) == "dense"
 
 
 def test_staleness_is_refused_naming_both():

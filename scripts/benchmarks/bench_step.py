@@ -17,7 +17,10 @@ Methods (``--methods``, comma-separated):
   ``sar_<sparsifier>@<d>``: the same with ``exchange="sparse_allreduce"``;
   ``<sparsifier>_model@<d>``: with one budget for the whole model (``budget="model"``, the
   default of the grouped exchanges). Every sparse row has ``budget="layer"`` unless it says
-  ``_model``, and no warm-up (``warmup_steps=0``): the step of the steady state is timed.
+  ``_model``, and no warm-up (``warmup_steps=0``): the step of the steady state is timed;
+* ``auto@<d>``: the default exchange (``exchange="auto"``: the candidates timed on the job's
+  first steps, ``steps.measured``) with the default model-wide budget, no warm-up; its untimed
+  first steps cover the whole trial, and the row says what it chose.
 
 For each method: the median step (median over ranks of each rank's median), x floor, x dense,
 bytes this rank handed to the exchange per step, on the emulated cluster (``--rate``) the
@@ -121,6 +124,7 @@ def link_bytes():
 def worker(args):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import sparse_hvd
+    import sparse_hvd.steps.measured as measured
 
     hvd = sparse_hvd.init()
     import keras
@@ -163,6 +167,8 @@ def worker(args):
             if name.startswith("sar_"):
                 exchange, name = "sparse_allreduce", name[len("sar_"):]
                 sparsifier = name
+            if name == "auto":  # the default: the exchange timed fastest, one model budget
+                exchange, budget, sparsifier = "auto", "model", "topk"
             if name == "threshold":
                 sparsifier = sparse_hvd.Threshold(threshold=thresholds[density], max_density=0.05)
             elif name == "threshold_capped":
@@ -219,7 +225,10 @@ def worker(args):
             everyone = gather(mine, f"bench.lambda.{density}")
             thresholds[density] = float(np.mean(everyone))
         model, sparse, step = build(method)
-        for _ in range(args.warmup_steps):
+        untimed = args.warmup_steps
+        if name == "auto":  # the whole trial and its decision, and a step of the choice
+            untimed = max(untimed, 2 + len(sparse._step.plans) * measured.TRIAL_STEPS)
+        for _ in range(untimed):
             float(step(next(stream)))
         runs[method] = {"model": model, "step": step, "sparse": sparse, "times": [], "stats": [],
                         "link": []}
@@ -250,6 +259,8 @@ def worker(args):
         if run["link"]:
             entry["wire_received_bytes"] = float(np.median([r for r, _ in run["link"]]))
             entry["wire_sent_bytes"] = float(np.median([t for _, t in run["link"]]))
+        if run["sparse"] and run["sparse"].exchange == "auto":
+            entry["auto_decisions"] = run["sparse"]._step.decisions
         if run["sparse"]:
             # the policy's probes (AdaptiveDensity), averaged over every step of this run,
             # build-time probe included
@@ -265,7 +276,10 @@ def worker(args):
                   "thresholds": thresholds, "methods": {}}
         for method in mine:
             per_rank = [theirs[0][method] for theirs in everyone]
-            merged = {key: float(np.median([r[key] for r in per_rank])) for key in per_rank[0]}
+            merged = {key: float(np.median([r[key] for r in per_rank])) for key in per_rank[0]
+                      if key != "auto_decisions"}
+            if "auto_decisions" in per_rank[0]:  # the same on every rank
+                merged["auto_decisions"] = per_rank[0]["auto_decisions"]
             # the floor trains one replica per rank on its own data: nothing to compare
             merged["replicas_identical"] = (None if method == "floor" else
                                             len({theirs[1][method] for theirs in everyone}) == 1)
@@ -442,6 +456,10 @@ def table(result):
             f"{t['negotiation_ms']:.1f}" if t else "", f"{t['transfer_ms']:.1f}" if t else "",
             str(m.get("replicas_identical", "")),
         ]) + " |")
+    for method, m in methods.items():
+        for step, times, choice in m.get("auto_decisions", []):
+            lines.append(f"\n{method}: at step {step} chose {choice} (trial medians, ms a step: "
+                         + ", ".join(f"{n} {t * 1e3:.1f}" for n, t in times.items()) + ")")
     return "\n".join(lines)
 
 

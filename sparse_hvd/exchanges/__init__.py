@@ -3,15 +3,16 @@
 One module per exchange, each a subclass of :class:`~sparse_hvd.exchanges.base.Exchange`
 registered under the name ``exchange=`` takes and the ``grouping`` it runs:
 
-=====================  ===========  ==================================================
-``exchange``           grouping     module
-=====================  ===========  ==================================================
-``"allgather"``        grouped      ``fused_allgather``: one grouped allgather a step
-``"allgather"``        layerwise    ``layerwise``: an allgather pair per variable
-``"sparse_allreduce"`` grouped      ``sparse_allreduce``: regions summed by owners
-``"sparse_allreduce"`` layerwise    ``sparse_allreduce``: the same, one per variable
-``"dense"``            both         ``dense``: Horovod's allreduce of every gradient
-=====================  ===========  ==================================================
+=======================  ===========  ==============================================
+``exchange``             grouping     module
+=======================  ===========  ==============================================
+``"allgather"``          grouped      ``fused_allgather``: one grouped allgather a step
+``"allgather"``          layerwise    ``layerwise``: an allgather pair per variable
+``"compact_allgather"``  grouped      ``compact_allgather``: indices Elias-Fano coded
+``"sparse_allreduce"``   grouped      ``sparse_allreduce``: regions summed by owners
+``"sparse_allreduce"``   layerwise    ``sparse_allreduce``: the same, one per variable
+``"dense"``              both         ``dense``: Horovod's allreduce of every gradient
+=======================  ===========  ==============================================
 
 ``sparse_hvd.checks`` reads the classes' capabilities (``per_layer``, ``layer_budgets``,
 ``compression_capable``, ``staleness``, ``returns_unsent``, ``sends_selections``), never
@@ -22,7 +23,8 @@ capabilities, decorate it with ``@register("name", grouping=...)``, and import t
 below. The README's developer section walks through it.
 """
 
-from . import dense, fused_allgather, layerwise, sparse_allreduce  # noqa: F401 (registration)
+from . import (compact_allgather, dense, fused_allgather, layerwise,  # noqa: F401 (registration)
+               sparse_allreduce)
 from .base import (DENSE_GATHER_LIMIT, Averaged, Exchange, available, create, exchange_class,
                    groupings_of, register)
 

@@ -50,11 +50,11 @@ class FusedAllgather(Exchange):
         dense = list(payload.dense.items)
         dense_groups, dense_words = self.pack_dense(dense)
         # Step 1: pack
+        indices, selections = self._pack_indices(selections, sizes)
         counts = [tf.size(s.indices, out_type=tf.int32) for s in selections]
         value_groups = group_positions_by_dtype([s.values for s in selections])
         words = [self.compression.encode(tf.concat([selections[p].values for p in positions], 0))
                  for positions in value_groups.values()]
-        indices = tf.concat([s.indices for s in selections] or [tf.zeros([0], tf.int32)], 0)
         self._layout = (len(selections), 1 + len(words) + len(dense_words))
         # Step 2: gather
         gathered = collectives.grouped_allgather(
@@ -63,7 +63,8 @@ class FusedAllgather(Exchange):
         # Steps 3 and 6: every rank in this step, every rank's flag, the counts
         gathered, finite, counts = checked_headers(gathered, size)
         counts = tf.reshape(counts, [size, len(selections)])  # static: the unpacking needs it
-        all_indices, gathered_words = gathered[1], gathered[2:2 + len(words)]
+        all_indices = self._unpack_indices(gathered[1], counts, sizes)
+        gathered_words = gathered[2:2 + len(words)]
         gathered_dense = gathered[2 + len(words):]
         # Step 4: each variable's entries in rank order, summed and averaged
         sparse = [None] * len(selections)
@@ -78,6 +79,17 @@ class FusedAllgather(Exchange):
         averaged_dense = self.unpack_dense(dense, dense_groups, gathered_dense,
                                            payload.dense.keys, step)
         return sparse, averaged_dense, finite, ()
+
+    def _pack_indices(self, selections, sizes):
+        """Every selection's indices as one int32 tensor, and the selections in the order their
+        values travel (here: as they are)."""
+        indices = tf.concat([s.indices for s in selections] or [tf.zeros([0], tf.int32)], 0)
+        return indices, selections
+
+    def _unpack_indices(self, gathered, counts, sizes):
+        """The gathered indices, rank by rank and variable by variable (``counts``: [ranks,
+        variables] entries), as int32 positions in their variables."""
+        return gathered
 
     def _announce(self, step, state):
         """The fused exchange of a rank that sends nothing, with ``state`` for its fields."""

@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from sparse_hvd.exchanges import base as exchange_module
+from sparse_hvd.exchanges.compact_allgather import CompactAllgather
 from sparse_hvd.exchanges.fused_allgather import FusedAllgather as Exchange
 from sparse_hvd.feedback.payload import PayloadBuilder, Route
 from sparse_hvd.selection.sparsifiers import Selection
@@ -39,11 +40,14 @@ def _dense(rank, variable, shape, dtype):
     return np.random.RandomState(7000 + 10 * variable + rank).randn(*shape).astype(dtype)
 
 
-def _payload(rank, finite):
+def _payload(rank, finite, shuffled=False):
     builder = PayloadBuilder(check_finite=True)
     position = 0
     for variable, (n, dtype) in enumerate(SPARSE):
         indices, values = _selection(rank, variable, n, dtype)
+        if shuffled:  # as top-k sends them: by magnitude, not by position
+            order = np.random.RandomState(rank).permutation(len(indices))
+            indices, values = indices[order], values[order]
         route = Route(n, True, np.dtype(dtype).itemsize)
         gradient = tf.constant(np.full(n, 1.0 if finite else np.nan, dtype))
         builder.add_sparse(position, variable, route,
@@ -77,17 +81,20 @@ NUM_ELEMENTS = [n for n, _ in SPARSE] + [int(np.prod(s)) for s, _ in DENSE]
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])
-def test_fused_average_is_the_rank_order_sum_bit_for_bit(hvd, mode):
+@pytest.mark.parametrize("kind", [Exchange, CompactAllgather])
+def test_fused_average_is_the_rank_order_sum_bit_for_bit(hvd, mode, kind):
+    """The compact exchange's coded indices (sent in any order) decode to the same sums."""
     rank, size = hvd.rank(), hvd.size()
-    exchange = Exchange(name=f"test.fused.{mode}")
-    run = lambda: exchange.average(_payload(rank, finite=True), NUM_ELEMENTS)  # noqa: E731
+    exchange = kind(name=f"test.fused.{mode}.{kind.__name__}")
+    compact = kind is CompactAllgather
+    run = lambda: exchange.average(_payload(rank, True, compact), NUM_ELEMENTS)  # noqa: E731
     averaged = tf.function(run)() if mode == "function" else run()
     results = [a.numpy().reshape(-1) for a in averaged.gradients]
     for variable, (result, expected) in enumerate(zip(results, _expected(size))):
         assert result.dtype == expected.dtype
         np.testing.assert_array_equal(result, expected.reshape(-1), err_msg=f"variable {variable}")
     assert bool(averaged.finite)
-    assert len(set(gather(hvd, digest(results), name=f"fused.digest.{mode}"))) == 1
+    assert len(set(gather(hvd, digest(results), name=f"fused.digest.{mode}.{compact}"))) == 1
 
 
 def test_one_rank_not_finite_is_seen_by_every_rank(hvd):
