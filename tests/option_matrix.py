@@ -17,7 +17,7 @@ import itertools
 FACTORS = {
     "sparsifier": ("topk", "approx_topk", "randomk", "threshold"),
     "density": ("constant", "warmup", "adaptive"),
-    "exchange": ("allgather", "sparse_allreduce", "dense", "auto"),
+    "exchange": ("allgather", "compact_allgather", "sparse_allreduce", "dense", "auto"),
     "grouping": ("grouped", "layerwise"),
     "staleness": (0, 1),
     "compression": ("none", "float16"),
@@ -34,6 +34,8 @@ FACTORS = {
 REFUSED = (
     ("staleness", 1, "density", "adaptive"),
     ("staleness", 1, "exchange", "sparse_allreduce"),
+    ("staleness", 1, "exchange", "compact_allgather"),
+    ("grouping", "layerwise", "exchange", "compact_allgather"),
 )
 
 

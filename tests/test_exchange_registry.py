@@ -14,8 +14,9 @@ from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 
 
 def test_every_exchange_is_registered_with_its_groupings():
-    assert set(available()) == {"dense", "allgather", "sparse_allreduce"}
+    assert set(available()) == {"dense", "allgather", "compact_allgather", "sparse_allreduce"}
     assert set(groupings_of("allgather")) == {"grouped", "layerwise"}
+    assert set(groupings_of("compact_allgather")) == {"grouped"}
     assert set(groupings_of("sparse_allreduce")) == {"grouped", "layerwise"}
     assert exchange_class("sparse_allreduce", "layerwise").per_layer
     assert exchange_class("allgather", "layerwise").per_layer
@@ -45,14 +46,15 @@ def test_unknown_names_and_groupings_are_refused_naming_what_exists():
 def test_auto_chooses_among_the_exchanges_whose_capabilities_fit():
     constant = ConstantDensity(0.01)
     assert set(checks.exchange_candidates("auto", "grouped", 0, constant, Compression())) == {
-        "allgather", "sparse_allreduce", "dense"}
+        "allgather", "compact_allgather", "sparse_allreduce", "dense"}
     half = checks.exchange_candidates("auto", "grouped", 0, constant, Compression("float16"))
-    assert set(half) == {"allgather", "sparse_allreduce", "dense"}
+    assert set(half) == {"allgather", "compact_allgather", "sparse_allreduce", "dense"}
     assert set(checks.exchange_candidates("auto", "grouped", 2, constant, Compression())) == {
-        "allgather", "dense"}  # staleness: not the sparse allreduce
+        "allgather", "dense"}  # staleness: the delayed pipeline's own allgather
     assert set(checks.exchange_candidates("auto", "layerwise", 0, AdaptiveDensity(),
                                       Compression())) == {
-        "allgather", "sparse_allreduce", "dense"}
+        "allgather", "sparse_allreduce", "dense"}  # the compact allgather is grouped only
+
 
 def test_auto_takes_the_fastest_and_dense_unless_a_sparse_exchange_clearly_wins():
     names = ["allgather", "dense", "sparse_allreduce"]

@@ -30,32 +30,46 @@ class CompactAllgather(FusedAllgather):
     """Steps 1-3 of the module doc around the fused allgather."""
 
     staleness = False  # the delayed pipeline gathers plain int32 indices on its own thread
+    grouping_reason = "its indices are coded as one set over every variable's entries."
 
     def _pack_indices(self, selections, sizes):
-        ordered = []
-        for selection in selections:  # step 1
-            order = tf.argsort(selection.indices)
-            ordered.append(selection._replace(indices=tf.gather(selection.indices, order),
-                                              values=tf.gather(selection.values, order)))
+        if not selections:
+            return tf.zeros([0], tf.int32), selections
         offsets = _offsets(sizes)
         positions = tf.concat([tf.cast(s.indices, tf.int64) + offset  # step 2
-                               for s, offset in zip(ordered, offsets)]
-                              or [tf.zeros([0], tf.int64)], 0)
+                               for s, offset in zip(selections, offsets)], 0)
+        if len({s.values.dtype for s in selections}) == 1:  # step 1 as one sort
+            order = tf.argsort(positions)
+            positions = tf.gather(positions, order)
+            counts = tf.stack([tf.size(s.indices) for s in selections])
+            values = tf.split(tf.gather(tf.concat([s.values for s in selections], 0), order),
+                              counts, num=len(selections))
+            indices = tf.split(positions, counts, num=len(selections))
+            ordered = [s._replace(values=v, indices=tf.cast(i - offset, tf.int32))
+                       for s, v, i, offset in zip(selections, values, indices, offsets)]
+        else:
+            ordered = []
+            for selection in selections:  # step 1, variable by variable
+                order = tf.argsort(selection.indices)
+                ordered.append(selection._replace(indices=tf.gather(selection.indices, order),
+                                                  values=tf.gather(selection.values, order)))
+            positions = tf.concat([tf.cast(s.indices, tf.int64) + offset
+                                   for s, offset in zip(ordered, offsets)], 0)
         return index_coding.encode(positions, sum(sizes)), ordered
 
     def _unpack_indices(self, gathered, counts, sizes):
         if not sizes:
             return tf.zeros([0], tf.int32)
-        total = sum(sizes)
+        total, ranks = sum(sizes), counts.shape[0]
         per_rank = tf.reduce_sum(tf.cast(counts, tf.int64), axis=1)
         low, bitmap = index_coding.encoded_words(per_rank, total)
         lengths = low + bitmap
         starts = tf.cumsum(lengths, exclusive=True)
         decoded = [index_coding.decode(gathered[starts[r]:starts[r] + lengths[r]],  # step 3
                                        per_rank[r], total)
-                   for r in range(self.size)]
+                   for r in range(ranks)]
         offsets = tf.repeat(tf.tile(tf.constant(_offsets(sizes) or [0], tf.int64),
-                                    [self.size]), tf.reshape(counts, [-1]))
+                                    [ranks]), tf.reshape(counts, [-1]))
         return tf.cast(tf.concat(decoded, 0) - offsets, tf.int32)
 
 

@@ -48,16 +48,35 @@ def encoded_words(num_positions, space):
             tf.where(empty, tf.zeros_like(bitmap), bitmap))
 
 
-def _pack_bits(bits, words):
-    """int64 0/1 ``bits`` (flat) into ``words`` int32 words, bit j of word w = bits[32 w + j]."""
-    padded = tf.pad(bits, [[0, words * 32 - tf.size(bits, out_type=tf.int64)]])
-    weights = tf.bitwise.left_shift(tf.constant(1, tf.int64), tf.range(32, dtype=tf.int64))
-    as_uint = tf.reduce_sum(tf.reshape(padded, [-1, 32]) * weights, axis=1)
-    return tf.bitcast(tf.cast(as_uint, tf.uint32), tf.int32)
+def _pack_fields(fields, width, words):
+    """int64 ``fields`` of ``width`` bits each (< 32), field i at bits [i w, i w + w) of the
+    little-endian bit string of ``words`` int32 words. Each field lands in at most two words;
+    the fields' bit ranges are disjoint, so adding them is setting their bits."""
+    starts = tf.range(tf.size(fields, out_type=tf.int64), dtype=tf.int64) * width
+    shifted = tf.bitwise.left_shift(fields, tf.bitwise.bitwise_and(starts, 31))  # < 2^63
+    word = tf.bitwise.right_shift(starts, 5)
+    low = tf.bitwise.bitwise_and(shifted, 0xFFFFFFFF)
+    packed = (tf.math.unsorted_segment_sum(low, word, words + 2)
+              + tf.math.unsorted_segment_sum(tf.bitwise.right_shift(shifted, 32),
+                                             word + 1, words + 2))[:words]
+    return tf.bitcast(tf.cast(packed, tf.uint32), tf.int32)
+
+
+def _unpack_fields(words, width, count):
+    """The inverse of :func:`_pack_fields`: ``count`` int64 fields of ``width`` bits."""
+    as_uint = tf.cast(tf.bitcast(tf.reshape(words, [-1]), tf.uint32), tf.int64)
+    as_uint = tf.concat([as_uint, tf.zeros([2], tf.int64)], 0)  # a field's second word
+    starts = tf.range(count, dtype=tf.int64) * width
+    word = tf.bitwise.right_shift(starts, 5)
+    pair = tf.bitwise.bitwise_or(tf.gather(as_uint, word),
+                                 tf.bitwise.left_shift(tf.gather(as_uint, word + 1), 32))
+    mask = tf.bitwise.left_shift(tf.constant(1, tf.int64), width) - 1
+    return tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(pair, tf.bitwise.bitwise_and(starts, 31)), mask)
 
 
 def _unpack_bits(words):
-    """The inverse of :func:`_pack_bits`: every bit of int32 ``words``, flat, as int64."""
+    """Every bit of int32 ``words``, flat, as int64 (bit j of word w at 32 w + j)."""
     as_uint = tf.cast(tf.bitcast(tf.reshape(words, [-1]), tf.uint32), tf.int64)
     shifted = tf.bitwise.right_shift(tf.expand_dims(as_uint, 1), tf.range(32, dtype=tf.int64))
     return tf.reshape(tf.bitwise.bitwise_and(shifted, 1), [-1])
@@ -72,16 +91,15 @@ def encode(positions, space) -> tf.Tensor:
     shift = low_bits(count, space)
     low_words, bitmap_words = encoded_words(count, space)
     # step 2: the L low bits of each entry, entry after entry
-    columns = tf.range(32, dtype=tf.int64)
-    lows = tf.bitwise.bitwise_and(tf.bitwise.right_shift(tf.expand_dims(x, 1), columns), 1)
-    lows = tf.reshape(lows[:, :tf.cast(shift, tf.int32)], [-1])
+    mask = tf.bitwise.left_shift(tf.constant(1, tf.int64), shift) - 1
+    lows = _pack_fields(tf.bitwise.bitwise_and(x, mask), shift, low_words)
     # step 3
     places = tf.bitwise.right_shift(x, shift) + tf.range(count, dtype=tf.int64)
     bitmap = tf.math.unsorted_segment_sum(
         tf.bitwise.left_shift(tf.constant(1, tf.int64), tf.bitwise.bitwise_and(places, 31)),
         tf.bitwise.right_shift(places, 5), bitmap_words)
     bitmap = tf.bitcast(tf.cast(bitmap, tf.uint32), tf.int32)
-    return tf.concat([_pack_bits(lows, low_words), bitmap], 0)
+    return tf.concat([lows, bitmap], 0)
 
 
 def decode(words, count, space) -> tf.Tensor:
@@ -91,9 +109,7 @@ def decode(words, count, space) -> tf.Tensor:
     space = tf.cast(space, tf.int64)
     shift = low_bits(count, space)
     low_words, _ = encoded_words(count, space)
-    lows = _unpack_bits(words[:low_words])[:count * shift]
-    lows = tf.reshape(lows, tf.stack([count, shift]))
-    low = tf.reduce_sum(tf.bitwise.left_shift(lows, tf.range(shift, dtype=tf.int64)), axis=1)
+    low = _unpack_fields(words[:low_words], shift, count)
     places = tf.reshape(tf.where(tf.equal(_unpack_bits(words[low_words:]), 1)), [-1])
     high = places - tf.range(count, dtype=tf.int64)
     return tf.bitwise.bitwise_or(tf.bitwise.left_shift(high, shift), low)

@@ -9,11 +9,14 @@ import sparse_hvd.steps.measured as measured
 from conftest import digest, gather
 from option_matrix import BIG, SMALL, gradients
 
-CANDIDATES = 3  # allgather, sparse_allreduce, dense
+NAMES = {"allgather", "compact_allgather", "sparse_allreduce", "dense"}
+CANDIDATES = len(NAMES)
 STEPS = 1 + CANDIDATES * measured.TRIAL_STEPS + 3  # step 0, the trial, then the choice
 
 
 def train(name, steps, momentum_correction=0.0, compression="none"):
+    """``steps`` steps of exchange="auto" on this rank's gradients (tests/option_matrix.py);
+    returns the optimizer, the weights and the layer statistics after each step."""
     import keras
     import tensorflow as tf
 
@@ -44,45 +47,67 @@ def expected_sums(size, steps):
             for i in (0, 1)]
 
 
-@pytest.mark.parametrize("compression", ["none", "float16"])
-def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd, compression):
-    rank, size = hvd.rank(), hvd.size()
-    name = f"auto_trial_{compression}"
-    optimizer, weights, _ = train(name, STEPS, compression=compression)
-    step = optimizer._step
-    names = [p.name for p in step.plans]
-    assert names[0] == "allgather" and set(names) == {"allgather", "sparse_allreduce", "dense"}
-    # every candidate was timed in the trial
-    samples = step.samples.numpy()
-    assert samples.shape == (CANDIDATES, measured.TRIAL_STEPS - 1) and np.all(samples > 0)
-    assert len(step.decisions) == 1
-    decided_at, times, choice = step.decisions[0]
-    assert decided_at == CANDIDATES * measured.TRIAL_STEPS  # the trial's last step
-    assert set(times) == {"allgather", "sparse_allreduce", "dense"}
-    assert choice == list(times)[measured.decide(list(times.values()), list(times))]
-    everyone = gather(hvd, (times, choice), name=f"{name}.decisions")
-    assert all(e == everyone[0] for e in everyone), everyone
-    digests = gather(hvd, digest(weights), name=f"{name}.digests")
-    assert all(d == digests[0] for d in digests), f"replicas differ: {digests}"
-    # the sum over ranks of the residuals plus N times what was applied is every gradient
+def _conservation(hvd, optimizer, weights, steps, compression):
+    """The sum over ranks of the residuals plus N times what was applied is every gradient."""
+    size = hvd.size()
     residuals = gather(hvd, [v.numpy().astype("float64") for v in optimizer.residuals],
-                       name=f"{name}.residuals")
+                       name=f"{optimizer.name}.residuals")
+    expected = expected_sums(size, steps)
     rounding = 0.0
-    expected = expected_sums(size, STEPS)
     if compression == "float16":  # Horovod's float16 allreduce rounds the sum (see option_matrix)
-        rounding = (size - 1) * 2.0 ** -11 * float(np.max(np.abs(expected[0]))) * STEPS
+        rounding = (size - 1) * 2.0 ** -11 * float(np.max(np.abs(expected[0]))) * steps
     for i, (w, e) in enumerate(zip(weights, expected)):
         owed = sum(r[i] for r in residuals).reshape(w.shape)
         np.testing.assert_allclose(owed - size * w.astype("float64"), e, rtol=0,
                                    atol=1e-4 + rounding, err_msg=f"variable {i}")
 
 
-@pytest.mark.parametrize("forced", ["sparse_allreduce", "dense", "allgather"])
-def test_the_chosen_exchange_runs_after_the_trial(hvd, monkeypatch, forced):
-    """With the decision rule forced, the steps after the trial run that exchange: the layer
-    statistics say so, and the bytes of the last step are its bytes."""
+def _same_everywhere(hvd, weights, name):
+    digests = gather(hvd, digest(weights), name=f"{name}.digests")
+    assert all(d == digests[0] for d in digests), f"replicas differ: {digests}"
+
+
+def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd):
+    import keras
+
+    import sparse_hvd
+
+    optimizer, weights, stats = train("auto_trial", STEPS)
+    step = optimizer._step
+    names = [p.name for p in step.plans]
+    assert names[0] == "allgather" and set(names) == NAMES
+    # every candidate was timed in the trial
+    samples = step.samples.numpy()
+    assert samples.shape == (CANDIDATES, measured.TRIAL_STEPS - 1) and np.all(samples > 0)
+    assert len(step.decisions) == 1
+    decided_at, times, choice = step.decisions[0]
+    assert decided_at == CANDIDATES * measured.TRIAL_STEPS  # the trial's last step
+    assert list(times) == names
+    assert choice == names[measured.decide(list(times.values()), names)]
+    everyone = gather(hvd, (times, choice), name="auto_trial.decisions")
+    assert all(e == everyone[0] for e in everyone), everyone
+    assert stats[-1][next(iter(stats[-1]))]["exchange"] == choice
+    _same_everywhere(hvd, weights, "auto_trial")
+    _conservation(hvd, optimizer, weights, STEPS, "none")
+    # the checkpoint holds what the allgather's does: the candidates' state is not saved
+    fixed = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(1.0), density=0.05,
+                                                  exchange="allgather", name="fixed_layout")
+    fixed.build([keras.Variable(np.zeros(BIG, "float32")),
+                 keras.Variable(np.zeros(SMALL, "float32"))])
+    assert [v.shape for v in optimizer.variables] == [v.shape for v in fixed.variables]
+
+
+@pytest.mark.parametrize("forced,compression,momentum", [
+    ("compact_allgather", "float16", 0.0), ("dense", "none", 0.9)])
+def test_the_chosen_exchange_runs_after_the_trial(hvd, monkeypatch, forced, compression,
+                                                  momentum):
+    """With the decision rule forced, the steps after the trial run that exchange (the layer
+    statistics say so; dense sends every entry), replicas stay identical, and nothing is lost
+    across the switches (16-bit values; momentum correction, whose dense steps send the whole
+    velocity plus residual and clear both)."""
     monkeypatch.setattr(measured, "decide", lambda seconds, names: names.index(forced))
-    optimizer, weights, stats = train(f"auto_forced_{forced}", STEPS)
+    name = f"auto_forced_{forced}"
+    optimizer, weights, stats = train(name, STEPS, momentum, compression)
     assert optimizer._step.decisions[0][2] == forced
     big = stats[-1][next(iter(stats[-1]))]
     assert big["exchange"] == forced
@@ -90,32 +115,13 @@ def test_the_chosen_exchange_runs_after_the_trial(hvd, monkeypatch, forced):
         assert big["route"] == "dense" and big["last_density"] == 1.0
     else:
         assert big["route"] == "sparse" and 0 < big["last_density"] <= 0.05 + 1e-9
-    # before the trial's decision the default exchange ran, whatever was decided
+    # before the trial the default exchange ran
     assert stats[0][next(iter(stats[0]))]["exchange"] == "allgather"
-    digests = gather(hvd, digest(weights), name=f"auto_forced_{forced}.digests")
-    assert all(d == digests[0] for d in digests)
-
-
-def test_momentum_correction_switching_to_dense_keeps_replicas_identical(hvd, monkeypatch):
-    monkeypatch.setattr(measured, "decide", lambda seconds, names: names.index("dense"))
-    optimizer, weights, _ = train("auto_mc", STEPS, momentum_correction=0.9)
-    digests = gather(hvd, digest(weights), name="auto_mc.digests")
-    assert all(d == digests[0] for d in digests)
-    # a dense step sends a sparse-route variable's whole velocity plus residual: both were
-    # cleared (masking); a dense-route variable's velocity is the global one (ordinary momentum)
-    assert not any(np.any(r.numpy()) for r in optimizer.residuals)
-    velocity_big, velocity_small = (v.numpy() for v in optimizer._feedback.velocities)
-    assert not np.any(velocity_big) and np.any(velocity_small)
-
-
-def test_the_checkpoint_holds_the_same_variables_as_the_default_exchange(hvd):
-    import keras
-
-    import sparse_hvd
-
-    auto, _, _ = train("auto_layout", 2)
-    fixed = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(1.0), density=0.05,
-                                                  exchange="allgather", name="fixed_layout")
-    fixed.build([keras.Variable(np.zeros(BIG, "float32")),
-                 keras.Variable(np.zeros(SMALL, "float32"))])
-    assert [v.shape for v in auto.variables] == [v.shape for v in fixed.variables]
+    _same_everywhere(hvd, weights, name)
+    if momentum:
+        # a dense-route variable's velocity is the global one (ordinary momentum)
+        assert not any(np.any(r.numpy()) for r in optimizer.residuals)
+        velocity_big, velocity_small = (v.numpy() for v in optimizer._feedback.velocities)
+        assert not np.any(velocity_big) and np.any(velocity_small)
+    else:
+        _conservation(hvd, optimizer, weights, STEPS, compression)
