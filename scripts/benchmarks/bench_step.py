@@ -15,6 +15,7 @@ Methods (``--methods``, comma-separated):
   ``threshold_capped@<d>``: a threshold so low that every entry passes and the cap
   (``max_density=d``) decides; ``adaptive@<d>``: LAGS with ``grouping="layerwise"``;
   ``sar_<sparsifier>@<d>``: the same with ``exchange="sparse_allreduce"``;
+  ``compact_<sparsifier>@<d>``: with ``exchange="compact_allgather"`` (coded indices);
   ``<sparsifier>_model@<d>``: with one budget for the whole model (``budget="model"``, the
   default of the grouped exchanges). Every sparse row has ``budget="layer"`` unless it says
   ``_model``, and no warm-up (``warmup_steps=0``): the step of the steady state is timed;
@@ -166,6 +167,9 @@ def worker(args):
                 sparsifier = name
             if name.startswith("sar_"):
                 exchange, name = "sparse_allreduce", name[len("sar_"):]
+                sparsifier = name
+            if name.startswith("compact_"):
+                exchange, name = "compact_allgather", name[len("compact_"):]
                 sparsifier = name
             if name == "auto":  # the default: the exchange timed fastest, one model budget
                 exchange, budget, sparsifier = "auto", "model", "topk"

@@ -195,6 +195,12 @@ class Exchange:
         """``(sparse averages, dense averages, finite, returned)`` with more than one worker."""
         raise NotImplementedError
 
+    def bytes_sent(self, payload: Payload, num_elements: Sequence[int]) -> tf.Tensor:
+        """What this rank sends of ``payload`` (int64 bytes; the statistics' ``bytes_sent``):
+        the payload's own count (values and int32 indices) unless the exchange codes it.
+        ``num_elements``: entries of each variable, by build index."""
+        return payload.bytes_sent
+
     # ---- the lockstep check ------------------------------------------------------------------
 
     def assert_same_step(self, step, state):

@@ -20,6 +20,7 @@ is faster.
 
 import tensorflow as tf
 
+from ..feedback.payload import INDEX_BYTES
 from . import index_coding
 from .base import register
 from .fused_allgather import FusedAllgather
@@ -56,6 +57,15 @@ class CompactAllgather(FusedAllgather):
             positions = tf.concat([tf.cast(s.indices, tf.int64) + offset
                                    for s, offset in zip(ordered, offsets)], 0)
         return index_coding.encode(positions, sum(sizes)), ordered
+
+    def bytes_sent(self, payload, num_elements):
+        """The payload's count with the int32 indices replaced by their code's words."""
+        if not payload.sparse.items or self.size == 1:
+            return payload.bytes_sent
+        entries = tf.add_n([tf.size(s.indices, out_type=tf.int64) for s in payload.sparse.items])
+        space = sum(num_elements[key] for key in payload.sparse.keys)
+        low, bitmap = index_coding.encoded_words(entries, space)
+        return payload.bytes_sent - INDEX_BYTES * entries + 4 * (low + bitmap)
 
     def _unpack_indices(self, gathered, counts, sizes):
         if not sizes:

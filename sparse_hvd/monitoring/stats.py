@@ -32,10 +32,12 @@ class CommunicationCounters:
             self.sparsify_seconds = tf.Variable(0.0, dtype=tf.float64, trainable=False)
             self.exchange_seconds = tf.Variable(0.0, dtype=tf.float64, trainable=False)
 
-    def record(self, payload: Payload):
-        """Count one step's payload."""
+    def record(self, payload: Payload, bytes_sent=None):
+        """Count one step's payload (``bytes_sent``: as the exchange sends it, when that
+        differs from the payload's own count: coded indices)."""
         self.steps.assign_add(1)
-        self.bytes_sent.assign_add(tf.cast(payload.bytes_sent, tf.int64))
+        sent = payload.bytes_sent if bytes_sent is None else bytes_sent
+        self.bytes_sent.assign_add(tf.cast(sent, tf.int64))
         self.dense_bytes.assign_add(tf.cast(payload.dense_bytes, tf.int64))
         self.capped_selections.assign_add(tf.cast(payload.capped, tf.int64))
         if payload.sent_per_variable:

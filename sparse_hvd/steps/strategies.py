@@ -54,7 +54,7 @@ class SynchronousStep:
                                                  step=opt.iterations)
             grads, state_updates = preparation.inner_gradients(opt, payload, averaged.gradients,
                                                                variables)
-            opt._counters.record(payload)
+            opt._counters.record(payload, opt._exchange.bytes_sent(payload, opt._num_elements()))
             opt._counters.record_times(payload, grads)
             with tf.control_dependencies(grads):  # re-measure after this step's traffic
                 opt.density_policy.end_step(self.policy_step())
