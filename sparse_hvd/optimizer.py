@@ -10,7 +10,7 @@ the inner optimizer. This module is the Keras wrapper only; the sub-packages hol
 * ``feedback``: error feedback, a step's payload (``preparation``), accumulation, clipping,
   loss scaling, the non-finite guard;
 * ``exchanges``: one module per exchange, their wire format, compression and averaging;
-* ``steps``: synchronous or delayed (staleness) steps, chosen once;
+* ``steps``: synchronous, timed-choice (``exchange="auto"``) or delayed steps, chosen once;
 * ``runtime``: start-up, named collectives, the watchdog, lockstep and consistency checks;
 * ``monitoring``: Keras callbacks, the communication log and statistics.
 """
@@ -37,20 +37,13 @@ from .selection.routing import route_densely_where_faster
 from .selection.sparsifiers import serialize_sparsifier
 from .selection.defaults import resolve_exchange
 from .steps import DelayedStep, MeasuredChoiceStep, SynchronousStep
-from .wrapping import InnerOptimizerFacade, write_through
+from .wrapping import InnerOptimizerFacade, no_automatic_dependency_tracking, write_through
 
 # the constructor's options, in the order get_config writes them
 SETTINGS = ("density", "sparsifier", "min_elements", "error_feedback", "momentum_correction",
             "momentum_masking", "warmup_steps", "budget", "clipping", "grouping", "nonfinite",
             "staleness", "dense_fallback", "exchange", "compression", "backward_passes_per_step",
             "average_aggregated_gradients")
-
-try:  # the decorator Keras' own wrapper optimizers use; absent in some Keras versions
-    from keras.src.utils.tracking import no_automatic_dependency_tracking
-except ImportError:  # pragma: no cover
-    def no_automatic_dependency_tracking(fn):
-        return fn
-
 
 @keras.saving.register_keras_serializable(package="sparse_hvd")
 class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimizers.Optimizer):
@@ -296,6 +289,11 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         stats = dict(EMPTY) if self._counters is None else self._counters.as_dict()
         stats["measurement_bytes"] = self.density_policy.measurement_bytes()
         return stats
+
+    @property
+    def exchange_decisions(self):
+        """exchange="auto": each trial's ``(step, {candidate: median seconds}, choice)``."""
+        return list(getattr(self._step, "decisions", ()))
 
     def layer_stats(self):
         """Per variable (by path): entries, route, and entries/density sent in the last step."""

@@ -21,6 +21,12 @@ import numpy as np
 INNER_OPTIONS = ("weight_decay", "clipnorm", "global_clipnorm", "clipvalue", "use_ema",
                  "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor")
 
+try:  # the decorator Keras' own wrapper optimizers use; absent in some Keras versions
+    from keras.src.utils.tracking import no_automatic_dependency_tracking
+except ImportError:  # pragma: no cover
+    def no_automatic_dependency_tracking(fn):
+        return fn
+
 
 def inner_option(option):
     """A property that forwards ``option`` to the inner optimizer (ignored while the base

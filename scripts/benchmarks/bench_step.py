@@ -264,7 +264,7 @@ def worker(args):
             entry["wire_received_bytes"] = float(np.median([r for r, _ in run["link"]]))
             entry["wire_sent_bytes"] = float(np.median([t for _, t in run["link"]]))
         if run["sparse"] and run["sparse"].exchange == "auto":
-            entry["auto_decisions"] = run["sparse"]._step.decisions
+            entry["auto_decisions"] = run["sparse"].exchange_decisions
         if run["sparse"]:
             # the policy's probes (AdaptiveDensity), averaged over every step of this run,
             # build-time probe included

@@ -79,8 +79,8 @@ def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd):
     # every candidate was timed in the trial
     samples = step.samples.numpy()
     assert samples.shape == (CANDIDATES, measured.TRIAL_STEPS - 1) and np.all(samples > 0)
-    assert len(step.decisions) == 1
-    decided_at, times, choice = step.decisions[0]
+    assert len(optimizer.exchange_decisions) == 1
+    decided_at, times, choice = optimizer.exchange_decisions[0]
     assert decided_at == CANDIDATES * measured.TRIAL_STEPS  # the trial's last step
     assert list(times) == names
     assert choice == names[measured.decide(list(times.values()), names)]
@@ -108,7 +108,7 @@ def test_the_chosen_exchange_runs_after_the_trial(hvd, monkeypatch, forced, comp
     monkeypatch.setattr(measured, "decide", lambda seconds, names: names.index(forced))
     name = f"auto_forced_{forced}"
     optimizer, weights, stats = train(name, STEPS, momentum, compression)
-    assert optimizer._step.decisions[0][2] == forced
+    assert optimizer.exchange_decisions[0][2] == forced
     big = stats[-1][next(iter(stats[-1]))]
     assert big["exchange"] == forced
     if forced == "dense":
