@@ -21,7 +21,9 @@ Methods (``--methods``, comma-separated):
   ``_model``, and no warm-up (``warmup_steps=0``): the step of the steady state is timed;
 * ``auto@<d>``: the default exchange (``exchange="auto"``: the candidates timed on the job's
   first steps, ``steps.measured``) with the default model-wide budget, no warm-up; its untimed
-  first steps cover the whole trial, and the row says what it chose.
+  first steps cover the whole trial, and the row says what it chose;
+* ``wrapped_dense@<d>``: the wrapper with ``exchange="dense"`` (what the wrapper itself adds to
+  Horovod's allreduce).
 
 For each method: the median step (median over ranks of each rank's median), x floor, x dense,
 bytes this rank handed to the exchange per step, on the emulated cluster (``--rate``) the
@@ -173,6 +175,8 @@ def worker(args):
                 sparsifier = name
             if name == "auto":  # the default: the exchange timed fastest, one model budget
                 exchange, budget, sparsifier = "auto", "model", "topk"
+            if name == "wrapped_dense":  # the wrapper with exchange="dense": its own overhead
+                exchange, sparsifier = "dense", "topk"
             if name == "threshold":
                 sparsifier = sparse_hvd.Threshold(threshold=thresholds[density], max_density=0.05)
             elif name == "threshold_capped":

@@ -65,6 +65,11 @@ def main(argv=None):
     started = time.perf_counter()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import sparse_hvd
+    import sparse_hvd.selection.defaults
+
+    # what the sparse exchange does step for step: exchange="auto" (the default) would pick by
+    # this machine's speed, and may pick dense
+    sparse_hvd.selection.defaults.EXCHANGE = "allgather"
 
     hvd = sparse_hvd.init()
     import keras

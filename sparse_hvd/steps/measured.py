@@ -43,11 +43,13 @@ DENSE_WITHIN = 0.03  # dense wins unless a sparse exchange is faster by more tha
 
 
 class Plan(NamedTuple):
-    """One candidate: its name, its exchange and the routes it runs with."""
+    """One candidate: its name, its exchange and the routes it runs with; for dense, also
+    the routes once the residuals are clear (None: always ``routes``)."""
 
     name: str
     exchange: object
     routes: list
+    clear_routes: list = None
 
 
 def plans_for(optimizer, candidates, routes) -> List[Plan]:
@@ -61,9 +63,16 @@ def plans_for(optimizer, candidates, routes) -> List[Plan]:
                           process_set=optimizer.process_set,
                           compression=optimizer._compression)
         exchange.saves_state = False
-        plan_routes = list(routes) if exchange.sends_selections else [
-            route._replace(sparse=False, flushed=route.sparse) for route in routes]
-        plans.append(Plan(name, exchange, plan_routes))
+        if exchange.sends_selections:
+            plans.append(Plan(name, exchange, list(routes)))
+            continue
+        flushing = [route._replace(sparse=False, flushed=route.sparse) for route in routes]
+        # once flushed, a residual stays zero (or, with compression, holds the rounding error
+        # that the dense route's own rounding keeps there too): plain dense routes then send
+        # the same; not with momentum correction, whose dense route applies global momentum
+        clear = None if optimizer.momentum_correction else [
+            route._replace(sparse=False) for route in routes]
+        plans.append(Plan(name, exchange, flushing, clear))
     return plans
 
 
@@ -104,6 +113,14 @@ class MeasuredChoiceStep(SynchronousStep):
             self.settled = tf.constant(settled, tf.int64)
             self.samples = tf.Variable(tf.zeros([count, TRIAL_STEPS - 1], tf.float64),
                                        trainable=False, name="auto_samples")
+            # the residuals were sent whole by a dense step that went ahead, and no sparse
+            # step came after it (False after a restore: the restored residuals count)
+            self.clear = tf.Variable(False, trainable=False, name="auto_residuals_clear")
+
+    def discard(self):
+        """A restore replaced the residuals: the next dense step sends them again."""
+        if len(self.plans) > 1:
+            self.clear.assign(False)
 
     def _current(self) -> Plan:
         """The plan running now (eager)."""
@@ -142,14 +159,23 @@ class MeasuredChoiceStep(SynchronousStep):
         self.steps.assign_add(1)
 
     def _branch(self, plan, grads_and_vars, started):
-        def run_plan():
+        def run_with(routes):
             opt = self.optimizer
             saved = opt._exchange, opt._routes
-            opt._exchange, opt._routes = plan.exchange, plan.routes
+            opt._exchange, opt._routes = plan.exchange, routes
             try:
-                SynchronousStep.run(self, grads_and_vars)
+                return SynchronousStep.run(self, grads_and_vars)
             finally:
                 opt._exchange, opt._routes = saved
+
+        def run_plan():
+            if plan.clear_routes is None:
+                went_ahead = run_with(plan.routes)
+                self.clear.assign(tf.logical_and(went_ahead, not plan.exchange.sends_selections))
+            else:
+                went_ahead = tf.cond(self.clear, lambda: run_with(plan.clear_routes),
+                                     lambda: run_with(plan.routes))
+                self.clear.assign(tf.logical_or(self.clear, went_ahead))
             return tf.timestamp() - started
         return run_plan
 

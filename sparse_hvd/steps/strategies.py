@@ -45,6 +45,7 @@ class SynchronousStep:
         return self.optimizer.inner_optimizer.iterations
 
     def run(self, grads_and_vars):
+        """Steps 1-5; returns whether the step went ahead (finite on every rank)."""
         opt = self.optimizer
         variables = [v for _, v in grads_and_vars]
         with tf.name_scope("sparse_exchange"):
@@ -67,6 +68,7 @@ class SynchronousStep:
 
         nonfinite.guard(opt.nonfinite, averaged.finite, go_ahead,  # Step 5
                         lambda: opt._skip_step("The step was skipped on every rank."))
+        return averaged.finite
 
     def current_exchange(self):
         """The exchange the steps run now (``exchange="auto"`` switches it)."""

@@ -105,6 +105,8 @@ def test_the_chosen_exchange_runs_after_the_trial(hvd, monkeypatch, forced, comp
     statistics say so; dense sends every entry), replicas stay identical, and nothing is lost
     across the switches (16-bit values; momentum correction, whose dense steps send the whole
     velocity plus residual and clear both)."""
+    if hvd.gloo_enabled():  # the suite's time budget: the MPI job runs these
+        pytest.skip("run under MPI")
     monkeypatch.setattr(measured, "decide", lambda seconds, names: names.index(forced))
     name = f"auto_forced_{forced}"
     optimizer, weights, stats = train(name, STEPS, momentum, compression)

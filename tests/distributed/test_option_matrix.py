@@ -2,6 +2,8 @@
 rank: bit-identical replicas, and the conservation identity: the sum over the ranks of the
 residuals plus N times what was applied equals the sum over the ranks of every gradient."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -9,8 +11,19 @@ from conftest import digest, gather
 from option_matrix import label, pairwise_combinations, tolerance, train
 
 
-@pytest.mark.parametrize("combination", pairwise_combinations(), ids=label)
-def test_every_combination_keeps_replicas_identical_and_every_gradient(hvd, combination):
+COMBINATIONS = pairwise_combinations()
+
+
+@pytest.mark.parametrize("number", range(len(COMBINATIONS)),
+                         ids=[label(c) for c in COMBINATIONS])
+def test_every_combination_keeps_replicas_identical_and_every_gradient(hvd, number):
+    """The suite's time budget: under Gloo the even-numbered combinations, under MPI the odd
+    ones (tests/test_distributed.py runs both jobs); by hand, SPARSE_HVD_FULL_MATRIX=1 runs
+    every one."""
+    if (not os.environ.get("SPARSE_HVD_FULL_MATRIX")
+            and number % 2 != (0 if hvd.gloo_enabled() else 1)):
+        pytest.skip("the other launcher's job trains this combination")
+    combination = COMBINATIONS[number]
     rank, size = hvd.rank(), hvd.size()
     name = "m_" + label(combination).replace(".", "")
     weights, residuals, expected = train(combination, name, rank, size)
