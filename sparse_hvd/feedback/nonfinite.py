@@ -30,14 +30,14 @@ def agree(local_finite: tf.Tensor, name, process_set=None, step=None) -> tf.Tens
 def guard(mode: str, finite, go_ahead, skip):
     """Run ``go_ahead()`` if ``finite`` (a bool tensor, the same on every rank), else ``skip()``
     ("skip"), or stop with an InvalidArgumentError before anything is written ("raise").
-    With "ignore", ``go_ahead()`` runs unconditionally."""
+    With "ignore", ``go_ahead()`` runs unconditionally. Returns what the branch that ran
+    returned (the two must return the same structure)."""
     if mode == "skip":
-        tf.cond(finite, go_ahead, skip)
-    elif mode == "raise":
+        return tf.cond(finite, go_ahead, skip)
+    if mode == "raise":
         with tf.control_dependencies([tf.debugging.Assert(finite, [MESSAGE])]):
-            go_ahead()  # nothing is written unless the check passed
-    else:
-        go_ahead()
+            return go_ahead()  # nothing is written unless the check passed
+    return go_ahead()
 
 
 def announce_skip(what, process_set=None):

@@ -169,14 +169,19 @@ class MeasuredChoiceStep(SynchronousStep):
                 opt._exchange, opt._routes = saved
 
         def run_plan():
-            if plan.clear_routes is None:
-                went_ahead = run_with(plan.routes)
-                self.clear.assign(tf.logical_and(went_ahead, not plan.exchange.sends_selections))
-            else:
-                went_ahead = tf.cond(self.clear, lambda: run_with(plan.clear_routes),
-                                     lambda: run_with(plan.routes))
-                self.clear.assign(tf.logical_or(self.clear, went_ahead))
-            return tf.timestamp() - started
+            # explicit edges: after lowering, nothing else orders the branch's ops after
+            # ``started`` and its last timestamp after its writes
+            with tf.control_dependencies([started]):
+                if plan.clear_routes is None:
+                    went_ahead = run_with(plan.routes)
+                    written = self.clear.assign(
+                        tf.logical_and(went_ahead, not plan.exchange.sends_selections))
+                else:
+                    went_ahead = tf.cond(self.clear, lambda: run_with(plan.clear_routes),
+                                         lambda: run_with(plan.routes))
+                    written = self.clear.assign(tf.logical_or(self.clear, went_ahead))
+            with tf.control_dependencies([written]):
+                return tf.timestamp() - started
         return run_plan
 
     def _decide(self):

@@ -45,7 +45,8 @@ class SynchronousStep:
         return self.optimizer.inner_optimizer.iterations
 
     def run(self, grads_and_vars):
-        """Steps 1-5; returns whether the step went ahead (finite on every rank)."""
+        """Steps 1-5; returns whether the step went ahead (a bool tensor that exists once the
+        step's writes are done)."""
         opt = self.optimizer
         variables = [v for _, v in grads_and_vars]
         with tf.name_scope("sparse_exchange"):
@@ -65,10 +66,13 @@ class SynchronousStep:
             # sparse allreduce: what was sent but not applied goes back to the residuals
             opt._feedback.add_back(payload.sparse.keys, averaged.returned)
             opt._apply_inner(grads, variables)
+            return tf.constant(True)  # after the writes above (automatic control edges)
 
-        nonfinite.guard(opt.nonfinite, averaged.finite, go_ahead,  # Step 5
-                        lambda: opt._skip_step("The step was skipped on every rank."))
-        return averaged.finite
+        def skip():
+            opt._skip_step("The step was skipped on every rank.")
+            return tf.constant(False)
+
+        return nonfinite.guard(opt.nonfinite, averaged.finite, go_ahead, skip)  # Step 5
 
     def current_exchange(self):
         """The exchange the steps run now (``exchange="auto"`` switches it)."""
