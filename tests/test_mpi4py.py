@@ -14,7 +14,7 @@ GLOO_JOB = os.path.join(ROOT, "tests", "distributed", "job_mpi4py_on_gloo.py")
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("via", ["init", "process_set"])
+@pytest.mark.parametrize("via", [pytest.param("init", marks=pytest.mark.extended), "process_set"])
 def test_two_trainings_on_sub_communicators_each_keep_identical_replicas(via):
     reason = launcher_available("mpirun")
     if reason:

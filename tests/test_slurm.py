@@ -327,7 +327,7 @@ def expected_auto_launcher(env):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(720)  # covers the fixture too: install (<= 6 min) and start
-@pytest.mark.parametrize("launcher", ["auto", "mpirun"])
+@pytest.mark.parametrize("launcher", ["auto", pytest.param("mpirun", marks=pytest.mark.extended)])
 def test_sbatch_script_trains_on_two_tasks(slurm_cluster, launcher):
     cluster = slurm_cluster
     env = dict(cluster.env, SPARSE_HVD_LAUNCHER=launcher)

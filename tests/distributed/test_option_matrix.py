@@ -18,9 +18,9 @@ COMBINATIONS = pairwise_combinations()
                          ids=[label(c) for c in COMBINATIONS])
 def test_every_combination_keeps_replicas_identical_and_every_gradient(hvd, number):
     """The suite's time budget: under Gloo the even-numbered combinations, under MPI the odd
-    ones (tests/test_distributed.py runs both jobs); by hand, SPARSE_HVD_FULL_MATRIX=1 runs
-    every one."""
-    if (not os.environ.get("SPARSE_HVD_FULL_MATRIX")
+    ones (tests/test_distributed.py runs both jobs); SPARSE_HVD_FULL_SUITE=1 runs every one
+    under both."""
+    if (not os.environ.get("SPARSE_HVD_FULL_SUITE")
             and number % 2 != (0 if hvd.gloo_enabled() else 1)):
         pytest.skip("the other launcher's job trains this combination")
     combination = COMBINATIONS[number]

@@ -217,17 +217,6 @@ def test_model_fit_keeps_replicas_identical_and_resumes_exactly(hvd, tmp_path_fa
     assert len(set(gather(hvd, digest(weights_of(resumed)), name="sar_fit.resumed"))) == 1
 
 
-def test_auto_makes_the_same_choice_on_every_rank(hvd):
-    model = mlp(seed=0)
-    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.05), density=0.01,
-                                                      exchange="auto", name="sar_auto")
-    optimizer.build(model.trainable_variables)
-    choice = sorted({s["exchange"] for s in optimizer.layer_stats().values()})
-    everyone = gather(hvd, choice, name="sar_auto.choice")
-    assert all(c == everyone[0] for c in everyone)
-    assert set(choice) <= {"allgather", "sparse_allreduce", "dense"}
-
-
 def test_it_composes_with_momentum_correction_warmup_approx_topk_and_dense_fallback(hvd):
     rank = hvd.rank()
     x, y = classification_data(n=64, seed=rank)
