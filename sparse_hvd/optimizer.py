@@ -290,10 +290,8 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         stats["measurement_bytes"] = self.density_policy.measurement_bytes()
         return stats
 
-    @property
-    def exchange_decisions(self):
-        """exchange="auto": each trial's ``(step, {candidate: median seconds}, choice)``."""
-        return list(getattr(self._step, "decisions", ()))
+    exchange_decisions = property(lambda self: list(getattr(self._step, "decisions", ())), doc=(
+        'exchange="auto": each trial\'s (step, {candidate: median seconds}, choice).'))
 
     def layer_stats(self):
         """Per variable (by path): entries, route, and entries/density sent in the last step."""

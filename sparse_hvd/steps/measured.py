@@ -3,7 +3,8 @@
 A model of the network cannot see the CPU work around an exchange (selection, packing,
 summing), which on a fast link decides whether a sparse step is faster than dense at all. So
 every candidate (the exchanges that can run the optimizer's other settings: the dense
-allreduce of everything, the allgather, the sparse allreduce) is traced into the step, each as
+allreduce of everything, the allgather, the allgather with coded indices, the sparse
+allreduce) is traced into the step, each as
 one branch of a ``tf.switch_case``; a variable, the same on every rank, says which branch
 runs. Only that branch's ops execute.
 
@@ -23,7 +24,8 @@ runs. Only that branch's ops execute.
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
 exact: the dense candidate sends each sparse-route variable's compensated gradient whole and
 clears its residual (``ErrorFeedback.flush``: the selection with k = every entry), so the
-conservation identity holds across switches. The state of the candidates other than the
+conservation identity holds across switches; once a dense step has gone ahead, the next dense
+steps skip that pass (the residuals are clear until a sparse step runs). The state of the candidates other than the
 default exchange (the sparse allreduce's thresholds) is not checkpointed: the checkpoint
 format does not depend on which exchanges were candidates, and a restored job measures again.
 """
