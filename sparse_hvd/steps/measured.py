@@ -10,8 +10,9 @@ runs. Only that branch's ops execute.
 
 1. **Trial.** From step ``trial_start`` on, each candidate runs ``TRIAL_STEPS`` steps in turn.
    The first of each is not timed (a branch's first run sets up its collectives); the others
-   time what differs between candidates: from the moment the step's gradients exist to its last
-   write (compensation and selection, the exchange, averaging, the inner optimizer's update).
+   time the whole step: from the previous step's last write to this one's, so forward and
+   backward passes are in it too (on shared cores a candidate's CPU work slows the other
+   ranks' backprop, which a timer around the exchange alone would not see).
 2. **Decision**, in the trial's last step, on every rank at once: each candidate's median
    time, averaged over the ranks by one allreduce, so that every rank sees the same numbers
    and makes the same choice by one rule: the fastest, except that dense wins unless a sparse
@@ -118,6 +119,8 @@ class MeasuredChoiceStep(SynchronousStep):
             # the residuals were sent whole by a dense step that went ahead, and no sparse
             # step came after it (False after a restore: the restored residuals count)
             self.clear = tf.Variable(False, trainable=False, name="auto_residuals_clear")
+            self.last_end = tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                                        name="auto_last_step_end")
 
     def discard(self):
         """A restore replaced the residuals: the next dense step sends them again."""
@@ -148,8 +151,10 @@ class MeasuredChoiceStep(SynchronousStep):
                      for g, _ in grads_and_vars]
         with tf.control_dependencies(gradients):
             started = tf.timestamp()
-        elapsed = tf.switch_case(branch, [self._branch(plan, grads_and_vars, started)
-                                          for plan in self.plans])
+        ended = tf.switch_case(branch, [self._branch(plan, grads_and_vars, started)
+                                        for plan in self.plans])
+        elapsed = ended - self.last_end  # the whole step: since the previous step's end
+        self.last_end.assign(ended)
         slot = tf.cast(tf.math.floormod(phase, TRIAL_STEPS), tf.int32) - 1
 
         def record():
@@ -183,7 +188,7 @@ class MeasuredChoiceStep(SynchronousStep):
                                          lambda: run_with(plan.routes))
                     written = self.clear.assign(tf.logical_or(self.clear, went_ahead))
             with tf.control_dependencies([written]):
-                return tf.timestamp() - started
+                return tf.timestamp()
         return run_plan
 
     def _decide(self):
