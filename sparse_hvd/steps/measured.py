@@ -147,11 +147,7 @@ class MeasuredChoiceStep(SynchronousStep):
         in_trial = tf.logical_and(phase >= 0, phase < count * TRIAL_STEPS)
         candidate = tf.cast(tf.math.floordiv(phase, TRIAL_STEPS), tf.int32)
         branch = tf.where(in_trial, candidate, self.choice)
-        gradients = [g.values if isinstance(g, tf.IndexedSlices) else g
-                     for g, _ in grads_and_vars]
-        with tf.control_dependencies(gradients):
-            started = tf.timestamp()
-        ended = tf.switch_case(branch, [self._branch(plan, grads_and_vars, started)
+        ended = tf.switch_case(branch, [self._branch(plan, grads_and_vars)
                                         for plan in self.plans])
         elapsed = ended - self.last_end  # the whole step: since the previous step's end
         self.last_end.assign(ended)
@@ -165,7 +161,7 @@ class MeasuredChoiceStep(SynchronousStep):
                 self._decide, lambda: None)
         self.steps.assign_add(1)
 
-    def _branch(self, plan, grads_and_vars, started):
+    def _branch(self, plan, grads_and_vars):
         def run_with(routes):
             opt = self.optimizer
             saved = opt._exchange, opt._routes
@@ -176,17 +172,16 @@ class MeasuredChoiceStep(SynchronousStep):
                 opt._exchange, opt._routes = saved
 
         def run_plan():
-            # explicit edges: after lowering, nothing else orders the branch's ops after
-            # ``started`` and its last timestamp after its writes
-            with tf.control_dependencies([started]):
-                if plan.clear_routes is None:
-                    went_ahead = run_with(plan.routes)
-                    written = self.clear.assign(
-                        tf.logical_and(went_ahead, not plan.exchange.sends_selections))
-                else:
-                    went_ahead = tf.cond(self.clear, lambda: run_with(plan.clear_routes),
-                                         lambda: run_with(plan.routes))
-                    written = self.clear.assign(tf.logical_or(self.clear, went_ahead))
+            if plan.clear_routes is None:
+                went_ahead = run_with(plan.routes)
+                written = self.clear.assign(
+                    tf.logical_and(went_ahead, not plan.exchange.sends_selections))
+            else:
+                went_ahead = tf.cond(self.clear, lambda: run_with(plan.clear_routes),
+                                     lambda: run_with(plan.routes))
+                written = self.clear.assign(tf.logical_or(self.clear, went_ahead))
+            # an explicit edge: after lowering, nothing else orders the step's end after its
+            # writes (``went_ahead`` exists only once they are done)
             with tf.control_dependencies([written]):
                 return tf.timestamp()
         return run_plan
