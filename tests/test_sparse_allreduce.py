@@ -21,24 +21,34 @@ def test_each_index_goes_to_the_region_that_holds_it_and_empty_regions_get_nothi
     np.testing.assert_array_equal(owners.numpy(), [0, 0, 2, 2, 3, 3])
 
 
-def _threshold(theta, kept, counts, budget):
-    return float(next_threshold(tf.constant(theta, tf.float64), tf.constant(kept, tf.float64),
-                                tf.constant(counts, tf.int32), budget))
+def _threshold(theta, kept, counts, budget, lead=1.0):
+    """(cut, next theta, next lead) as Python floats."""
+    return tuple(float(x) for x in next_threshold(
+        tf.constant(theta, tf.float64), tf.constant(lead, tf.float64),
+        tf.constant(kept, tf.float64), tf.constant(counts, tf.int32), budget))
 
 
-def test_the_next_threshold_is_the_kth_largest_kept_sum_when_enough_were_kept():
-    assert _threshold(0.0, [5.0, 1.0, 3.0, 2.0], [4, 4, 4, 4, 4], 3) == 2.0
-    assert _threshold(1.5, [5.0, 3.0, 2.0], [3, 3, 4, 4, 9], 3) == 2.0
+def test_enough_kept_applies_the_kth_largest_and_leads_by_the_damped_growth():
+    # theta 0: everything was kept; the cut is the k-th largest, no growth is known yet
+    assert _threshold(0.0, [5.0, 1.0, 3.0, 2.0], [4] * 8, 3) == (2.0, 2.0 * 0.99, 0.99)
+    # the cut 2.0 over the previous cut (theta 1.28 / lead 1.0): growth 1.5625, lead 1.25
+    cut, theta, lead = _threshold(1.28, [5.0, 3.0, 2.0], [3] * 8, 3)
+    assert (cut, lead) == (2.0, 1.25 * 0.99) and theta == 2.0 * lead
+    # theta was led by 1.1 from the previous cut 1.0: the growth is 2.0 / 1.0, capped at 1.25
+    assert _threshold(1.1, [5.0, 3.0, 2.0], [3] * 8, 3, lead=1.1)[2] == 1.25 * 0.99
+    # the cut fell below the previous cut: no lead below 1 (only the margin)
+    assert _threshold(1.98, [5.0, 3.0, 2.0], [3] * 8, 3, lead=0.99)[2] == 0.99
 
 
-def test_too_few_kept_lowers_the_threshold_to_the_level_k_sums_reached():
-    assert len(LEVELS) == 5
-    # 2 kept, k = 4: the level 1/2 (third) is the first with at least 4 sums
-    assert _threshold(8.0, [9.0, 8.5], [2, 3, 4, 6, 9], 4) == 8.0 * 0.5
+def test_too_few_kept_applies_them_all_and_lowers_theta_to_the_level_k_sums_reached():
+    assert len(LEVELS) == 8 and LEVELS[1] == 2 ** -0.03125
+    # 2 kept, k = 4: the fourth level (2^-1/8) is the first with at least 4 sums
+    assert _threshold(8.0, [9.0, 8.5], [2, 3, 3, 4, 6, 9, 9, 9], 4, lead=1.1) == (
+        0.0, 8.0 * 2 ** -0.125, 1.0)
     # not even a quarter of theta has k sums: a quarter, and the search goes on
-    assert _threshold(8.0, [9.0], [1, 1, 1, 2, 2], 4) == 2.0
+    assert _threshold(8.0, [9.0], [1, 1, 1, 1, 1, 2, 2, 2], 4) == (0.0, 2.0, 1.0)
     # theta 0 keeps every sum: fewer than k exist, it stays 0
-    assert _threshold(0.0, [1.0], [1, 1, 1, 1, 1], 4) == 0.0
+    assert _threshold(0.0, [1.0], [1] * 8, 4) == (0.0, 0.0, 1.0)
 
 
 def test_staleness_is_refused_naming_both():

@@ -20,14 +20,14 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
    entries in all; at the first step theta is 0 and every summed entry is kept;
 5. ONE ``allgather`` of the kept entries, the header per rank (``base.header``: whether its
    gradients were finite, its step and state for ``sparse_hvd.runtime.lockstep``; then per variable
-   how many of its summed entries reach theta x 1, 2^-1/2, 1/2, 2^-3/2, 1/4, and where its
+   how many of its summed entries reach theta x each of ``LEVELS`` (1 down to 1/4), and where its
    own selected indices fall), and the small dense-route gradients (``base.pack_dense``);
-6. every rank computes the same next theta per variable from what was gathered: the k-th
-   largest kept magnitude when at least k sums were kept, else theta times the largest level
-   that k summed entries reached (at least 1/4: the search goes on next step); and applies the
-   same averages: of the kept sums, those at or above the next theta (the k largest: the exact
-   global top-k of this step's sums, ties included) or all of them if fewer than k were kept,
-   divided by N;
+6. every rank applies the same averages: of the kept sums, those at or above the k-th largest
+   (the exact global top-k of this step's sums, ties included) or all of them if fewer than k
+   were kept, divided by N; and computes the same next theta per variable
+   (``next_threshold``): the k-th largest kept magnitude times a lead that anticipates the
+   sums' growth (residuals build up), or, when fewer than k were kept, theta times the largest
+   level that k summed entries reached;
 7. error feedback stays exact: an entry this rank sent whose sum was not applied goes back into
    its residual, so nothing of any gradient is lost: the sum over ranks of the residuals plus N
    times the applied average equals the sum over ranks of the previous residuals and the
@@ -36,12 +36,16 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
    equal parts (so each owner receives about as many entries).
 
 What it computes is therefore a global top-k of the SUM of the workers' selections (found
-with a threshold lagged by one step), not the average of every local top-k. Per worker, the
-wire carries about k (N - 1) / N entries out and the kept entries in: while gradients grow the
-lagged threshold keeps more than k (measured: up to about 2k), so 2-3 k (N - 1) / N in all,
-flat in N, where the allgather's grows as (N - 1) k.
+with a threshold set one step ahead), not the average of every local top-k. Per worker, the
+wire carries about k (N - 1) / N entries out and the kept entries in. The kept entries beyond
+k are the price of setting the threshold a step ahead: with the previous step's k-th largest
+sum alone the owners kept 1.55 k on average (1.2-1.4 k while residuals grew, 3.5 k after each
+correction by 2^-1/2); with the lead and the finer levels 1.2 k (4 workers, the 4.35M MLP at
+1%, steps 4-60). So about 2.2 k (N - 1) / N entries in all, flat in N, where the allgather's
+grows as (N - 1) k; the first step (theta 0) keeps every sum.
 
 The thresholds are optimizer variables (saved with checkpoints; they do not depend on N). The
+leads are not saved (a restored job starts from 1, which costs a few steps' bytes). The
 boundaries only decide who sums what, never the result: they are re-derived (equal regions) when
 the optimizer is built and re-balanced every step.
 """
@@ -59,8 +63,13 @@ from ..selection.sparsifiers import spread_positions
 from .base import HEADER_FIELDS, Exchange, checked_headers, header, register
 from .fused_allgather import FusedAllgather
 
-# theta x these: the levels every owner counts (step 5); the first is the kept set itself
-LEVELS = (1.0, 2 ** -0.5, 0.5, 2 ** -1.5, 0.25)
+# theta x these: the levels every owner counts (step 5); the first is the kept set itself. Fine
+# steps near 1: a threshold a little too high is lowered a little (the sums' tail is steep:
+# lowering by 2^-1/2 at once made the next step keep 3.5 k)
+LEVELS = (1.0, 2 ** -0.03125, 2 ** -0.0625, 2 ** -0.125, 2 ** -0.25, 2 ** -0.5, 0.5, 0.25)
+# step 6: the largest growth a step the next threshold anticipates, and how far below it stays
+MAX_LEAD = 1.25
+LEAD_MARGIN = 0.99
 # sampled selected indices per rank and step for the boundaries (step 8)
 BOUNDARY_SAMPLES = 1024
 MAX_INDEX_SPACE = (1 << 31) - 1
@@ -87,22 +96,44 @@ def owners_of(indices, boundaries):
     return tf.cast(tf.searchsorted(inner, indices, side="right"), tf.int32)
 
 
-def next_threshold(theta, kept_magnitudes, level_counts, budget):
-    """Step 6's next theta for one variable (float64 scalars; ``kept_magnitudes`` 1-D, every rank's kept
-    entries; ``level_counts`` [len(LEVELS)] summed over the owners; ``budget`` k)."""
+def next_threshold(theta, lead, kept_magnitudes, level_counts, budget):
+    """Step 6 for one variable: ``(cut, next theta, next lead)``, float64 scalars.
+
+    ``kept_magnitudes``: every rank's kept entries (1-D); ``level_counts`` [len(LEVELS)]:
+    summed over the owners; ``budget``: k; ``lead``: the factor by which the next theta
+    anticipates the sums' growth, as last estimated.
+
+    1. The cut: the k-th largest kept magnitude (what is applied is at or above it: the exact
+       top-k of this step's sums), or 0 when fewer than k were kept (all of them are applied).
+    2. Enough kept: the next theta is the cut times the lead. The sums grow from step to step
+       while residuals build up, so the previous cut alone kept 1.2-1.4 k. The lead follows
+       the cut's growth a step (this cut over theta / lead: the previous cut, or the
+       lowered theta after too few were kept), damped by a square root and within [1, MAX_LEAD], times ``LEAD_MARGIN`` (just below
+       1): the sums' tail is steep (3% on the threshold is about 25% on the count, measured)
+       and a step that keeps fewer than k applies fewer, which makes the next one's sums
+       larger.
+    3. Too few kept: theta times the largest level that k summed entries reached (at least the
+       lowest: the search goes on next step); the levels near 1 are fine, so that a threshold
+       a little too high is lowered a little. The lead returns to 1. With theta 0 (everything
+       was kept) theta stays 0.
+    """
     budget = tf.cast(budget, tf.int32)
     kept = tf.size(kept_magnitudes)
     take = tf.maximum(tf.minimum(budget, kept), 1)
     # the k-th largest is the smallest of the k largest (unsorted: no sort of the k)
-    exact = tf.reduce_min(tf.math.top_k(
+    cut = tf.reduce_min(tf.math.top_k(
         tf.concat([kept_magnitudes, tf.zeros([1], tf.float64)], 0), k=take, sorted=False).values)
+    enough = kept >= budget
+    growth = tf.where(theta > 0, tf.math.divide_no_nan(cut, theta / lead), tf.ones_like(theta))
+    led = tf.clip_by_value(tf.sqrt(growth), 1.0, MAX_LEAD) * LEAD_MARGIN
     factors = tf.constant(LEVELS[1:], tf.float64)
     reached = tf.cast(level_counts[1:], tf.int32) >= budget
     # the first (largest) level k entries reached, else the lowest level
     first = tf.argmax(tf.concat([tf.cast(reached, tf.int32), [1]], 0), output_type=tf.int32)
     lowered = theta * tf.gather(tf.concat([factors, factors[-1:]], 0), first)
-    enough = kept >= budget
-    return tf.where(enough, exact, tf.where(theta > 0, lowered, tf.zeros_like(theta)))
+    return (tf.where(enough, cut, tf.zeros_like(cut)),
+            tf.where(enough, cut * led, lowered),
+            tf.where(enough, led, tf.ones_like(lead)))
 
 
 def _sampled_quantiles(indices, parts, current):
@@ -156,6 +187,9 @@ class SparseAllreduce:
             if not saved:
                 self.thresholds = tf.Variable(tf.zeros([len(routes)], tf.float64),
                                               trainable=False, name="global_threshold")
+            # not checkpointed: a restored job starts from 1 and adapts it again
+            self.lead = tf.Variable(tf.ones([len(routes)], tf.float64), trainable=False,
+                                    name="sparse_allreduce_lead")
             self.boundaries = tf.Variable(tf.constant(even_boundaries(total, size), tf.int64),
                                           trainable=False, name="sparse_allreduce_boundaries")
 
@@ -223,14 +257,15 @@ class SparseAllreduce:
         # Step 6: per variable (a slice of the ascending kept entries), the next threshold and
         # what is applied: the k largest kept sums (ties included), or all if fewer were kept
         cuts = tf.searchsorted(kept, tf.concat([starts, [tf.int32.max]], 0), side="left")
-        next_theta, applied = [], []
+        leads = tf.gather(tf.convert_to_tensor(self.lead), [keys[j] for j in order])
+        next_theta, next_lead, applied = [], [], []
         for place, j in enumerate(order):
             magnitudes = tf.abs(tf.cast(kept_values[cuts[place]:cuts[place + 1]], tf.float64))
-            theta_next = next_threshold(thresholds[place], magnitudes, level_counts[place],
-                                        budgets[j])
-            enough = tf.size(magnitudes) >= tf.cast(budgets[j], tf.int32)
-            applied.append(tf.logical_or(tf.logical_not(enough), magnitudes >= theta_next))
+            cut, theta_next, lead_next = next_threshold(
+                thresholds[place], leads[place], magnitudes, level_counts[place], budgets[j])
+            applied.append(magnitudes >= cut)
             next_theta.append(theta_next)
+            next_lead.append(lead_next)
         applied = tf.concat(applied, 0)
         kept, kept_values = tf.boolean_mask(kept, applied), tf.boolean_mask(kept_values, applied)
         cuts = tf.searchsorted(kept, tf.concat([starts, [tf.int32.max]], 0), side="left")
@@ -254,9 +289,11 @@ class SparseAllreduce:
                              tf.boolean_mask(selection.indices, back)))
 
         # Steps 6 and 8: the next thresholds and boundaries, identical on every rank
-        updated = tf.tensor_scatter_nd_update(tf.convert_to_tensor(self.thresholds),
-                                              [[keys[j]] for j in order], tf.stack(next_theta))
-        self.thresholds.assign(tf.where(finite, updated, self.thresholds))
+        positions = [[keys[j]] for j in order]
+        for state, values in ((self.thresholds, next_theta), (self.lead, next_lead)):
+            updated = tf.tensor_scatter_nd_update(tf.convert_to_tensor(state), positions,
+                                                  tf.stack(values))
+            state.assign(tf.where(finite, updated, state))
         quantiles = tf.cast(headers[:, levels * len(keys):], tf.int64)
         self.boundaries.assign(tf.concat(
             [[0], tf.reduce_sum(quantiles, 0) // size, [self.total]], 0))

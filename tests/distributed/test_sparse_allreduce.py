@@ -10,7 +10,8 @@ import sparse_hvd
 from conftest import digest, gather
 from helpers import classification_data, mlp, numpy_topk_indices, weights_of
 
-LEVELS = (1.0, 2 ** -0.5, 0.5, 2 ** -1.5, 0.25)
+LEVELS = (1.0, 2 ** -0.03125, 2 ** -0.0625, 2 ** -0.125, 2 ** -0.25, 2 ** -0.5, 0.5, 0.25)
+MAX_LEAD, LEAD_MARGIN = 1.25, 0.99
 SHAPES = [(60, 50), (40, 40)]  # sparse route (3000 and 1600 entries); the bias goes dense
 DENSITY = 0.02
 
@@ -24,6 +25,7 @@ class NumpyRule:
         self.sizes = [int(np.prod(s)) for s in SHAPES]
         self.budgets = [math.ceil(DENSITY * n) for n in self.sizes]
         self.theta = [0.0] * len(SHAPES)
+        self.lead = [1.0] * len(SHAPES)
         self.residuals = [[np.zeros(n) for n in self.sizes] for _ in range(size)]
 
     def step(self, grads):
@@ -48,11 +50,15 @@ class NumpyRule:
             magnitudes = sorted((abs(s) for s in kept.values()), reverse=True)
             k = self.budgets[v]
             if len(magnitudes) >= k:
-                self.theta[v] = magnitudes[k - 1]
-                kept = {i: s for i, s in kept.items() if abs(s) >= self.theta[v]}  # the top k
-            elif theta > 0:
+                cut = magnitudes[k - 1]
+                kept = {i: s for i, s in kept.items() if abs(s) >= cut}  # the top k
+                growth = cut / (theta / self.lead[v]) if theta > 0 else 1.0
+                self.lead[v] = min(max(math.sqrt(growth), 1.0), MAX_LEAD) * LEAD_MARGIN
+                self.theta[v] = cut * self.lead[v]
+            else:
                 reached = [level for level, c in zip(LEVELS[1:], counts[1:]) if c >= k]
                 self.theta[v] = theta * (reached[0] if reached else LEVELS[-1])
+                self.lead[v] = 1.0
             average = np.zeros(n)
             for i, s in kept.items():
                 average[i] = s / self.size
