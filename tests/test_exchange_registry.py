@@ -8,7 +8,7 @@ from sparse_hvd import checks
 from sparse_hvd.selection.adaptive import AdaptiveDensity
 from sparse_hvd.exchanges.compression import Compression
 from sparse_hvd.selection.density import ConstantDensity
-from sparse_hvd.steps.measured import DENSE_WITHIN, decide
+from sparse_hvd.steps.measured import DENSE_WITHIN, decide, warmup_trials
 from sparse_hvd.exchanges import available, create, exchange_class, groupings_of, register
 from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 
@@ -65,6 +65,23 @@ def test_auto_takes_the_fastest_and_dense_unless_a_sparse_exchange_clearly_wins(
     assert names[decide([1.0, 1.0 + DENSE_WITHIN * 1.1, 3.0], names)] == "allgather"
     # without dense among the candidates, ties go by name: the same on every rank
     assert decide([2.0, 2.0], ["sparse_allreduce", "allgather"]) == 1
+
+
+def test_auto_tries_again_each_time_the_warmup_halves_the_density():
+    import math
+
+    from sparse_hvd.selection.density import ConstantDensity, WarmupDensity
+
+    # 25% -> 1% over 200 steps halves the density every 200 ln 2 / ln 25 = 43.07 steps, so
+    # 44 steps after each trial's start (the first at step 1): 45, 89, 133; 177 would leave less
+    # than two 16-step trials before the warm-up's end at 200, which is always tried
+    half = math.ceil(200 * math.log(2) / math.log(25))
+    expected = [1 + j * half for j in (1, 2, 3)]
+    assert expected == [45, 89, 133]
+    assert warmup_trials(WarmupDensity(0.01, 0.25, 200), 200, 16) == expected + [200]
+    # two trials' length apart at least: 16% -> 1% over 80 steps halves every 20 steps
+    assert warmup_trials(WarmupDensity(0.01, 0.16, 80), 80, 16) == [33, 80]
+    assert warmup_trials(ConstantDensity(0.01), 0, 16) == []
 
 
 def test_a_new_exchange_is_one_class_and_its_registration():

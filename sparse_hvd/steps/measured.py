@@ -19,8 +19,11 @@ runs. Only that branch's ops execute.
    exchange is faster than it by more than ``DENSE_WITHIN`` (a sparse run needs a few percent
    more steps to the same loss: ``docs/steps_to_loss.md``). Rank 0 logs the times and the
    choice.
-3. **Re-trials**, since the link and the density can change: at the density policy's first
-   settled step (the warm-up's end), then every ``RECHECK_STEPS`` steps.
+3. **Re-trials**, since the link and the density can change: during a warm-up, each time the
+   density has halved since the last trial (``warmup_trials``: from 25% to 1% a sparse
+   exchange often wins long before the warm-up ends, and a short run is mostly warm-up); at
+   the density policy's first settled step (the warm-up's end); then every ``RECHECK_STEPS``
+   steps.
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
 exact: the dense candidate sends each sparse-route variable's compensated gradient whole and
@@ -79,6 +82,23 @@ def plans_for(optimizer, candidates, routes) -> List[Plan]:
     return plans
 
 
+def warmup_trials(policy, settled, trial_length) -> List[int]:
+    """Step 3's re-trials before ``settled`` (the warm-up's last step, 0 for none): the steps
+    where the policy's density has halved since the previous trial, each at least two trials'
+    length after the previous one and before the one at ``settled``, which is always made."""
+    if settled <= 0:
+        return []
+    starts, last, density = [], 1, policy.current_density(0, 1)
+    for step in range(2, settled - 2 * trial_length + 1):
+        if step - last < 2 * trial_length:
+            continue
+        now = policy.current_density(0, step)
+        if now <= density / 2:
+            starts.append(step)
+            last, density = step, now
+    return starts + [settled]
+
+
 def decide(seconds, names) -> int:
     """Step 2: the index of the chosen candidate given each one's time (seconds)."""
     fastest = min(range(len(names)), key=lambda i: (seconds[i], names[i]))
@@ -114,6 +134,8 @@ class MeasuredChoiceStep(SynchronousStep):
             self.trial_start = tf.Variable(1, dtype=tf.int64, trainable=False,
                                            name="auto_trial_start")
             self.settled = tf.constant(settled, tf.int64)
+            self.warmup_trials = tf.constant(
+                warmup_trials(opt.density_policy, settled, count * TRIAL_STEPS), tf.int64)
             self.samples = tf.Variable(tf.zeros([count, TRIAL_STEPS - 1], tf.float64),
                                        trainable=False, name="auto_samples")
             # the residuals were sent whole by a dense step that went ahead, and no sparse
@@ -197,8 +219,9 @@ class MeasuredChoiceStep(SynchronousStep):
             lambda seconds, step: self._decided(seconds, step, names),
             [medians, self.steps], tf.int32, stateful=True)
         self.choice.assign(tf.reshape(choice, []))
-        following = tf.where(self.steps < self.settled, self.settled,
-                             self.steps + RECHECK_STEPS)
+        upcoming = tf.boolean_mask(self.warmup_trials, self.warmup_trials > self.steps)
+        following = tf.cond(tf.size(upcoming) > 0, lambda: upcoming[0],
+                            lambda: self.steps + RECHECK_STEPS)
         self.trial_start.assign(following)
 
     def _decided(self, seconds, step, names):

@@ -16,7 +16,7 @@ CANDIDATES = len(NAMES)
 STEPS = 1 + CANDIDATES * measured.TRIAL_STEPS + 3  # step 0, the trial, then the choice
 
 
-def train(name, steps, momentum_correction=0.0, compression="none"):
+def train(name, steps, momentum_correction=0.0, compression="none", density=0.05):
     """``steps`` steps of exchange="auto" on this rank's gradients (tests/option_matrix.py);
     returns the optimizer, the weights and the layer statistics after each step."""
     import keras
@@ -25,7 +25,7 @@ def train(name, steps, momentum_correction=0.0, compression="none"):
     import sparse_hvd
 
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(1.0), density=0.05, warmup_steps=0, exchange="auto",
+        keras.optimizers.SGD(1.0), density=density, warmup_steps=0, exchange="auto",
         momentum_correction=momentum_correction, compression=compression, name=name)
     big = keras.Variable(np.zeros(BIG, "float32"))
     small = keras.Variable(np.zeros(SMALL, "float32"))
@@ -97,6 +97,24 @@ def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd):
     fixed.build([keras.Variable(np.zeros(BIG, "float32")),
                  keras.Variable(np.zeros(SMALL, "float32"))])
     assert [v.shape for v in optimizer.variables] == [v.shape for v in fixed.variables]
+
+
+def test_a_warmup_is_tried_again_as_its_density_halves(hvd):
+    """16% -> 1% over 80 steps halves the density every 20 steps: trials start at step 1, at
+    step 33 (the first halving at least two 16-step trials after the first) and at the warm-up's
+    end (80); each decides in its last step, identically on every rank."""
+    import sparse_hvd
+
+    steps = 96
+    optimizer, weights, _ = train("auto_warmup", steps,
+                                  density=sparse_hvd.WarmupDensity(0.01, 0.16, 80))
+    trial = CANDIDATES * measured.TRIAL_STEPS
+    decisions = optimizer.exchange_decisions
+    assert [d[0] for d in decisions] == [start + trial - 1 for start in (1, 33, 80)]
+    everyone = gather(hvd, [(d[0], d[2]) for d in decisions], name="auto_warmup.decisions")
+    assert all(e == everyone[0] for e in everyone), everyone
+    _same_everywhere(hvd, weights, "auto_warmup")
+    _conservation(hvd, optimizer, weights, steps, "none")
 
 
 @pytest.mark.parametrize("forced,compression,momentum", [
