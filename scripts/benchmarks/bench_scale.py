@@ -10,8 +10,12 @@ What it measures
     ``docs/bench_scale.{json,md,png}`` (``--publish``):
 
     * per N and method: the received bytes per worker and step, as a multiple of the payload P
-      (k entries of value + int32 index) and of dense; the targets (issue 12): sparse allreduce
-      at most 6 k (N - 1) / N entries' worth at every N, and at N = 8 at most 1/15 of dense;
+      (k entries of value + int32 index) and of dense; for the sparse allreduce also against
+      Ok-Topk's lower bound 2 k (N - 1) / N entries and against the allgather's wire and step
+      (issue 21's targets: at most 1.2x the bound at N = 4..8, at N = 4 at most 0.6x the
+      allgather's wire; its step no slower than the allgather's at N >= 4); for ``auto@d`` (the
+      default exchange) its step against the fastest of dense, allgather and sparse allreduce
+      and what it chose (target: at most 1.05x);
     * a projection to N = 16 ... 1024 for ResNet-50 (25.6M parameters) and BERT-large (340M) at
       10, 25 and 100 Gbit/s: per worker and step, bytes through its link / bandwidth plus a
       latency per message round (``--latency-us``, default 5 us, a fast cluster's) for: dense ring allreduce (2 (N - 1) / N D bytes, 2 (N - 1) rounds),
@@ -38,7 +42,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-METHODS = ("dense", "topk@0.01", "sar_topk@0.01", "topk@0.001", "sar_topk@0.001")
+METHODS = ("dense", "topk@0.01", "sar_topk@0.01", "auto@0.01", "topk@0.001", "sar_topk@0.001")
 MODELS = {"ResNet-50": 25.6e6, "BERT-large": 340e6}
 RATES_GBIT = (10, 25, 100)
 PROJECTED_N = (16, 32, 64, 128, 256, 512, 1024)
@@ -48,6 +52,8 @@ ENTRY_BYTES = 8  # float32 value + int32 index
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="2,4,6,8")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="bench_step.py methods (dense and topk@<d> are the references)")
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
@@ -60,6 +66,7 @@ def parse_args(argv=None):
     parser.add_argument("--from-json", default=None, help="redo tables and plots from a result")
     args = parser.parse_args(argv)
     args.workers = [int(w) for w in args.workers.split(",")]
+    args.methods = args.methods.split(",")
     return args
 
 
@@ -68,7 +75,7 @@ def measure(args):
     for workers in args.workers:
         out = os.path.join(args.out, f"np{workers}")
         command = [sys.executable, os.path.join(HERE, "bench_step.py"), "--np", str(workers),
-                   "--rate", args.rate, "--methods", ",".join(METHODS), "--rounds",
+                   "--rate", args.rate, "--methods", ",".join(args.methods), "--rounds",
                    str(args.rounds), "--steps", str(args.steps), "--warmup-steps", "4",
                    "--out", out]
         print(f"[bench_scale] {workers} workers", flush=True)
@@ -90,18 +97,38 @@ def summarise(points):
     rows = []
     for workers, result in sorted(points.items(), key=lambda item: int(item[0])):
         workers = int(workers)
-        dense = result["methods"]["dense"]["wire_received_bytes"]
-        for method in METHODS:
-            m = result["methods"][method]
+        methods = result["methods"]
+        dense = methods["dense"]["wire_received_bytes"]
+        for method, m in methods.items():
             payload = m.get("bytes_sent", result["parameters"] * 4)
-            rows.append({"workers": workers, "method": method,
-                         "wire_received": m["wire_received_bytes"],
-                         "wire_sent": m["wire_sent_bytes"], "payload": payload,
-                         "x_payload": m["wire_received_bytes"] / payload,
-                         "vs_dense": m["wire_received_bytes"] / dense,
-                         "step_ms": m["median_step"] * 1e3,
-                         "replicas_identical": m.get("replicas_identical")})
+            row = {"workers": workers, "method": method,
+                   "wire_received": m["wire_received_bytes"],
+                   "wire_sent": m["wire_sent_bytes"], "payload": payload,
+                   "x_payload": m["wire_received_bytes"] / payload,
+                   "vs_dense": m["wire_received_bytes"] / dense,
+                   "step_ms": m["median_step"] * 1e3,
+                   "replicas_identical": m.get("replicas_identical")}
+            density = method.partition("@")[2]
+            allgather = methods.get(f"topk@{density}")
+            if method.startswith("sar_"):  # issue 21: against Ok-Topk's bound and the allgather
+                row["x_lower_bound"] = m["wire_received_bytes"] / lower_bound(workers, payload)
+                if allgather:
+                    row["x_allgather_wire"] = (m["wire_received_bytes"]
+                                               / allgather["wire_received_bytes"])
+                    row["x_allgather_step"] = m["median_step"] / allgather["median_step"]
+            if method.startswith("auto@"):  # against the fastest of the three candidates
+                candidates = [methods[c]["median_step"] for c in
+                              ("dense", f"topk@{density}", f"sar_topk@{density}") if c in methods]
+                row["x_fastest"] = m["median_step"] / min(candidates)
+                row["choice"] = (m.get("auto_decisions") or [[None, None, None]])[-1][2]
+            rows.append(row)
     return rows
+
+
+def lower_bound(workers, payload):
+    """Ok-Topk's lower bound on what a worker receives for a global top-k: 2 k (N - 1) / N
+    entries, with ``payload`` = k entries' bytes."""
+    return 2 * (workers - 1) / workers * payload
 
 
 def fitted_constant(rows):
@@ -135,15 +162,18 @@ def projection(c, latency_s, select_ns):
 def markdown(result):
     lines = [f"Measured on the emulated cluster ({result['rate']} links), MLP 4.35M, load "
              f"{result['load']}, commit {result['commit']}", "",
-             "| N | method | received / worker / step | x payload | vs dense | 6k(N-1)/N bound "
-             "| step ms | replicas identical |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| N | method | received / worker / step | x payload | vs dense "
+             "| x 2k(N-1)/N (Ok-Topk's bound) | wire x allgather | step ms "
+             "| step x allgather (sar) or x fastest (auto) | replicas identical |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in result["measured"]:
-        bound = 6 * (r["workers"] - 1) / r["workers"] * r["payload"]
-        within = "" if not r["method"].startswith("sar_") else (
-            f"{bound / 1e3:,.0f} kB: {'met' if r['wire_received'] <= bound else 'NOT met'}")
+        bound = f"{r['x_lower_bound']:.2f}" if "x_lower_bound" in r else ""
+        wire = f"{r['x_allgather_wire']:.2f}" if "x_allgather_wire" in r else ""
+        step = (f"{r['x_allgather_step']:.2f}" if "x_allgather_step" in r else
+                f"{r['x_fastest']:.2f} (chose {r['choice']})" if "x_fastest" in r else "")
         lines.append(f"| {r['workers']} | {r['method']} | {r['wire_received'] / 1e3:,.0f} kB "
-                     f"| {r['x_payload']:.2f} | 1/{1 / r['vs_dense']:.1f} | {within} "
-                     f"| {r['step_ms']:.0f} | {r['replicas_identical']} |")
+                     f"| {r['x_payload']:.2f} | 1/{1 / r['vs_dense']:.1f} | {bound} | {wire} "
+                     f"| {r['step_ms']:.0f} | {step} | {r['replicas_identical']} |")
     lines += ["", f"Sparse allreduce wire = c (N - 1) / N x payload with c = {result['c']:.2f} "
               f"(fitted to the points above). Projection: latency {result['latency_us']:.0f} us "
               f"per round, selection {result['selection_ns']:.2f} ns per parameter.", "",
@@ -164,7 +194,7 @@ def plot(result, path):
 
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     measured = result["measured"]
-    for method in METHODS:
+    for method in dict.fromkeys(r["method"] for r in measured):
         points = [r for r in measured if r["method"] == method]
         axes[0].plot([r["workers"] for r in points], [r["wire_received"] / 1e6 for r in points],
                      marker="o", label=method)
