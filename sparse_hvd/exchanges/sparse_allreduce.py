@@ -56,7 +56,8 @@ import tensorflow as tf
 
 from ..runtime import collectives, lockstep
 from . import wire
-from .averaging import average_entries, sum_rank_by_rank
+from .averaging import average_entries
+from .owner_sums import owner_sums
 from .compression import NONE
 from ..feedback.payload import Payload
 from ..selection.sparsifiers import spread_positions
@@ -222,31 +223,21 @@ class SparseAllreduce:
                                         name=f"{self.name}.sparse_allreduce.scatter",
                                         process_set=self.process_set, step=step)
 
-        # Step 3: the sums, in rank order (the blocks arrive rank by rank), ascending by index
+        # Steps 3-4: the sums, in rank order (the blocks arrive rank by rank), ascending by
+        # index; kept where they reach their variable's threshold; every level counted
         received_indices, received_values, per_rank = self._unpack_blocks(received, from_each,
                                                                           dtype)
-        unique, slot = tf.unique(received_indices)
-        sums = sum_rank_by_rank(received_values, slot, per_rank, tf.size(unique))
-        ascending = tf.argsort(unique)
-        unique, sums = tf.gather(unique, ascending), tf.gather(sums, ascending)
-
-        # Step 4: keep what reaches its variable's threshold; count every level
-        variable = tf.searchsorted(starts, unique, side="right") - 1
         thresholds = tf.gather(tf.convert_to_tensor(self.thresholds), [keys[j] for j in order])
-        theta = tf.gather(thresholds, variable)
-        magnitude = tf.abs(tf.cast(sums, tf.float64))
-        counts = tf.stack([tf.math.unsorted_segment_sum(
-            tf.cast(magnitude >= theta * level, tf.int32), variable, len(keys))
-            for level in LEVELS], 1)
-        keep = magnitude >= theta
+        kept_here, kept_sums, counts = owner_sums(received_indices, received_values, per_rank,
+                                                  starts, thresholds, LEVELS)
 
         # Step 5: gather the kept entries, the headers and the dense words
         quantiles = _sampled_quantiles(indices, size, boundaries[1:-1])
         own = tf.concat([tf.reshape(counts, [-1]), tf.cast(quantiles, tf.int32)], 0)
         self._layout = (levels * len(keys) + size - 1, len(dense_words))
         gathered = collectives.grouped_allgather(
-            [header(finite_here, step, rest=own), tf.boolean_mask(unique, keep),
-             wire.to_words(tf.boolean_mask(sums, keep))] + list(dense_words),
+            [header(finite_here, step, rest=own), kept_here, wire.to_words(kept_sums)]
+            + list(dense_words),
             name=f"{self.name}.sparse_allreduce.gather", process_set=self.process_set, step=step)
         gathered, finite, headers = checked_headers(gathered, size)  # headers: the own fields
         kept = gathered[1]  # ascending: the owners' regions in rank order, each ascending

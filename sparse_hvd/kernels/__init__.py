@@ -5,7 +5,10 @@
 * ``compensate_topk()``: the ``SparseHvdCompensateTopK`` op (compensate_cut.cc: the same for
   the exact top-k from the candidates above a cut, in one pass plus work on the candidates);
 * ``scatter_mean()``: the ``SparseHvdScatterMean`` op (scatter_mean.cc: the gathered entries of
-  every variable summed in rank order and divided where they arrived, in one walk).
+  every variable summed in rank order and divided where they arrived, in one walk);
+* ``owner_sum()``: the ``SparseHvdOwnerSum`` op (owner_sum.cc: what a sparse allreduce owner
+  received, summed in rank order, counted at the threshold's levels and kept, in one pass
+  after a radix sort).
 
 The library is found, or compiled on first use, under a key of the imported TensorFlow (see
 ``sparse_hvd.kernels.build``: a TensorFlow upgrade leads to a rebuild, never to a stale
@@ -89,3 +92,9 @@ def compensate_topk():
     """The native compensate-and-top-k op, or None."""
     library = _library()
     return None if library is None else library.sparse_hvd_compensate_top_k
+
+
+def owner_sum():
+    """The native owner-sum op of the sparse allreduce, or None."""
+    library = _library()
+    return None if library is None else library.sparse_hvd_owner_sum

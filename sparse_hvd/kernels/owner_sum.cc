@@ -1,0 +1,138 @@
+// SparseHvdOwnerSum: what an owner of the sparse allreduce received, summed and thresholded in
+// one pass (sparse_hvd/exchanges/sparse_allreduce.py, steps 3-4).
+//
+// Inputs: the received global ``indices`` (int32) and ``values`` (T), rank by rank in rank
+// order (a rank sends an index at most once); ``starts`` (int32 [V], ascending): where each
+// variable begins in the index space; ``thresholds`` (float64 [V]): each variable's theta;
+// ``levels`` (float64 [L]): the factors of theta to count at (the first is 1: the kept set).
+//
+//   1. the positions are sorted by (index, position), so equal indices come together in rank
+//      order;
+//   2. each index's sum starts from zero and adds its entries in that order: the additions of
+//      TensorFlow's segment sum on CPU, so the same bits;
+//   3. per sum: its variable (the last start at or below it), its magnitude in float64, the
+//      levels it reaches (|sum| >= theta x level) counted per variable, and whether it is kept
+//      (|sum| >= theta).
+//
+// Outputs: the kept indices (ascending) and sums, and the counts [V, L].
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace sparse_hvd {
+
+using absl::InvalidArgumentError;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+
+REGISTER_OP("SparseHvdOwnerSum")
+    .Attr("T: {float, double}")
+    .Input("indices: int32")
+    .Input("values: T")
+    .Input("starts: int32")
+    .Input("thresholds: double")
+    .Input("levels: double")
+    .Output("kept_indices: int32")
+    .Output("kept_sums: T")
+    .Output("counts: int32")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      c->set_output(2, c->Matrix(c->Dim(c->input(2), 0), c->Dim(c->input(4), 0)));
+      return tsl::OkStatus();
+    });
+
+template <typename T>
+class OwnerSumOp : public OpKernel {
+ public:
+  explicit OwnerSumOp(OpKernelConstruction* context) : OpKernel(context) {}
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& indices = context->input(0);
+    const Tensor& values = context->input(1);
+    const auto starts = context->input(2).flat<int32_t>();
+    const auto thresholds = context->input(3).flat<double>();
+    const auto levels = context->input(4).flat<double>();
+    const int64_t entries = indices.NumElements();
+    const int64_t variables = starts.size();
+    const int64_t count_levels = levels.size();
+    OP_REQUIRES(context, values.NumElements() == entries,
+                InvalidArgumentError(absl::StrCat(entries, " indices but ",
+                                                  values.NumElements(), " values")));
+    OP_REQUIRES(context, thresholds.size() == variables && variables > 0,
+                InvalidArgumentError("thresholds and starts must have one entry per variable"));
+    const int32_t* index = indices.flat<int32_t>().data();
+    const T* value = values.flat<T>().data();
+
+    // Step 1: (index, position) in one 64-bit key, sorted by the index with a stable radix
+    // sort (three passes of 11 bits): the positions of one index stay in ascending order.
+    std::vector<uint64_t> keys(entries), scratch(entries);
+    for (int64_t e = 0; e < entries; ++e) {
+      OP_REQUIRES(context, index[e] >= 0,
+                  InvalidArgumentError(absl::StrCat("a negative index arrived: ", index[e])));
+      keys[e] = (static_cast<uint64_t>(index[e]) << 32) | static_cast<uint64_t>(e);
+    }
+    for (int shift = 32; shift < 65; shift += 11) {
+      std::vector<int64_t> bucket(2049, 0);
+      for (uint64_t key : keys) ++bucket[((key >> shift) & 2047) + 1];
+      for (int b = 0; b < 2048; ++b) bucket[b + 1] += bucket[b];
+      for (uint64_t key : keys) scratch[bucket[(key >> shift) & 2047]++] = key;
+      keys.swap(scratch);
+    }
+
+    // Steps 2-3.
+    Tensor* counts_out = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(
+                                2, TensorShape({variables, count_levels}), &counts_out));
+    auto counts = counts_out->matrix<int32_t>();
+    counts.setZero();
+    std::vector<int32_t> kept_index;
+    std::vector<T> kept_sum;
+    kept_index.reserve(entries);
+    kept_sum.reserve(entries);
+    int64_t variable = 0;
+    for (int64_t e = 0; e < entries;) {
+      const int32_t at = static_cast<int32_t>(keys[e] >> 32);
+      T sum = T(0);
+      for (; e < entries && static_cast<int32_t>(keys[e] >> 32) == at; ++e) {
+        sum += value[keys[e] & 0xffffffffu];
+      }
+      while (variable + 1 < variables && starts(variable + 1) <= at) ++variable;
+      const double magnitude = std::fabs(static_cast<double>(sum));
+      const double theta = thresholds(variable);
+      for (int64_t l = 0; l < count_levels; ++l) {
+        if (magnitude >= theta * levels(l)) ++counts(variable, l);
+      }
+      if (magnitude >= theta) {
+        kept_index.push_back(at);
+        kept_sum.push_back(sum);
+      }
+    }
+
+    Tensor* out = nullptr;
+    const int64_t kept = static_cast<int64_t>(kept_index.size());
+    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({kept}), &out));
+    std::copy(kept_index.begin(), kept_index.end(), out->flat<int32_t>().data());
+    OP_REQUIRES_OK(context, context->allocate_output(1, TensorShape({kept}), &out));
+    std::copy(kept_sum.begin(), kept_sum.end(), out->flat<T>().data());
+  }
+};
+
+REGISTER_KERNEL_BUILDER(
+    Name("SparseHvdOwnerSum").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"),
+    OwnerSumOp<float>);
+REGISTER_KERNEL_BUILDER(
+    Name("SparseHvdOwnerSum").Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"),
+    OwnerSumOp<double>);
+
+}  // namespace sparse_hvd
