@@ -112,7 +112,7 @@ LABELS = {
     "approx_topk_0.01_warmup_mc": "sparse_hvd approx top-k 1%, warm-up + momentum correction",
     "sar_topk_0.01": "sparse_hvd top-k 1%, sparse allreduce",
     "sar_topk_0.001": "sparse_hvd top-k 0.1%, sparse allreduce",
-    "default": "sparse_hvd defaults, density=0.01 (warm-up)",
+    "default": "sparse_hvd defaults, density=0.01 (warm-up, model-wide budget, exchange auto)",
 }
 
 
