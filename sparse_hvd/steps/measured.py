@@ -84,20 +84,26 @@ def plans_for(optimizer, candidates, routes) -> List[Plan]:
 
 
 def warmup_trials(policy, settled, trial_length) -> List[int]:
-    """Step 3's re-trials before ``settled`` (the warm-up's last step, 0 for none): the steps
-    where the policy's density has halved since the previous trial, each at least two trials'
-    length after the previous one and before the one at ``settled``, which is always made."""
+    """Step 3's re-trials before ``settled`` (the warm-up's last step, 0 for none): the first
+    steps where the policy's density has halved since the previous trial, each at least two
+    trials' length after the previous one and before the one at ``settled``, which is always
+    made. The warm-up's density does not rise, so each is found by bisection."""
     if settled <= 0:
         return []
-    starts, last, density = [], 1, policy.current_density(0, 1)
-    for step in range(2, settled - 2 * trial_length + 1):
-        if step - last < 2 * trial_length:
-            continue
-        now = policy.current_density(0, step)
-        if now <= density / 2:
-            starts.append(step)
-            last, density = step, now
-    return starts + [settled]
+    starts, last = [], 1
+    while True:
+        half = policy.current_density(0, last) / 2
+        low, high = last + 2 * trial_length, settled - 2 * trial_length
+        if low > high or policy.current_density(0, high) > half:
+            return starts + [settled]
+        while low < high:  # the first step in [low, high] at or below half
+            middle = (low + high) // 2
+            if policy.current_density(0, middle) <= half:
+                high = middle
+            else:
+                low = middle + 1
+        starts.append(low)
+        last = low
 
 
 def decide(seconds, names) -> int:
@@ -134,7 +140,6 @@ class MeasuredChoiceStep(SynchronousStep):
             self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="auto_steps")
             self.trial_start = tf.Variable(1, dtype=tf.int64, trainable=False,
                                            name="auto_trial_start")
-            self.settled = tf.constant(settled, tf.int64)
             self.warmup_trials = tf.constant(
                 warmup_trials(opt.density_policy, settled, count * TRIAL_STEPS), tf.int64)
             self.samples = tf.Variable(tf.zeros([count, TRIAL_STEPS - 1], tf.float64),
