@@ -22,9 +22,12 @@ runs. Only that branch's ops execute.
    finishes later. Rank 0 logs the times and the choice.
 3. **Re-trials**, since the link and the density can change: during a warm-up, each time the
    density has halved since the last trial (``warmup_trials``: from 25% to 1% a sparse
-   exchange often wins long before the warm-up ends, and a short run is mostly warm-up); at
-   the density policy's first settled step (the warm-up's end); then every ``RECHECK_STEPS``
-   steps.
+   exchange often wins long before the warm-up ends, and a short run is mostly warm-up),
+   each of them only with the candidates within ``PRUNE_AFTER`` of the last trial's fastest
+   (on a fast link the sparse exchanges at 25% density took 4-5x dense's step, and four
+   steps of each in every re-trial made a 250-step run 1.7x slower than dense); at the
+   density policy's first settled step (the warm-up's end), with every candidate; then
+   every ``RECHECK_STEPS`` steps, with every candidate.
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
 exact: the dense candidate sends each sparse-route variable's compensated gradient whole and
@@ -47,6 +50,7 @@ from .strategies import SynchronousStep
 TRIAL_STEPS = 4  # steps each candidate runs in a trial; the first is not timed
 RECHECK_STEPS = 1000  # a new trial this many steps after a decision
 DENSE_WITHIN = 0.2  # dense wins unless a sparse exchange's step is faster by more than this
+PRUNE_AFTER = 2.0  # a warm-up re-trial skips candidates slower than this x the fastest
 
 
 class Plan(NamedTuple):
@@ -142,8 +146,12 @@ class MeasuredChoiceStep(SynchronousStep):
                                            name="auto_trial_start")
             self.warmup_trials = tf.constant(
                 warmup_trials(opt.density_policy, settled, count * TRIAL_STEPS), tf.int64)
+            self.last_warmup_trial = tf.constant(settled, tf.int64)
             self.samples = tf.Variable(tf.zeros([count, TRIAL_STEPS - 1], tf.float64),
                                        trainable=False, name="auto_samples")
+            # the candidates the next trial runs (the first ``tried`` entries), in order
+            self.trying = tf.Variable(tf.range(count), trainable=False, name="auto_trying")
+            self.tried = tf.Variable(count, trainable=False, name="auto_tried")
             # the residuals were sent whole by a dense step that went ahead, and no sparse
             # step came after it (False after a restore: the restored residuals count)
             self.clear = tf.Variable(False, trainable=False, name="auto_residuals_clear")
@@ -170,10 +178,12 @@ class MeasuredChoiceStep(SynchronousStep):
     def run(self, grads_and_vars):
         if len(self.plans) < 2:
             return super().run(grads_and_vars)
-        count = len(self.plans)
+        length = tf.cast(self.tried * TRIAL_STEPS, tf.int64)
         phase = self.steps - self.trial_start
-        in_trial = tf.logical_and(phase >= 0, phase < count * TRIAL_STEPS)
-        candidate = tf.cast(tf.math.floordiv(phase, TRIAL_STEPS), tf.int32)
+        in_trial = tf.logical_and(phase >= 0, phase < length)
+        turn = tf.cast(tf.math.floordiv(tf.clip_by_value(phase, 0, length - 1), TRIAL_STEPS),
+                       tf.int32)
+        candidate = tf.gather(self.trying, turn)
         branch = tf.where(in_trial, candidate, self.choice)
         ended = tf.switch_case(branch, [self._branch(plan, grads_and_vars)
                                         for plan in self.plans])
@@ -185,8 +195,8 @@ class MeasuredChoiceStep(SynchronousStep):
             self.samples.scatter_nd_update([[candidate, slot]], [elapsed])
 
         tf.cond(tf.logical_and(in_trial, slot >= 0), record, lambda: None)
-        tf.cond(tf.logical_and(in_trial, tf.equal(phase, count * TRIAL_STEPS - 1)),
-                self._decide, lambda: None)
+        tf.cond(tf.logical_and(in_trial, tf.equal(phase, length - 1)), self._decide,
+                lambda: None)
         self.steps.assign_add(1)
 
     def _branch(self, plan, grads_and_vars):
@@ -220,6 +230,10 @@ class MeasuredChoiceStep(SynchronousStep):
         opt = self.optimizer
         medians = collectives.allreduce(medians, name=f"{opt._prefix}.auto.times",
                                         process_set=opt.process_set)
+        count = len(self.plans)
+        tried = tf.scatter_nd(tf.expand_dims(self.trying[:self.tried], 1),
+                              tf.ones([self.tried], tf.bool), [count])
+        medians = tf.where(tried, medians, tf.constant(np.inf, tf.float64))
         names = [plan.name for plan in self.plans]
         choice = tf.numpy_function(
             lambda seconds, step: self._decided(seconds, step, names),
@@ -229,12 +243,22 @@ class MeasuredChoiceStep(SynchronousStep):
         following = tf.cond(tf.size(upcoming) > 0, lambda: upcoming[0],
                             lambda: self.steps + RECHECK_STEPS)
         self.trial_start.assign(following)
+        # within the warm-up only the candidates that can still win: halving the density
+        # halves a sparse step's exchange at most, so one over ``PRUNE_AFTER`` x the fastest
+        # cannot win the next trial (dense's step does not change); the warm-up's last trial
+        # and the later ones try every candidate again
+        within = medians <= PRUNE_AFTER * tf.reduce_min(medians)
+        pruning = following < self.last_warmup_trial
+        keep = tf.logical_or(within, tf.logical_not(pruning))
+        chosen = tf.cast(tf.reshape(tf.where(keep), [-1]), tf.int32)
+        self.trying.assign(tf.concat([chosen, tf.zeros([count - tf.size(chosen)], tf.int32)], 0))
+        self.tried.assign(tf.size(chosen))
 
     def _decided(self, seconds, step, names):
         """Step 2 on the host: the choice (the same on every rank: same numbers, one rule),
         recorded, and logged by rank 0."""
         choice = decide([float(s) for s in seconds], names)
-        times = {name: float(s) for name, s in zip(names, seconds)}
+        times = {name: float(s) for name, s in zip(names, seconds) if np.isfinite(s)}
         self.decisions.append((int(step), times, names[choice]))
         if runtime.rank(self.optimizer.process_set) == 0:
             log.info("exchange='auto' at step %d: %s (median ms a step: %s)", int(step),

@@ -99,21 +99,32 @@ def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd):
     assert [v.shape for v in optimizer.variables] == [v.shape for v in fixed.variables]
 
 
-def test_a_warmup_is_tried_again_as_its_density_halves(hvd):
+@pytest.mark.parametrize("prune_after", [measured.PRUNE_AFTER, 1.0])  # 1.0: only the fastest
+def test_a_warmup_is_tried_again_as_its_density_halves(hvd, monkeypatch, prune_after):
     """16% -> 1% over 80 steps halves the density every 20 steps: trials start at step 1, at
     step 33 (the first halving at least two 16-step trials after the first) and at the warm-up's
-    end (80); each decides in its last step, identically on every rank."""
+    end (80); the one at 33 runs only the candidates within PRUNE_AFTER of the first trial's
+    fastest, the last one every candidate; each decides in its last step, identically on every
+    rank."""
     import sparse_hvd
 
+    monkeypatch.setattr(measured, "PRUNE_AFTER", prune_after)
     steps = 96
-    optimizer, weights, _ = train("auto_warmup", steps,
-                                  density=sparse_hvd.WarmupDensity(0.01, 0.16, 80))
-    trial = CANDIDATES * measured.TRIAL_STEPS
+    name = f"auto_warmup_{int(prune_after)}"
+    optimizer, weights, _ = train(name, steps, density=sparse_hvd.WarmupDensity(0.01, 0.16, 80))
     decisions = optimizer.exchange_decisions
-    assert [d[0] for d in decisions] == [start + trial - 1 for start in (1, 33, 80)]
-    everyone = gather(hvd, [(d[0], d[2]) for d in decisions], name="auto_warmup.decisions")
+    first = decisions[0][1]
+    within = {n for n, t in first.items() if t <= prune_after * min(first.values())}
+    assert set(first) == NAMES and set(decisions[1][1]) == within
+    if prune_after == 1.0:
+        assert len(within) == 1 and decisions[1][2] in within
+    assert set(decisions[2][1]) == NAMES
+    lengths = [len(d[1]) * measured.TRIAL_STEPS for d in decisions]
+    assert [d[0] for d in decisions] == [start + length - 1
+                                         for start, length in zip((1, 33, 80), lengths)]
+    everyone = gather(hvd, [(d[0], d[2]) for d in decisions], name=f"{name}.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
-    _same_everywhere(hvd, weights, "auto_warmup")
+    _same_everywhere(hvd, weights, name)
     _conservation(hvd, optimizer, weights, steps, "none")
 
 
