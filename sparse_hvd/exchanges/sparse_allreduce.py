@@ -109,10 +109,10 @@ def next_threshold(theta, lead, kept_magnitudes, level_counts, budget):
     2. Enough kept: the next theta is the cut times the lead. The sums grow from step to step
        while residuals build up, so the previous cut alone kept 1.2-1.4 k. The lead follows
        the cut's growth a step (this cut over theta / lead: the previous cut, or the
-       lowered theta after too few were kept), damped by a square root and within [1, MAX_LEAD], times ``LEAD_MARGIN`` (just below
-       1): the sums' tail is steep (3% on the threshold is about 25% on the count, measured)
-       and a step that keeps fewer than k applies fewer, which makes the next one's sums
-       larger.
+       lowered theta after too few were kept), damped by a square root and within
+       [1, MAX_LEAD], times ``LEAD_MARGIN`` (just below 1): the sums' tail is steep (3% on
+       the threshold is about 25% on the count, measured) and a step that keeps fewer than k
+       applies fewer, which makes the next one's sums larger.
     3. Too few kept: theta times the largest level that k summed entries reached (at least the
        lowest: the search goes on next step); the levels near 1 are fine, so that a threshold
        a little too high is lowered a little. The lead returns to 1. With theta 0 (everything
