@@ -33,9 +33,10 @@ Switching keeps every replica identical (every rank runs the same branch) and er
 exact: the dense candidate sends each sparse-route variable's compensated gradient whole and
 clears its residual (``ErrorFeedback.flush``: the selection with k = every entry), so the
 conservation identity holds across switches; once a dense step has gone ahead, the next dense
-steps skip that pass (the residuals are clear until a sparse step runs). The state of the candidates other than the
-default exchange (the sparse allreduce's thresholds) is not checkpointed: the checkpoint
-format does not depend on which exchanges were candidates, and a restored job measures again.
+steps skip that pass (the residuals are clear until a sparse step runs). The state of the
+candidates other than the default exchange (the sparse allreduce's thresholds) is not
+checkpointed: the checkpoint format does not depend on which exchanges were candidates, and a
+restored job measures again.
 """
 
 from typing import List, NamedTuple
@@ -146,12 +147,11 @@ class MeasuredChoiceStep(SynchronousStep):
                                            name="auto_trial_start")
             self.warmup_trials = tf.constant(
                 warmup_trials(opt.density_policy, settled, count * TRIAL_STEPS), tf.int64)
-            self.last_warmup_trial = tf.constant(settled, tf.int64)
             self.samples = tf.Variable(tf.zeros([count, TRIAL_STEPS - 1], tf.float64),
                                        trainable=False, name="auto_samples")
-            # the candidates the next trial runs (the first ``tried`` entries), in order
-            self.trying = tf.Variable(tf.range(count), trainable=False, name="auto_trying")
-            self.tried = tf.Variable(count, trainable=False, name="auto_tried")
+            # which candidates the next trial runs (in their order)
+            self.trying = tf.Variable(tf.ones([count], tf.bool), trainable=False,
+                                      name="auto_trying")
             # the residuals were sent whole by a dense step that went ahead, and no sparse
             # step came after it (False after a restore: the restored residuals count)
             self.clear = tf.Variable(False, trainable=False, name="auto_residuals_clear")
@@ -178,12 +178,12 @@ class MeasuredChoiceStep(SynchronousStep):
     def run(self, grads_and_vars):
         if len(self.plans) < 2:
             return super().run(grads_and_vars)
-        length = tf.cast(self.tried * TRIAL_STEPS, tf.int64)
+        trying = tf.cast(tf.where(self.trying)[:, 0], tf.int32)
+        length = tf.cast(tf.size(trying) * TRIAL_STEPS, tf.int64)
         phase = self.steps - self.trial_start
         in_trial = tf.logical_and(phase >= 0, phase < length)
-        turn = tf.cast(tf.math.floordiv(tf.clip_by_value(phase, 0, length - 1), TRIAL_STEPS),
-                       tf.int32)
-        candidate = tf.gather(self.trying, turn)
+        turn = tf.math.floordiv(tf.clip_by_value(phase, 0, length - 1), TRIAL_STEPS)
+        candidate = tf.gather(trying, turn)
         branch = tf.where(in_trial, candidate, self.choice)
         ended = tf.switch_case(branch, [self._branch(plan, grads_and_vars)
                                         for plan in self.plans])
@@ -230,10 +230,7 @@ class MeasuredChoiceStep(SynchronousStep):
         opt = self.optimizer
         medians = collectives.allreduce(medians, name=f"{opt._prefix}.auto.times",
                                         process_set=opt.process_set)
-        count = len(self.plans)
-        tried = tf.scatter_nd(tf.expand_dims(self.trying[:self.tried], 1),
-                              tf.ones([self.tried], tf.bool), [count])
-        medians = tf.where(tried, medians, tf.constant(np.inf, tf.float64))
+        medians = tf.where(self.trying, medians, tf.constant(np.inf, tf.float64))
         names = [plan.name for plan in self.plans]
         choice = tf.numpy_function(
             lambda seconds, step: self._decided(seconds, step, names),
@@ -248,11 +245,8 @@ class MeasuredChoiceStep(SynchronousStep):
         # cannot win the next trial (dense's step does not change); the warm-up's last trial
         # and the later ones try every candidate again
         within = medians <= PRUNE_AFTER * tf.reduce_min(medians)
-        pruning = following < self.last_warmup_trial
-        keep = tf.logical_or(within, tf.logical_not(pruning))
-        chosen = tf.cast(tf.reshape(tf.where(keep), [-1]), tf.int32)
-        self.trying.assign(tf.concat([chosen, tf.zeros([count - tf.size(chosen)], tf.int32)], 0))
-        self.tried.assign(tf.size(chosen))
+        pruning = tf.size(upcoming) > 1  # the next trial is in the warm-up, not its last
+        self.trying.assign(tf.logical_or(within, tf.logical_not(pruning)))
 
     def _decided(self, seconds, step, names):
         """Step 2 on the host: the choice (the same on every rank: same numbers, one rule),
