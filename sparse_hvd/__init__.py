@@ -23,6 +23,7 @@ from .monitoring.callbacks import (
 )
 from .runtime.data import equal_shards, steps_per_epoch
 from .optimizer import SparseDistributedOptimizer
+from .steps.traced_choice import ExchangeChoiceCallback, function
 from .runtime.startup import init, local_rank, rank, size
 from .selection.adaptive import AdaptiveDensity
 from .selection.density import ConstantDensity, WarmupDensity
@@ -46,6 +47,8 @@ __all__ = [
     "AverageNonTrainableCallback",
     "CommunicationLogger",
     "ShareResidualsCallback",
+    "ExchangeChoiceCallback",
+    "function",
     "broadcast_variables",
     "equal_shards",
     "steps_per_epoch",

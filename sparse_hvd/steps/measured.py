@@ -52,6 +52,7 @@ TRIAL_STEPS = 4  # steps each candidate runs in a trial; the first is not timed
 RECHECK_STEPS = 1000  # a new trial this many steps after a decision
 DENSE_WITHIN = 0.2  # dense wins unless a sparse exchange's step is faster by more than this
 PRUNE_AFTER = 2.0  # a warm-up re-trial skips candidates slower than this x the fastest
+ABORT_AFTER = 2.0  # a candidate's turn ends at a timed step slower than this x the best so far
 
 
 class Plan(NamedTuple):
@@ -128,6 +129,9 @@ class MeasuredChoiceStep(SynchronousStep):
         super().__init__(optimizer)
         self.plans: List[Plan] = []
         self.decisions = []  # (step, {name: seconds}, choice), as rank 0 logged them
+        # None: every candidate is a branch of one tf.switch_case; (plan index, residuals
+        # clear): the step is traced with that plan alone (``ExchangeChoiceCallback``)
+        self.traced = None
 
     def choose_among(self, candidates, routes):
         """Make the plans (at build, once the routes are fixed); with one worker or one
@@ -149,9 +153,18 @@ class MeasuredChoiceStep(SynchronousStep):
                 warmup_trials(opt.density_policy, settled, count * TRIAL_STEPS), tf.int64)
             self.samples = tf.Variable(tf.zeros([count, TRIAL_STEPS - 1], tf.float64),
                                        trainable=False, name="auto_samples")
-            # which candidates the next trial runs (in their order)
+            # which candidates the next trial runs, in the order of ``order``: dense first,
+            # so that a sparse candidate far slower than it can end its turn early
             self.trying = tf.Variable(tf.ones([count], tf.bool), trainable=False,
                                       name="auto_trying")
+            names = [plan.name for plan in self.plans]
+            first = names.index("dense") if "dense" in names else 0
+            self.order = tf.constant([first] + [i for i in range(count) if i != first],
+                                     tf.int32)
+            self.best = tf.Variable(np.inf, dtype=tf.float64, trainable=False,
+                                    name="auto_best_median")  # the fastest so far in a trial
+            self.next_branch = tf.Variable(0, dtype=tf.int32, trainable=False,
+                                           name="auto_next_branch")
             # the residuals were sent whole by a dense step that went ahead, and no sparse
             # step came after it (False after a restore: the restored residuals count)
             self.clear = tf.Variable(False, trainable=False, name="auto_residuals_clear")
@@ -175,31 +188,80 @@ class MeasuredChoiceStep(SynchronousStep):
         plan = self._current()
         return plan.routes if plan else super().current_routes()
 
-    def run(self, grads_and_vars):
-        if len(self.plans) < 2:
-            return super().run(grads_and_vars)
-        trying = tf.cast(tf.where(self.trying)[:, 0], tf.int32)
+    def wanted_mode(self):
+        """The mode the next step should be traced in (eager): ``(plan index, residuals
+        clear)``, the second only for a plan whose routes depend on it (dense)."""
+        index = int(self.next_branch.numpy())
+        clear = self.plans[index].clear_routes is not None and bool(self.clear.numpy())
+        return index, clear
+
+    def _due(self):
+        """This step's place in the schedule: (phase, trial length, in a trial, the trial's
+        candidate, the branch due: the candidate in a trial, else the choice)."""
+        trying = tf.boolean_mask(self.order, tf.gather(self.trying, self.order))
         length = tf.cast(tf.size(trying) * TRIAL_STEPS, tf.int64)
         phase = self.steps - self.trial_start
         in_trial = tf.logical_and(phase >= 0, phase < length)
         turn = tf.math.floordiv(tf.clip_by_value(phase, 0, length - 1), TRIAL_STEPS)
         candidate = tf.gather(trying, turn)
-        branch = tf.where(in_trial, candidate, self.choice)
-        ended = tf.switch_case(branch, [self._branch(plan, grads_and_vars)
-                                        for plan in self.plans])
+        return phase, length, in_trial, candidate, tf.where(in_trial, candidate, self.choice)
+
+    def run(self, grads_and_vars):
+        if len(self.plans) < 2:
+            return super().run(grads_and_vars)
+        phase, length, in_trial, candidate, branch = self._due()
+        if self.traced is None:
+            ended = tf.switch_case(branch, [self._branch(plan, grads_and_vars)
+                                            for plan in self.plans])
+        else:
+            index, clear = self.traced
+            ended = self._branch(self.plans[index], grads_and_vars, clear)()
+            # a trial step due for another candidate waits until a step traced for it (only
+            # when one call runs several steps: the callback re-traces before each call)
+            put_off = tf.logical_and(in_trial, tf.not_equal(candidate, index))
+            self.trial_start.assign_add(tf.cast(put_off, tf.int64))
+            in_trial = tf.logical_and(in_trial, tf.logical_not(put_off))
         elapsed = ended - self.last_end  # the whole step: since the previous step's end
         self.last_end.assign(ended)
+        tf.cond(in_trial, lambda: self._time(elapsed, phase, length, candidate), lambda: None)
+        self.steps.assign_add(1)
+        self.next_branch.assign(self._due()[-1])
+
+    def _time(self, elapsed, phase, length, candidate):
+        """Step 1's timing of one trial step, and step 2 at the trial's end. A candidate whose
+        timed step takes over ``ABORT_AFTER`` x the fastest median so far ends its turn there
+        (its step's time stands for all its samples): at the warm-up's high densities a sparse
+        step can take several times dense's, and a trial ran each for ``TRIAL_STEPS`` steps."""
+        opt = self.optimizer
+        # the mean over the ranks: every rank records the same numbers and decides alike
+        elapsed = collectives.allreduce(tf.reshape(elapsed, [1]), name=f"{opt._prefix}.auto.step",
+                                        process_set=opt.process_set)[0]
         slot = tf.cast(tf.math.floormod(phase, TRIAL_STEPS), tf.int32) - 1
+        last_slot = TRIAL_STEPS - 2
+        timed = slot >= 0
+        aborted = tf.logical_and(tf.logical_and(timed, slot < last_slot),
+                                 elapsed > ABORT_AFTER * self.best)
+        row = self.samples[candidate]
+        row = tf.where(aborted, tf.fill([TRIAL_STEPS - 1], elapsed),
+                       tf.tensor_scatter_nd_update(row, [[tf.maximum(slot, 0)]], [elapsed]))
 
         def record():
-            self.samples.scatter_nd_update([[candidate, slot]], [elapsed])
+            self.samples.scatter_nd_update([[candidate]], [row])
 
-        tf.cond(tf.logical_and(in_trial, slot >= 0), record, lambda: None)
-        tf.cond(tf.logical_and(in_trial, tf.equal(phase, length - 1)), self._decide,
-                lambda: None)
-        self.steps.assign_add(1)
+        tf.cond(timed, record, lambda: None)
+        skipped = tf.where(aborted, last_slot - slot, 0)
+        self.trial_start.assign_sub(tf.cast(skipped, tf.int64))
+        turn_done = tf.logical_and(timed, tf.equal(slot + skipped, last_slot))
+        median = tf.sort(row)[(TRIAL_STEPS - 1) // 2]
+        self.best.assign(tf.where(turn_done, tf.minimum(self.best, median), self.best))
+        trial_done = tf.logical_and(
+            turn_done, tf.equal(phase + tf.cast(skipped, tf.int64), length - 1))
+        tf.cond(trial_done, self._decide, lambda: None)
 
-    def _branch(self, plan, grads_and_vars):
+    def _branch(self, plan, grads_and_vars, clear=None):
+        """The step with ``plan``'s exchange, ending in its timestamp. A plan with routes for
+        clear residuals (dense) picks them by the variable ``clear``, or, traced alone for
+        one state of it (``clear`` True or False), runs those routes without a condition."""
         def run_with(routes):
             opt = self.optimizer
             saved = opt._exchange, opt._routes
@@ -210,10 +272,11 @@ class MeasuredChoiceStep(SynchronousStep):
                 opt._exchange, opt._routes = saved
 
         def run_plan():
-            if plan.clear_routes is None:
-                went_ahead = run_with(plan.routes)
-                written = self.clear.assign(
-                    tf.logical_and(went_ahead, not plan.exchange.sends_selections))
+            if plan.clear_routes is None or clear is not None:
+                went_ahead = run_with(plan.clear_routes if clear else plan.routes)
+                written = self.clear.assign(tf.logical_or(
+                    tf.logical_and(self.clear, bool(clear)),
+                    tf.logical_and(went_ahead, not plan.exchange.sends_selections)))
             else:
                 went_ahead = tf.cond(self.clear, lambda: run_with(plan.clear_routes),
                                      lambda: run_with(plan.routes))
@@ -227,9 +290,7 @@ class MeasuredChoiceStep(SynchronousStep):
     def _decide(self):
         """Step 2 and the next trial's start (step 3)."""
         medians = tf.sort(self.samples, axis=1)[:, (TRIAL_STEPS - 1) // 2]
-        opt = self.optimizer
-        medians = collectives.allreduce(medians, name=f"{opt._prefix}.auto.times",
-                                        process_set=opt.process_set)
+        self.best.assign(np.inf)
         medians = tf.where(self.trying, medians, tf.constant(np.inf, tf.float64))
         names = [plan.name for plan in self.plans]
         choice = tf.numpy_function(

@@ -16,9 +16,18 @@ CANDIDATES = len(NAMES)
 STEPS = 1 + CANDIDATES * measured.TRIAL_STEPS + 3  # step 0, the trial, then the choice
 
 
-def train(name, steps, momentum_correction=0.0, compression="none", density=0.05):
-    """``steps`` steps of exchange="auto" on this rank's gradients (tests/option_matrix.py);
-    returns the optimizer, the weights and the layer statistics after each step."""
+@pytest.fixture(autouse=True)
+def whole_turns(monkeypatch):
+    """No candidate ends its turn early (the schedules below are closed-form) unless a test
+    sets ``ABORT_AFTER`` itself."""
+    monkeypatch.setattr(measured, "ABORT_AFTER", np.inf)
+
+
+def train(name, steps, momentum_correction=0.0, compression="none", density=0.05,
+          per_mode=False):
+    """``steps`` steps of exchange="auto" on this rank's gradients (tests/option_matrix.py), in
+    a ``tf.function`` or (``per_mode``) a ``sparse_hvd.function``; returns the optimizer, the
+    weights and the layer statistics after each step."""
     import keras
     import tensorflow as tf
 
@@ -30,7 +39,10 @@ def train(name, steps, momentum_correction=0.0, compression="none", density=0.05
     big = keras.Variable(np.zeros(BIG, "float32"))
     small = keras.Variable(np.zeros(SMALL, "float32"))
 
-    @tf.function(jit_compile=False)
+    decorate = (sparse_hvd.function(optimizer, jit_compile=False) if per_mode
+                else tf.function(jit_compile=False))
+
+    @decorate
     def step(g_big, g_small):
         optimizer.apply_gradients([(g_big, big), (g_small, small)])
 
@@ -41,6 +53,7 @@ def train(name, steps, momentum_correction=0.0, compression="none", density=0.05
     for passed in range(steps):
         step(*map(tf.constant, gradients(rank, passed)))
         stats.append(optimizer.layer_stats())
+    optimizer.functions = step._modes.functions if per_mode else None
     return optimizer, [big.numpy(), small.numpy()], stats
 
 
@@ -69,12 +82,16 @@ def _same_everywhere(hvd, weights, name):
     assert all(d == digests[0] for d in digests), f"replicas differ: {digests}"
 
 
-def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd):
+@pytest.mark.parametrize("per_mode", [False, True])
+def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd, per_mode):
+    """A whole trial, in one function with every candidate a branch or (``per_mode``,
+    ``sparse_hvd.function``) in one function per mode: the first plan's, each candidate's, and
+    dense's with clear residuals."""
     import keras
 
     import sparse_hvd
 
-    optimizer, weights, stats = train("auto_trial", STEPS)
+    optimizer, weights, stats = train(f"auto_trial_{per_mode}", STEPS, per_mode=per_mode)
     step = optimizer._step
     names = [p.name for p in step.plans]
     assert names[0] == "allgather" and set(names) == NAMES
@@ -86,9 +103,12 @@ def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd):
     assert decided_at == CANDIDATES * measured.TRIAL_STEPS  # the trial's last step
     assert list(times) == names
     assert choice == names[measured.decide(list(times.values()), names)]
-    everyone = gather(hvd, (times, choice), name="auto_trial.decisions")
+    everyone = gather(hvd, (times, choice), name=f"auto_trial_{per_mode}.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
     assert stats[-1][next(iter(stats[-1]))]["exchange"] == choice
+    if per_mode:
+        assert sorted(optimizer.functions) == sorted(
+            [(i, False) for i in range(CANDIDATES)] + [(names.index("dense"), True)])
     _same_everywhere(hvd, weights, "auto_trial")
     _conservation(hvd, optimizer, weights, STEPS, "none")
     # the checkpoint holds what the allgather's does: the candidates' state is not saved
@@ -158,3 +178,109 @@ def test_the_chosen_exchange_runs_after_the_trial(hvd, monkeypatch, forced, comp
         assert not np.any(velocity_big) and np.any(velocity_small)
     else:
         _conservation(hvd, optimizer, weights, STEPS, compression)
+
+
+def test_a_candidate_far_slower_than_the_best_ends_its_turn(hvd, monkeypatch):
+    """With ``ABORT_AFTER`` 0 every candidate after the first (dense, which has no best to be
+    measured against) is slower than 0 x the best: each ends its turn at its first timed step,
+    so the trial is dense's 4 steps and 2 for each other candidate, decided in its last step;
+    that step's time stands for all of the candidate's samples; every rank decides alike."""
+    monkeypatch.setattr(measured, "ABORT_AFTER", 0.0)
+    length = measured.TRIAL_STEPS + 2 * (CANDIDATES - 1)
+    steps = 1 + length + 2
+    optimizer, weights, _ = train("auto_abort", steps)
+    step = optimizer._step
+    names = [p.name for p in step.plans]
+    decided_at, times, _ = optimizer.exchange_decisions[0]
+    assert decided_at == length  # the trial started at step 1
+    assert set(times) == NAMES
+    samples = step.samples.numpy()
+    for i, name in enumerate(names):
+        if name != "dense":
+            assert np.all(samples[i] == samples[i][0]), (name, samples[i])
+    everyone = gather(hvd, (optimizer.exchange_decisions, samples.tolist()),
+                      name="auto_abort.decisions")
+    assert all(e == everyone[0] for e in everyone), everyone
+    _same_everywhere(hvd, weights, "auto_abort")
+    _conservation(hvd, optimizer, weights, steps, "none")
+
+
+FIT_BATCH, FIT_FEATURES = 4, 2048
+
+
+def _fit_data(rank, steps):
+    rng = np.random.RandomState(7 + rank)
+    return (rng.standard_normal((steps * FIT_BATCH, FIT_FEATURES)).astype("float32") * 0.3,
+            np.ones((steps * FIT_BATCH, 1), "float32"))
+
+
+@pytest.mark.parametrize("per_call", [1, 3])
+def test_fit_with_the_callback_runs_each_step_traced_for_its_exchange(hvd, monkeypatch,
+                                                                     per_call):
+    """``model.fit`` with ``ExchangeChoiceCallback``: before each call the step is traced for
+    the candidate that runs (one function per mode, made once), in the schedule's order (the
+    default exchange, the trial with dense first, dense's later steps with clear residuals,
+    then the forced choice); with ``steps_per_execution`` 3 a trial step due for another
+    candidate waits for the next call. The loss is linear in the weights, so the gradients are
+    known in closed form: nothing is lost, and the replicas are identical."""
+    if hvd.gloo_enabled() and not os.environ.get("SPARSE_HVD_FULL_SUITE"):
+        pytest.skip("the MPI job runs these (the suite's time budget)")
+    import keras
+    import tensorflow as tf
+
+    import sparse_hvd
+
+    forced = "sparse_allreduce"
+    monkeypatch.setattr(measured, "decide", lambda seconds, names: names.index(forced))
+    steps = 1 + CANDIDATES * measured.TRIAL_STEPS + 3 * per_call + 3
+    name = f"auto_fit_{per_call}"
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(1.0), density=0.05, warmup_steps=0, exchange="auto", name=name)
+    model = keras.Sequential([keras.Input((FIT_FEATURES,)),
+                              keras.layers.Dense(1, kernel_initializer="zeros")])
+    model.compile(optimizer=optimizer, loss=lambda y, p: y * p, jit_compile=False,
+                  steps_per_execution=per_call)
+    choice = sparse_hvd.ExchangeChoiceCallback()
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            steps = int(optimizer._step.steps.numpy()) if optimizer.built else 0
+            seen.append((steps, optimizer._step.traced))
+
+    x, y = _fit_data(hvd.rank(), steps)
+    model.fit(x, y, batch_size=FIT_BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[choice, Record()])
+    step = optimizer._step
+    names = [p.name for p in step.plans]
+    assert len(optimizer.exchange_decisions) == 1
+    assert optimizer.exchange_decisions[0][2] == forced
+    modes = {mode for _, mode in seen}
+    assert sorted(choice._modes.functions) == sorted(modes)  # each mode made once
+    if per_call == 1:
+        order = [names.index("dense")] + [i for i in range(len(names)) if names[i] != "dense"]
+        dense = names.index("dense")
+        expected = [(0, False)]
+        for index in order:
+            expected += [(index, index == dense and turn > 0)
+                         for turn in range(measured.TRIAL_STEPS)]
+        expected += [(names.index(forced), False)] * (steps - len(expected))
+        assert [mode for _, mode in seen] == expected
+    else:
+        assert all(names[i] == "dense" or not clear for i, clear in modes), modes
+        assert {names[i] for i, _ in modes} == NAMES
+    everyone = gather(hvd, seen, name=f"{name}.modes")
+    assert all(e == everyone[0] for e in everyone), everyone
+    weights = [v.numpy() for v in model.trainable_variables]
+    _same_everywhere(hvd, weights, name)
+    # loss mean(y * p): the kernel's gradient is the batch's mean row, the bias's 1
+    residuals = gather(hvd, [v.numpy().astype("float64") for v in optimizer.residuals],
+                       name=f"{name}.residuals")
+    size = hvd.size()
+    kernel = sum(_fit_data(r, steps)[0].astype("float64").reshape(
+        steps, FIT_BATCH, FIT_FEATURES).mean(axis=1).sum(axis=0) for r in range(size))
+    expected = [kernel.reshape(FIT_FEATURES, 1), np.full((1,), float(size * steps))]
+    for i, (w, e) in enumerate(zip(weights, expected)):
+        owed = sum(r[i] for r in residuals).reshape(w.shape)
+        np.testing.assert_allclose(owed - size * w.astype("float64"), e, rtol=0, atol=1e-4,
+                                   err_msg=f"variable {i}")
