@@ -1,5 +1,7 @@
 """The exchange registry: names, groupings, capabilities, and what exchange="auto" may choose."""
 
+import math
+
 import keras
 import pytest
 
@@ -8,7 +10,7 @@ from sparse_hvd import checks
 from sparse_hvd.selection.adaptive import AdaptiveDensity
 from sparse_hvd.exchanges.compression import Compression
 from sparse_hvd.selection.density import ConstantDensity
-from sparse_hvd.steps.measured import DENSE_WITHIN, decide, warmup_trials
+from sparse_hvd.steps.measured import DENSE_WITHIN, Plan, decide, warmup_trials, worth_trying
 from sparse_hvd.exchanges import available, create, exchange_class, groupings_of, register
 from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 
@@ -82,6 +84,36 @@ def test_auto_tries_again_each_time_the_warmup_halves_the_density():
     # two trials' length apart at least: 16% -> 1% over 80 steps halves every 20 steps
     assert warmup_trials(WarmupDensity(0.01, 0.16, 80), 80, 16) == [33, 80]
     assert warmup_trials(ConstantDensity(0.01), 0, 16) == []
+
+
+def test_auto_skips_a_candidate_whose_bytes_alone_cannot_beat_dense(monkeypatch):
+    """Per entry of the model, dense's ring allreduce receives 2 (N - 1) / N values; a sparse
+    exchange at density d receives d x its bytes per sent entry; it is tried only below dense's
+    bytes over 1 + DENSE_WITHIN. At 8 workers and float32 values dense receives 7 bytes."""
+    import sparse_hvd.exchanges.base as base
+
+    monkeypatch.setattr(base.runtime, "size", lambda process_set=None: 8)
+    names = ("allgather", "compact_allgather", "sparse_allreduce", "dense")
+    plans = [Plan(name, create(name, "grouped", name="gate"), []) for name in names]
+    limit = 7 / (1 + DENSE_WITHIN)
+
+    def wire(name, d, value=4):  # bytes a worker receives per entry of the model
+        index = {"allgather": 4, "compact_allgather": (2 + math.log2(1 / d)) / 8}.get(name, 4)
+        per_entry = 2 * 7 / 8 * (value + 4) if name == "sparse_allreduce" else 7 * (value + index)
+        return d * per_entry
+
+    # the warm-up's 25%: the allgather moves 14 bytes (2x dense), the coded one 7.875
+    assert wire("allgather", 0.25) == 14 and wire("compact_allgather", 0.25) == 7.875
+    assert worth_trying(plans, 0.25, 4) == [False, False, True, True]
+    for d in (0.125, 0.0625, 0.01):
+        assert worth_trying(plans, d, 4) == [wire(n, d) < limit for n in names[:3]] + [True]
+    assert worth_trying(plans, 0.125, 4) == [False, True, True, True]
+    assert worth_trying(plans, 0.01, 4) == [True] * 4
+    # 16-bit values: dense receives 3.5 bytes an entry, the indices weigh more
+    half = [wire(n, 0.125, value=2) < 3.5 / (1 + DENSE_WITHIN) for n in names[:3]]
+    assert worth_trying(plans, 0.125, 2) == half + [True] and half == [False, True, True]
+    # with no candidate left (dense not among them) every one is tried
+    assert worth_trying(plans[:2], 0.25, 4) == [True, True]
 
 
 def test_a_new_exchange_is_one_class_and_its_registration():

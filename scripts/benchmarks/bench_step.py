@@ -21,7 +21,10 @@ Methods (``--methods``, comma-separated):
   ``_model``, and no warm-up (``warmup_steps=0``): the step of the steady state is timed;
 * ``auto@<d>``: the default exchange (``exchange="auto"``: the candidates timed on the job's
   first steps, ``steps.measured``) with the default model-wide budget, no warm-up; its untimed
-  first steps cover the whole trial, and the row says what it chose;
+  first steps cover the whole trial, and the row says what it chose; its step is a
+  ``sparse_hvd.function`` (traced for the exchange it runs); ``auto_cond@<d>``: the same in a
+  plain ``tf.function`` (every candidate a branch of one conditional: a custom loop that does
+  not use ``sparse_hvd.function``);
 * ``wrapped_dense@<d>``: the wrapper with ``exchange="dense"`` (what the wrapper itself adds to
   Horovod's allreduce).
 
@@ -173,7 +176,7 @@ def worker(args):
             if name.startswith("compact_"):
                 exchange, name = "compact_allgather", name[len("compact_"):]
                 sparsifier = name
-            if name == "auto":  # the default: the exchange timed fastest, one model budget
+            if name in ("auto", "auto_cond"):  # the default: the fastest, one model budget
                 exchange, budget, sparsifier = "auto", "model", "topk"
             if name == "wrapped_dense":  # the wrapper with exchange="dense": its own overhead
                 exchange, sparsifier = "dense", "topk"
@@ -197,7 +200,12 @@ def worker(args):
         if allreduce:
             compression = hvd.Compression.fp16 if name == "dense_fp16" else hvd.Compression.none
 
-        @tf.function(jit_compile=False)  # Horovod's collectives cannot be XLA-compiled
+        # Horovod's collectives cannot be XLA-compiled; sparse_hvd.function: auto's step is
+        # traced for the exchange it runs (plain tf.function for the other methods)
+        decorate = (tf.function(jit_compile=False) if name == "auto_cond"
+                    else sparse_hvd.function(optimizer, jit_compile=False))
+
+        @decorate
         def step(indices):
             x = tf.gather(x_all, indices)
             y = tf.gather(y_all, indices)
@@ -234,7 +242,7 @@ def worker(args):
             thresholds[density] = float(np.mean(everyone))
         model, sparse, step = build(method)
         untimed = args.warmup_steps
-        if name == "auto":  # the whole trial and its decision, and a step of the choice
+        if name in ("auto", "auto_cond"):  # the whole trial, its decision, a step of the choice
             untimed = max(untimed, 2 + len(sparse._step.plans) * measured.TRIAL_STEPS)
         for _ in range(untimed):
             float(step(next(stream)))

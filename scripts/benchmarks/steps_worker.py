@@ -98,7 +98,7 @@ def main(argv=None):
     allreduce = sparse is None and size > 1
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-    @tf.function(jit_compile=False)
+    @sparse_hvd.function(optimizer, jit_compile=False)  # auto: traced per exchange it runs
     def train_step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))

@@ -195,6 +195,12 @@ class Exchange:
         """``(sparse averages, dense averages, finite, returned)`` with more than one worker."""
         raise NotImplementedError
 
+    def wire_bytes_per_entry(self, density: float, value_bytes: int):
+        """Bytes a worker receives per entry each rank sends, with every rank sending a share
+        ``density`` of the entries as ``value_bytes``-byte values, or None where that is not
+        known (``exchange="auto"`` then never skips this exchange for its bytes)."""
+        return None
+
     def bytes_sent(self, payload: Payload, num_elements: Sequence[int]) -> tf.Tensor:
         """What this rank sends of ``payload`` (int64 bytes; the statistics' ``bytes_sent``):
         the payload's own count (values and int32 indices) unless the exchange codes it.

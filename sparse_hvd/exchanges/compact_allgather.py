@@ -18,6 +18,8 @@ fast one. ``exchange="auto"`` times it against the others on the job and picks i
 is faster.
 """
 
+import math
+
 import tensorflow as tf
 
 from ..feedback.payload import INDEX_BYTES
@@ -32,6 +34,9 @@ class CompactAllgather(FusedAllgather):
 
     staleness = False  # the delayed pipeline gathers plain int32 indices on its own thread
     grouping_reason = "its indices are coded as one set over every variable's entries."
+
+    def _index_bytes(self, density):
+        return (2 + math.log2(1 / density)) / 8  # index_coding's Elias-Fano bits an index
 
     def _pack_indices(self, selections, sizes):
         if not selections:

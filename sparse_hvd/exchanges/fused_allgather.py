@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from ..runtime import collectives, lockstep
 from .averaging import average_entries
-from ..feedback.payload import Payload
+from ..feedback.payload import INDEX_BYTES, Payload
 from .base import Exchange, checked_headers, group_positions_by_dtype, header, register
 
 
@@ -43,6 +43,13 @@ class FusedAllgather(Exchange):
     @property
     def traced(self) -> bool:
         return self._layout is not None
+
+    def wire_bytes_per_entry(self, density, value_bytes):
+        """Every other rank's entries: value and int32 index."""
+        return (self.size - 1) * (value_bytes + self._index_bytes(density))
+
+    def _index_bytes(self, density):
+        return INDEX_BYTES
 
     def _average_many(self, payload: Payload, sizes, step):
         size = self.size

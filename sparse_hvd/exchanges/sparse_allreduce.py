@@ -344,6 +344,10 @@ class SparseAllreduceExchange(FusedAllgather):
     staleness = False
     returns_unsent = True
 
+    def wire_bytes_per_entry(self, density, value_bytes):
+        """Ok-Topk's lower bound: 2 (N - 1) / N entries a sent entry (regions, then sums)."""
+        return 2 * (self.size - 1) / self.size * (value_bytes + 4)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.sparse_allreduce = SparseAllreduce(self.name, self.process_set, self.compression)

@@ -112,6 +112,25 @@ def warmup_trials(policy, settled, trial_length) -> List[int]:
         last = low
 
 
+def worth_trying(plans, density, value_bytes) -> List[bool]:
+    """Which plans a trial at ``density`` runs: not a sparse exchange whose bytes on the wire
+    alone (``Exchange.wire_bytes_per_entry``) are at least dense's over ``1 + DENSE_WITHIN``.
+    Such an exchange cannot win: with the step's compute c and dense's transfer t, it would
+    need ``1.2 (c + r t) < c + t``, impossible for a ratio r of their bytes at or above 1/1.2
+    (and its CPU work only adds). Dense's ring allreduce receives ``2 (N - 1) / N`` values per
+    entry. At 8 workers and the warm-up's 25% the allgather moves 2x dense's bytes: it ran at
+    2x dense's step in the first trial of a 250-step run."""
+    workers = plans[0].exchange.size
+    dense = 2 * (workers - 1) / workers * value_bytes
+    limit = dense / (1 + DENSE_WITHIN)
+    keep = []
+    for plan in plans:
+        per_entry = (plan.exchange.wire_bytes_per_entry(density, value_bytes)
+                     if plan.exchange.sends_selections else None)
+        keep.append(per_entry is None or density * per_entry < limit)
+    return keep if any(keep) else [True] * len(plans)
+
+
 def decide(seconds, names) -> int:
     """Step 2: the index of the chosen candidate given each one's time (seconds)."""
     fastest = min(range(len(names)), key=lambda i: (seconds[i], names[i]))
@@ -143,20 +162,32 @@ class MeasuredChoiceStep(SynchronousStep):
         for plan in self.plans[1:]:
             plan.exchange.build(opt, plan.routes)
         count = len(self.plans)
-        settled = int(getattr(opt.density_policy, "warmup_steps", 0) or 0)
+        policy = opt.density_policy
+        settled = int(getattr(policy, "warmup_steps", 0) or 0)
+        value_bytes = 2 if opt._compression.half is not None else max(
+            [route.itemsize for route in routes if route.sparse], default=4)
+        with tf.init_scope():  # eager, also when the first step's trace builds the optimizer
+            retrials = warmup_trials(policy, settled, count * TRIAL_STEPS)
+            # the candidates worth trying at each trial's density (later ones: the last row's)
+            starts = [1] + retrials
+            gates = [worth_trying(self.plans, policy.current_density(0, start) if settled
+                                  else policy.final_density, value_bytes) for start in starts]
         with tf.init_scope():  # not optimizer variables: nothing of this is checkpointed
             self.choice = tf.Variable(0, dtype=tf.int32, trainable=False, name="auto_choice")
             self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="auto_steps")
             self.trial_start = tf.Variable(1, dtype=tf.int64, trainable=False,
                                            name="auto_trial_start")
-            self.warmup_trials = tf.constant(
-                warmup_trials(opt.density_policy, settled, count * TRIAL_STEPS), tf.int64)
+            self.warmup_trials = tf.constant(retrials, tf.int64)
+            self.gate_starts = tf.constant(starts, tf.int64)
+            self.gates = tf.constant(gates, tf.bool)
             self.samples = tf.Variable(tf.zeros([count, TRIAL_STEPS - 1], tf.float64),
                                        trainable=False, name="auto_samples")
             # which candidates the next trial runs, in the order of ``order``: dense first,
             # so that a sparse candidate far slower than it can end its turn early
-            self.trying = tf.Variable(tf.ones([count], tf.bool), trainable=False,
-                                      name="auto_trying")
+            self.trying = tf.Variable(gates[0], trainable=False, name="auto_trying")
+            # measured over PRUNE_AFTER x the fastest in a warm-up trial: out until its last
+            self.pruned = tf.Variable(tf.zeros([count], tf.bool), trainable=False,
+                                      name="auto_pruned")
             names = [plan.name for plan in self.plans]
             first = names.index("dense") if "dense" in names else 0
             self.order = tf.constant([first] + [i for i in range(count) if i != first],
@@ -305,9 +336,13 @@ class MeasuredChoiceStep(SynchronousStep):
         # halves a sparse step's exchange at most, so one over ``PRUNE_AFTER`` x the fastest
         # cannot win the next trial (dense's step does not change); the warm-up's last trial
         # and the later ones try every candidate again
-        within = medians <= PRUNE_AFTER * tf.reduce_min(medians)
+        slow = tf.logical_and(self.trying, medians > PRUNE_AFTER * tf.reduce_min(medians))
         pruning = tf.size(upcoming) > 1  # the next trial is in the warm-up, not its last
-        self.trying.assign(tf.logical_or(within, tf.logical_not(pruning)))
+        pruned = tf.logical_and(tf.logical_or(self.pruned, slow), pruning)
+        self.pruned.assign(pruned)
+        # and only those whose bytes can win at the next trial's density (``worth_trying``)
+        row = tf.maximum(tf.reduce_sum(tf.cast(self.gate_starts <= following, tf.int32)) - 1, 0)
+        self.trying.assign(tf.logical_and(tf.logical_not(pruned), self.gates[row]))
 
     def _decided(self, seconds, step, names):
         """Step 2 on the host: the choice (the same on every rank: same numbers, one rule),

@@ -284,3 +284,29 @@ def test_fit_with_the_callback_runs_each_step_traced_for_its_exchange(hvd, monke
         owed = sum(r[i] for r in residuals).reshape(w.shape)
         np.testing.assert_allclose(owed - size * w.astype("float64"), e, rtol=0, atol=1e-4,
                                    err_msg=f"variable {i}")
+
+
+def test_a_trial_skips_the_candidates_whose_bytes_cannot_win(hvd, monkeypatch):
+    """At 3 workers dense receives 2 x 2/3 x 4 bytes per entry of the model; at the warm-up's
+    50% the allgather would receive 8 and the sparse allreduce 5.3, both over dense's / 1.2:
+    the first trial runs only dense and the coded allgather; the next one, at a quarter, every
+    candidate (nothing is pruned here); every rank decides alike."""
+    import sparse_hvd
+
+    monkeypatch.setattr(measured, "PRUNE_AFTER", np.inf)
+    if hvd.size() != 3:
+        pytest.skip("the byte counts are worked out for 3 workers")
+    policy = sparse_hvd.WarmupDensity(0.01, 0.5, 80)
+    second = measured.warmup_trials(policy, 80, CANDIDATES * measured.TRIAL_STEPS)[0]
+    assert policy.current_density(0, 1) > 0.45 and policy.current_density(0, second) < 0.27
+    steps = second + CANDIDATES * measured.TRIAL_STEPS
+    optimizer, weights, _ = train("auto_gate", steps, density=policy)
+    first, then = optimizer.exchange_decisions[:2]
+    assert set(first[1]) == {"dense", "compact_allgather"}
+    assert first[0] == 2 * measured.TRIAL_STEPS  # dense's turn and the coded allgather's
+    assert set(then[1]) == NAMES and then[0] == second + CANDIDATES * measured.TRIAL_STEPS - 1
+    everyone = gather(hvd, [(d[0], d[2]) for d in optimizer.exchange_decisions],
+                      name="auto_gate.decisions")
+    assert all(e == everyone[0] for e in everyone), everyone
+    _same_everywhere(hvd, weights, "auto_gate")
+    _conservation(hvd, optimizer, weights, steps, "none")
