@@ -83,7 +83,9 @@ def main():
     replicated = [v for v in optimizer.variables if id(v) not in local]
     sparse_hvd.broadcast_variables(model.variables + replicated, root_rank=0)
 
-    @tf.function(jit_compile=False, reduce_retracing=True)  # Horovod's ops cannot be XLA-compiled
+    # tf.function's options (Horovod's ops cannot be XLA-compiled); with exchange="auto" each
+    # step runs a function traced for the exchange that step runs
+    @sparse_hvd.function(optimizer, jit_compile=False, reduce_retracing=True)
     def train_step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))

@@ -235,6 +235,7 @@ def main(argv=None):
     callbacks = [
         sparse_hvd.BroadcastGlobalVariablesCallback(root_rank=0),  # first
         sparse_hvd.MetricAverageCallback(),
+        sparse_hvd.ExchangeChoiceCallback(),  # exchange="auto": its choice traced alone
     ] + ([sparse_hvd.CommunicationLogger(path=args.comm_log)] if args.comm_log else [])
     if args.checkpoint_dir:
         # Every rank: residuals become their mean over the ranks (a collective) ...

@@ -52,6 +52,7 @@ TRIAL_STEPS = 4  # steps each candidate runs in a trial; the first is not timed
 RECHECK_STEPS = 1000  # a new trial this many steps after a decision
 DENSE_WITHIN = 0.2  # dense wins unless a sparse exchange's step is faster by more than this
 PRUNE_AFTER = 2.0  # a warm-up re-trial skips candidates slower than this x the fastest
+FIRST = -1  # MeasuredChoiceStep.traced: the plan before the first trial
 ABORT_AFTER = 2.0  # a candidate's turn ends at a timed step slower than this x the best so far
 
 
@@ -72,7 +73,8 @@ def plans_for(optimizer, candidates, routes) -> List[Plan]:
     for name in candidates:
         if name == plans[0].name:
             continue
-        exchange = create(name, optimizer._exchange.grouping, name=optimizer._prefix,
+        # collectives of their own names: Horovod keeps what it learnt of each name
+        exchange = create(name, optimizer._exchange.grouping, name=f"{optimizer._prefix}.{name}",
                           process_set=optimizer.process_set,
                           compression=optimizer._compression)
         exchange.saves_state = False
@@ -148,8 +150,9 @@ class MeasuredChoiceStep(SynchronousStep):
         super().__init__(optimizer)
         self.plans: List[Plan] = []
         self.decisions = []  # (step, {name: seconds}, choice), as rank 0 logged them
-        # None: every candidate is a branch of one tf.switch_case; (plan index, residuals
-        # clear): the step is traced with that plan alone (``ExchangeChoiceCallback``)
+        # None: every candidate is a branch of one tf.switch_case; a plan's index: the step
+        # is traced with that plan alone (``traced_choice``); FIRST: the plan steps run
+        # before the first trial (the index is known once the optimizer is built)
         self.traced = None
 
     def choose_among(self, candidates, routes):
@@ -173,7 +176,8 @@ class MeasuredChoiceStep(SynchronousStep):
             gates = [worth_trying(self.plans, policy.current_density(0, start) if settled
                                   else policy.final_density, value_bytes) for start in starts]
         with tf.init_scope():  # not optimizer variables: nothing of this is checkpointed
-            self.choice = tf.Variable(0, dtype=tf.int32, trainable=False, name="auto_choice")
+            self.choice = tf.Variable(self.first_mode(), dtype=tf.int32, trainable=False,
+                                      name="auto_choice")
             self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="auto_steps")
             self.trial_start = tf.Variable(1, dtype=tf.int64, trainable=False,
                                            name="auto_trial_start")
@@ -194,8 +198,8 @@ class MeasuredChoiceStep(SynchronousStep):
                                      tf.int32)
             self.best = tf.Variable(np.inf, dtype=tf.float64, trainable=False,
                                     name="auto_best_median")  # the fastest so far in a trial
-            self.next_branch = tf.Variable(0, dtype=tf.int32, trainable=False,
-                                           name="auto_next_branch")
+            self.next_branch = tf.Variable(self.first_mode(), dtype=tf.int32,
+                                           trainable=False, name="auto_next_branch")
             # the residuals were sent whole by a dense step that went ahead, and no sparse
             # step came after it (False after a restore: the restored residuals count)
             self.clear = tf.Variable(False, trainable=False, name="auto_residuals_clear")
@@ -219,12 +223,15 @@ class MeasuredChoiceStep(SynchronousStep):
         plan = self._current()
         return plan.routes if plan else super().current_routes()
 
-    def wanted_mode(self):
-        """The mode the next step should be traced in (eager): ``(plan index, residuals
-        clear)``, the second only for a plan whose routes depend on it (dense)."""
-        index = int(self.next_branch.numpy())
-        clear = self.plans[index].clear_routes is not None and bool(self.clear.numpy())
-        return index, clear
+    def wanted_mode(self) -> int:
+        """The plan the next step runs (eager): what its function is traced for."""
+        return int(self.next_branch.numpy())
+
+    def first_mode(self) -> int:
+        """The plan steps run before the first trial: dense where it is a candidate (the
+        exchange the user had before sparse_hvd, and the safe choice before any measurement)."""
+        names = [plan.name for plan in self.plans]
+        return names.index("dense") if "dense" in names else 0
 
     def _due(self):
         """This step's place in the schedule: (phase, trial length, in a trial, the trial's
@@ -245,8 +252,8 @@ class MeasuredChoiceStep(SynchronousStep):
             ended = tf.switch_case(branch, [self._branch(plan, grads_and_vars)
                                             for plan in self.plans])
         else:
-            index, clear = self.traced
-            ended = self._branch(self.plans[index], grads_and_vars, clear)()
+            index = self.first_mode() if self.traced == FIRST else self.traced
+            ended = self._branch(self.plans[index], grads_and_vars)()
             # a trial step due for another candidate waits until a step traced for it (only
             # when one call runs several steps: the callback re-traces before each call)
             put_off = tf.logical_and(in_trial, tf.not_equal(candidate, index))
@@ -289,10 +296,10 @@ class MeasuredChoiceStep(SynchronousStep):
             turn_done, tf.equal(phase + tf.cast(skipped, tf.int64), length - 1))
         tf.cond(trial_done, self._decide, lambda: None)
 
-    def _branch(self, plan, grads_and_vars, clear=None):
+    def _branch(self, plan, grads_and_vars):
         """The step with ``plan``'s exchange, ending in its timestamp. A plan with routes for
-        clear residuals (dense) picks them by the variable ``clear``, or, traced alone for
-        one state of it (``clear`` True or False), runs those routes without a condition."""
+        clear residuals (dense) picks them by the variable ``clear`` (one condition around
+        dense's allreduce: measured, it costs nothing there)."""
         def run_with(routes):
             opt = self.optimizer
             saved = opt._exchange, opt._routes
@@ -303,11 +310,10 @@ class MeasuredChoiceStep(SynchronousStep):
                 opt._exchange, opt._routes = saved
 
         def run_plan():
-            if plan.clear_routes is None or clear is not None:
-                went_ahead = run_with(plan.clear_routes if clear else plan.routes)
-                written = self.clear.assign(tf.logical_or(
-                    tf.logical_and(self.clear, bool(clear)),
-                    tf.logical_and(went_ahead, not plan.exchange.sends_selections)))
+            if plan.clear_routes is None:
+                went_ahead = run_with(plan.routes)
+                written = self.clear.assign(
+                    tf.logical_and(went_ahead, not plan.exchange.sends_selections))
             else:
                 went_ahead = tf.cond(self.clear, lambda: run_with(plan.clear_routes),
                                      lambda: run_with(plan.routes))

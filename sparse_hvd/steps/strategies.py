@@ -62,9 +62,9 @@ class SynchronousStep:
                 opt.density_policy.end_step(self.policy_step())
 
         def go_ahead():
-            write_state(state_updates, opt)
             # sparse allreduce: what was sent but not applied goes back to the residuals
-            opt._feedback.add_back(payload.sparse.keys, averaged.returned)
+            write_state(opt._feedback.add_back(payload.sparse.keys, averaged.returned,
+                                               state_updates), opt)
             opt._apply_inner(grads, variables)
             return tf.constant(True)  # after the writes above (automatic control edges)
 

@@ -7,13 +7,12 @@ a conditional's body less (``docs/auto_exchange.md``). A step traced with one ca
 has none of that, but a ``tf.function`` cannot change its graph from inside, so the code that
 calls the train function changes which function it calls:
 
-1. Before each call it reads the mode of the next step: which candidate runs (the step
-   writes that into a variable at its end, the same on every rank) and, for dense, whether
-   the residuals are clear (dense then runs fewer routes).
-2. It calls the function traced for that mode: kept from before, or made now and traced at
-   its first call, with the step told the mode (``MeasuredChoiceStep.traced``).
+1. Before each call it reads which candidate the next step runs (the step writes that into a
+   variable at its end, the same on every rank).
+2. It calls the function traced for that candidate: kept from before, or made now and traced
+   at its first call, with the step told the candidate (``MeasuredChoiceStep.traced``).
 
-A job traces each mode once: one per candidate, plus dense's second. Every rank reads the same
+A job traces each candidate it runs once. Every rank reads the same
 variables at the same step, so every rank runs the same graph. Two ways in:
 :class:`ExchangeChoiceCallback` for ``model.fit``, :func:`function` for a custom loop.
 Without them (``train_on_batch``, a plain ``tf.function``) the step keeps the conditional and
@@ -24,21 +23,22 @@ import keras
 import tensorflow as tf
 
 from ..runtime import startup as runtime
+from . import measured
 
 
 def _mode(optimizer):
-    """The mode the optimizer's next step runs in, or None when there is nothing to choose."""
+    """The plan the optimizer's next step runs, or None when there is nothing to choose."""
     step = getattr(optimizer, "_step", None)
     if not hasattr(step, "wanted_mode"):
         return None
-    if not optimizer.built:  # built in the first trace: its first step runs the first plan
-        return (0, False) if runtime.size(optimizer.process_set) > 1 else None
+    if not optimizer.built:  # built in the first trace, whose steps run the first plan
+        return measured.FIRST if runtime.size(optimizer.process_set) > 1 else None
     return step.wanted_mode() if len(step.plans) > 1 else None
 
 
 class _PerMode:
-    """One function per mode of ``optimizer``'s step, each made by ``make()`` when first
-    needed; :meth:`current` tells the step the mode and returns that mode's function."""
+    """One function per plan of ``optimizer``'s step, each made by ``make()`` when first
+    needed; :meth:`current` tells the step the plan and returns that plan's function."""
 
     def __init__(self, optimizer, make):
         self.optimizer = optimizer
@@ -46,6 +46,7 @@ class _PerMode:
         self.functions = {}
 
     def current(self):
+        self._settle()
         mode = _mode(self.optimizer)
         step = getattr(self.optimizer, "_step", None)
         if hasattr(step, "traced"):
@@ -53,6 +54,15 @@ class _PerMode:
         if mode not in self.functions:
             self.functions[mode] = self.make()
         return self.functions[mode]
+
+    def _settle(self):
+        """The function traced before the optimizer was built ran its first plan: file it
+        under that plan's index, once it is known."""
+        if measured.FIRST in self.functions and self.optimizer.built:
+            step = self.optimizer._step
+            function = self.functions.pop(measured.FIRST)
+            key = step.first_mode() if len(step.plans) > 1 else None
+            self.functions.setdefault(key, function)
 
 
 class ExchangeChoiceCallback(keras.callbacks.Callback):

@@ -106,9 +106,8 @@ def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd, per_mo
     everyone = gather(hvd, (times, choice), name=f"auto_trial_{per_mode}.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
     assert stats[-1][next(iter(stats[-1]))]["exchange"] == choice
-    if per_mode:
-        assert sorted(optimizer.functions) == sorted(
-            [(i, False) for i in range(CANDIDATES)] + [(names.index("dense"), True)])
+    if per_mode:  # one function per candidate
+        assert sorted(optimizer.functions) == list(range(CANDIDATES))
     _same_everywhere(hvd, weights, "auto_trial")
     _conservation(hvd, optimizer, weights, STEPS, "none")
     # the checkpoint holds what the allgather's does: the candidates' state is not saved
@@ -168,8 +167,8 @@ def test_the_chosen_exchange_runs_after_the_trial(hvd, monkeypatch, forced, comp
         assert big["route"] == "dense" and big["last_density"] == 1.0
     else:
         assert big["route"] == "sparse" and 0 < big["last_density"] <= 0.05 + 1e-9
-    # before the trial the default exchange ran
-    assert stats[0][next(iter(stats[0]))]["exchange"] == "allgather"
+    # before the trial dense ran
+    assert stats[0][next(iter(stats[0]))]["exchange"] == "dense"
     _same_everywhere(hvd, weights, name)
     if momentum:
         # a dense-route variable's velocity is the global one (ordinary momentum)
@@ -256,19 +255,19 @@ def test_fit_with_the_callback_runs_each_step_traced_for_its_exchange(hvd, monke
     assert len(optimizer.exchange_decisions) == 1
     assert optimizer.exchange_decisions[0][2] == forced
     modes = {mode for _, mode in seen}
-    assert sorted(choice._modes.functions) == sorted(modes)  # each mode made once
-    if per_call == 1:
+    # each candidate's function made once; the first filed under dense once it is known
+    assert sorted(choice._modes.functions) == sorted({names.index("dense") if m == measured.FIRST
+                                                      else m for m in modes})
+    if per_call == 1:  # dense before the trial and first in it, then the others in turn
         order = [names.index("dense")] + [i for i in range(len(names)) if names[i] != "dense"]
-        dense = names.index("dense")
-        expected = [(0, False)]
+        expected = [order[0]]
         for index in order:
-            expected += [(index, index == dense and turn > 0)
-                         for turn in range(measured.TRIAL_STEPS)]
-        expected += [(names.index(forced), False)] * (steps - len(expected))
-        assert [mode for _, mode in seen] == expected
+            expected += [index] * measured.TRIAL_STEPS
+        expected += [names.index(forced)] * (steps - len(expected))
+        # the first call's function is traced before the optimizer is built
+        assert [mode for _, mode in seen] == [measured.FIRST] + expected[1:]
     else:
-        assert all(names[i] == "dense" or not clear for i, clear in modes), modes
-        assert {names[i] for i, _ in modes} == NAMES
+        assert {names[i] for i in modes if i != measured.FIRST} == NAMES
     everyone = gather(hvd, seen, name=f"{name}.modes")
     assert all(e == everyone[0] for e in everyone), everyone
     weights = [v.numpy() for v in model.trainable_variables]
