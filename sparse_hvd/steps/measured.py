@@ -2,32 +2,37 @@
 
 A model of the network cannot see the CPU work around an exchange (selection, packing,
 summing), which on a fast link decides whether a sparse step is faster than dense at all. So
-every candidate (the exchanges that can run the optimizer's other settings: the dense
-allreduce of everything, the allgather, the allgather with coded indices, the sparse
-allreduce) is traced into the step, each as
-one branch of a ``tf.switch_case``; a variable, the same on every rank, says which branch
-runs. Only that branch's ops execute.
+the candidates (the exchanges that can run the optimizer's other settings: the dense allreduce
+of everything, the allgather, the allgather with coded indices, the sparse allreduce) are
+timed on the job's own steps. A variable, the same on every rank, says which one the next step
+runs: traced once, the step holds every candidate as a branch of one ``tf.switch_case``; with
+``traced_choice`` (``ExchangeChoiceCallback``, ``sparse_hvd.function``) each step runs a
+function traced for its candidate alone (``traced``), which saves the conditional's cost.
+Before the first trial the steps run dense (``first_mode``).
 
-1. **Trial.** From step ``trial_start`` on, each candidate runs ``TRIAL_STEPS`` steps in turn.
-   The first of each is not timed (a branch's first run sets up its collectives); the others
-   time the whole step: from the previous step's last write to this one's, so forward and
-   backward passes are in it too (on shared cores a candidate's CPU work slows the other
-   ranks' backprop, which a timer around the exchange alone would not see).
-2. **Decision**, in the trial's last step, on every rank at once: each candidate's median
-   time, averaged over the ranks by one allreduce, so that every rank sees the same numbers
-   and makes the same choice by one rule: the fastest, except that dense wins unless a sparse
-   exchange's step is faster than dense's by more than ``DENSE_WITHIN``: a sparse run needs
-   more steps to the same loss (the default's steps ratio at 4 workers: 1.07 on a CNN, 1.40
-   on a character LSTM, ``docs/steps_to_loss.md``), so a step that is only a little cheaper
-   finishes later. Rank 0 logs the times and the choice.
+1. **Trial.** From step ``trial_start`` on, each candidate worth trying runs ``TRIAL_STEPS``
+   steps in turn, dense first. The first of each is not timed (its first run sets up its
+   collectives); the others time the whole step: from the previous step's last write to this
+   one's, so forward and backward passes are in it too (on shared cores a candidate's CPU
+   work slows the other ranks' backprop, which a timer around the exchange alone would not
+   see), as the mean over the ranks, so every rank holds the same numbers. A candidate whose
+   timed step takes over ``ABORT_AFTER`` x the fastest median so far ends its turn there.
+   Not worth trying (``worth_trying``): a sparse candidate whose bytes on the wire alone, at
+   the trial's density, cannot beat dense by ``DENSE_WITHIN``.
+2. **Decision**, in the trial's last step, on every rank at once, by one rule on the same
+   numbers: the fastest median, except that dense wins unless a sparse exchange's step is
+   faster than dense's by more than ``DENSE_WITHIN``: a sparse run needs more steps to the
+   same loss (the default's steps ratio at 4 workers: 1.07 on a CNN, 1.40 on a character
+   LSTM, ``docs/steps_to_loss.md``), so a step that is only a little cheaper finishes later.
+   Rank 0 logs the times and the choice.
 3. **Re-trials**, since the link and the density can change: during a warm-up, each time the
    density has halved since the last trial (``warmup_trials``: from 25% to 1% a sparse
    exchange often wins long before the warm-up ends, and a short run is mostly warm-up),
-   each of them only with the candidates within ``PRUNE_AFTER`` of the last trial's fastest
+   each of them without the candidates measured over ``PRUNE_AFTER`` x a trial's fastest
    (on a fast link the sparse exchanges at 25% density took 4-5x dense's step, and four
    steps of each in every re-trial made a 250-step run 1.7x slower than dense); at the
-   density policy's first settled step (the warm-up's end), with every candidate; then
-   every ``RECHECK_STEPS`` steps, with every candidate.
+   density policy's first settled step (the warm-up's end), with every candidate worth
+   trying; then every ``RECHECK_STEPS`` steps, the same.
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
 exact: the dense candidate sends each sparse-route variable's compensated gradient whole and
