@@ -227,12 +227,14 @@ def test_embedding_rows_on_the_dense_route_are_averaged_as_rows(hvd):
 def test_the_default_warmup_and_a_model_wide_budget_apply_the_mean_of_every_selection(hvd, budget):
     """The defaults as users get them (the density warm-up) with per-layer and model-wide
     budgets: every rank's selections recomputed in NumPy, averaged, applied at lr 1; each
-    rank's residual checked; the replicas bit-identical."""
+    rank's residual checked; the replicas bit-identical. The exchange is named: the default's
+    steps before and in its first trial run dense (tests/distributed/test_auto_exchange.py)."""
     rank, size = hvd.rank(), hvd.size()
     shapes = [BIG, (40, 100)]  # 3,000 and 4,000 entries: both sparse
     variables = [keras.Variable(np.zeros(s, "float32")) for s in shapes]
     optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(1.0), density=0.01,
-                                                      budget=budget, name=f"defaults_{budget}")
+                                                      budget=budget, exchange="allgather",
+                                                      name=f"defaults_{budget}")
 
     @tf.function
     def step(g0, g1):
