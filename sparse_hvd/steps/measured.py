@@ -78,7 +78,8 @@ def plans_for(optimizer, candidates, routes) -> List[Plan]:
     for name in candidates:
         if name == plans[0].name:
             continue
-        # collectives of their own names: Horovod keeps what it learnt of each name
+        # names of its own: no collective of one candidate shares a name (and Horovod's
+        # cached response) with another's of other shapes
         exchange = create(name, optimizer._exchange.grouping, name=f"{optimizer._prefix}.{name}",
                           process_set=optimizer.process_set,
                           compression=optimizer._compression)
@@ -174,13 +175,14 @@ class MeasuredChoiceStep(SynchronousStep):
         settled = int(getattr(policy, "warmup_steps", 0) or 0)
         value_bytes = 2 if opt._compression.half is not None else max(
             [route.itemsize for route in routes if route.sparse], default=4)
-        with tf.init_scope():  # eager, also when the first step's trace builds the optimizer
+        # eager (also when the first step's trace builds the optimizer), and not optimizer
+        # variables: nothing of this is checkpointed
+        with tf.init_scope():
             retrials = warmup_trials(policy, settled, count * TRIAL_STEPS)
             # the candidates worth trying at each trial's density (later ones: the last row's)
             starts = [1] + retrials
             gates = [worth_trying(self.plans, policy.current_density(0, start) if settled
                                   else policy.final_density, value_bytes) for start in starts]
-        with tf.init_scope():  # not optimizer variables: nothing of this is checkpointed
             self.choice = tf.Variable(self.first_mode(), dtype=tf.int32, trainable=False,
                                       name="auto_choice")
             self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="auto_steps")
@@ -197,8 +199,7 @@ class MeasuredChoiceStep(SynchronousStep):
             # measured over PRUNE_AFTER x the fastest in a warm-up trial: out until its last
             self.pruned = tf.Variable(tf.zeros([count], tf.bool), trainable=False,
                                       name="auto_pruned")
-            names = [plan.name for plan in self.plans]
-            first = names.index("dense") if "dense" in names else 0
+            first = self.first_mode()
             self.order = tf.constant([first] + [i for i in range(count) if i != first],
                                      tf.int32)
             self.best = tf.Variable(np.inf, dtype=tf.float64, trainable=False,
@@ -288,8 +289,8 @@ class MeasuredChoiceStep(SynchronousStep):
         row = tf.where(aborted, tf.fill([TRIAL_STEPS - 1], elapsed),
                        tf.tensor_scatter_nd_update(row, [[tf.maximum(slot, 0)]], [elapsed]))
 
-        def record():
-            self.samples.scatter_nd_update([[candidate]], [row])
+        def record():  # not a resource scatter: see ErrorFeedback.add_back
+            self.samples.assign(tf.tensor_scatter_nd_update(self.samples, [[candidate]], [row]))
 
         tf.cond(timed, record, lambda: None)
         skipped = tf.where(aborted, last_slot - slot, 0)
