@@ -279,7 +279,7 @@ class MeasuredChoiceStep(SynchronousStep):
         opt = self.optimizer
         # the mean over the ranks: every rank records the same numbers and decides alike
         elapsed = collectives.allreduce(tf.reshape(elapsed, [1]), name=f"{opt._prefix}.auto.step",
-                                        process_set=opt.process_set)[0]
+                                        process_set=opt.process_set, step=self.steps)[0]
         slot = tf.cast(tf.math.floormod(phase, TRIAL_STEPS), tf.int32) - 1
         last_slot = TRIAL_STEPS - 2
         timed = slot >= 0
