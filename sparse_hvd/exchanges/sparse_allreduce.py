@@ -346,7 +346,7 @@ class SparseAllreduceExchange(FusedAllgather):
 
     def wire_bytes_per_entry(self, density, value_bytes):
         """Ok-Topk's lower bound: 2 (N - 1) / N entries a sent entry (regions, then sums)."""
-        return 2 * (self.size - 1) / self.size * (value_bytes + 4)
+        return 2 * (self.size - 1) / self.size * (value_bytes + self._index_bytes(density))
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

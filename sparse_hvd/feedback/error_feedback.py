@@ -260,12 +260,9 @@ class ErrorFeedback:
             if item is not None:
                 value = _scatter_add(tf.reshape(value, [-1]), *item)
             updated.append((variable, value))
-        for key in keys:  # a residual with no write this step: its whole value, written back
-            item = owed.pop(id(self.residuals[key]), None)
-            if item is not None:
-                residual = self.residuals[key]
-                flat = tf.reshape(tf.convert_to_tensor(residual), [-1])
-                updated.append((residual, _scatter_add(flat, *item)))
+        if owed:  # select() writes every sparse-route residual: nothing may be dropped
+            raise RuntimeError("sparse_hvd internal error: returned entries for a residual "
+                               "the step does not write")
         return updated
 
     def share(self, process_set=None, name="sparse_hvd.share_residuals"):

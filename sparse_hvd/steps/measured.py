@@ -133,8 +133,7 @@ def worth_trying(plans, density, value_bytes) -> List[bool]:
     limit = dense / (1 + DENSE_WITHIN)
     keep = []
     for plan in plans:
-        per_entry = (plan.exchange.wire_bytes_per_entry(density, value_bytes)
-                     if plan.exchange.sends_selections else None)
+        per_entry = plan.exchange.wire_bytes_per_entry(density, value_bytes)  # dense: None
         keep.append(per_entry is None or density * per_entry < limit)
     return keep if any(keep) else [True] * len(plans)
 
@@ -183,8 +182,8 @@ class MeasuredChoiceStep(SynchronousStep):
             starts = [1] + retrials
             gates = [worth_trying(self.plans, policy.current_density(0, start) if settled
                                   else policy.final_density, value_bytes) for start in starts]
-            self.choice = tf.Variable(self.first_mode(), dtype=tf.int32, trainable=False,
-                                      name="auto_choice")
+            first = self.first_mode()
+            self.choice = tf.Variable(first, dtype=tf.int32, trainable=False, name="auto_choice")
             self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="auto_steps")
             self.trial_start = tf.Variable(1, dtype=tf.int64, trainable=False,
                                            name="auto_trial_start")
@@ -199,13 +198,12 @@ class MeasuredChoiceStep(SynchronousStep):
             # measured over PRUNE_AFTER x the fastest in a warm-up trial: out until its last
             self.pruned = tf.Variable(tf.zeros([count], tf.bool), trainable=False,
                                       name="auto_pruned")
-            first = self.first_mode()
             self.order = tf.constant([first] + [i for i in range(count) if i != first],
                                      tf.int32)
             self.best = tf.Variable(np.inf, dtype=tf.float64, trainable=False,
                                     name="auto_best_median")  # the fastest so far in a trial
-            self.next_branch = tf.Variable(self.first_mode(), dtype=tf.int32,
-                                           trainable=False, name="auto_next_branch")
+            self.next_branch = tf.Variable(first, dtype=tf.int32, trainable=False,
+                                           name="auto_next_branch")
             # the residuals were sent whole by a dense step that went ahead, and no sparse
             # step came after it (False after a restore: the restored residuals count)
             self.clear = tf.Variable(False, trainable=False, name="auto_residuals_clear")
@@ -347,7 +345,7 @@ class MeasuredChoiceStep(SynchronousStep):
         # within the warm-up only the candidates that can still win: halving the density
         # halves a sparse step's exchange at most, so one over ``PRUNE_AFTER`` x the fastest
         # cannot win the next trial (dense's step does not change); the warm-up's last trial
-        # and the later ones try every candidate again
+        # and the later ones forget what was pruned
         slow = tf.logical_and(self.trying, medians > PRUNE_AFTER * tf.reduce_min(medians))
         pruning = tf.size(upcoming) > 1  # the next trial is in the warm-up, not its last
         pruned = tf.logical_and(tf.logical_or(self.pruned, slow), pruning)
