@@ -31,6 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", required=True)
+    parser.add_argument("--label", default=None,
+                        help="the workload's name written into the JSON (default: --workload)")
     parser.add_argument("--method", required=True, help="the name written into the JSON")
     parser.add_argument("--options", default="{}", help="JSON: inner optimizer and wrapper kwargs")
     parser.add_argument("--steps", type=int, default=600)
@@ -157,7 +159,7 @@ def main(argv=None):
             sent_fraction = float(np.mean([r["stats"]["bytes_sent"] / r["stats"]["dense_bytes"]
                                            for r in everyone]))
         result = {
-            "workload": args.workload,
+            "workload": args.label or args.workload,
             "method": args.method,
             "options": options,
             "workers": size,

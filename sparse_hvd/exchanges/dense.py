@@ -7,8 +7,8 @@ optimizer routes every variable densely, so nothing is selected and the residual
 1. the gradients: one ``grouped_allreduce`` per dtype (or one allreduce per variable with
    ``grouping="layerwise"``), 16-bit on the wire with ``compression="float16"``;
 2. whether every rank was finite: read from the averages (a rank's NaN or infinity reaches
-   every rank's sum; a sum that overflows is skipped too); with embeddings' rows, which
-   travel apart, one tiny allreduce (``sparse_hvd.feedback.nonfinite``).
+   every rank's sum; an average whose entries' sum overflows is skipped too); with
+   embeddings' rows, which travel apart, one tiny allreduce (``sparse_hvd.feedback.nonfinite``).
 """
 
 import tensorflow as tf
@@ -30,8 +30,9 @@ class DenseAllreduce(Exchange):
         dense = self.dense_average(payload.dense.items, payload.dense.keys, step)
         if payload.local_finite and dense and not payload.rows.items:
             # a rank's NaN or infinity reaches every rank's sum: the averages say it, with no
-            # collective of its own (the same bits on every rank, so the same answer)
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(a)) for a in dense])
+            # collective of its own (the same bits on every rank, so the same answer); one
+            # reduction per average, as each rank's own check (``Payload.local_finite``)
+            finite = tf.reduce_all([tf.math.is_finite(tf.reduce_sum(a)) for a in dense])
             return [], dense, finite, ()
         return [], dense, self.finite_everywhere(payload, step), ()
 
