@@ -14,8 +14,8 @@ What it measures
       Ok-Topk's lower bound 2 k (N - 1) / N entries and against the allgather's wire and step
       (issue 21's targets: at most 1.2x the bound at N = 4..8, at N = 4 at most 0.6x the
       allgather's wire; its step no slower than the allgather's at N >= 4); for ``auto@d`` (the
-      default exchange) its step against the fastest of dense, allgather and sparse allreduce
-      and what it chose (target: at most 1.05x);
+      default exchange) its step against the fastest of its candidates in the run (dense and
+      the sparse exchanges, either budget) and what it chose (target: at most 1.05x);
     * a projection to N = 16 ... 1024 for ResNet-50 (25.6M parameters) and BERT-large (340M) at
       10, 25 and 100 Gbit/s: per worker and step, bytes through its link / bandwidth plus a
       latency per message round (``--latency-us``, default 5 us, a fast cluster's) for: dense ring allreduce (2 (N - 1) / N D bytes, 2 (N - 1) rounds),
@@ -108,17 +108,20 @@ def summarise(points):
                    "vs_dense": m["wire_received_bytes"] / dense,
                    "step_ms": m["median_step"] * 1e3,
                    "replicas_identical": m.get("replicas_identical")}
-            density = method.partition("@")[2]
-            allgather = methods.get(f"topk@{density}")
+            name, _, density = method.partition("@")
+            # the allgather with the same budget (sar_topk_model against topk_model)
+            allgather = methods.get(f"{name[len('sar_'):]}@{density}")
             if method.startswith("sar_"):  # issue 21: against Ok-Topk's bound and the allgather
                 row["x_lower_bound"] = m["wire_received_bytes"] / lower_bound(workers, payload)
                 if allgather:
                     row["x_allgather_wire"] = (m["wire_received_bytes"]
                                                / allgather["wire_received_bytes"])
                     row["x_allgather_step"] = m["median_step"] / allgather["median_step"]
-            if method.startswith("auto@"):  # against the fastest of the three candidates
+            if method.startswith("auto@"):  # against the fastest of its candidates measured
                 candidates = [methods[c]["median_step"] for c in
-                              ("dense", f"topk@{density}", f"sar_topk@{density}") if c in methods]
+                              ["dense"] + [f"{prefix}topk{budget}@{density}"
+                                           for prefix in ("", "sar_", "compact_")
+                                           for budget in ("", "_model")] if c in methods]
                 row["x_fastest"] = m["median_step"] / min(candidates)
                 row["choice"] = (m.get("auto_decisions") or [[None, None, None]])[-1][2]
             rows.append(row)
