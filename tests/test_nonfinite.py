@@ -58,3 +58,24 @@ def test_ignore_lets_nan_into_the_residual():
 def test_nonfinite_choice_is_checked():
     with pytest.raises(ValueError, match="`nonfinite` must be one of"):
         sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), nonfinite="stop")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_16_bit_gradient_whose_sum_passes_the_format_is_not_skipped(dtype):
+    """The finiteness check is one sum per gradient; a float16 sum overflows at 65,504, which
+    100,000 entries of 1.0 pass with no entry infinite: summed in float32, it is applied."""
+    from sparse_hvd.feedback.nonfinite import all_finite
+
+    ones = tf.ones([100_000], dtype)
+    assert not bool(tf.math.is_finite(tf.reduce_sum(tf.ones([100_000], "float16"))))
+    assert bool(all_finite(ones))
+    assert not bool(all_finite(tf.concat([ones, tf.constant([np.nan], dtype)], 0)))
+    assert not bool(all_finite(tf.concat([ones, tf.constant([-np.inf], dtype)], 0)))
+    for density, sent in ((1.0, 100_000), (0.01, 1_000)):  # dense route, then sparse
+        variable = keras.Variable(np.zeros([100_000], dtype), dtype=dtype)
+        optimizer = sparse_hvd.SparseDistributedOptimizer(
+            keras.optimizers.SGD(0.5), density=density, warmup_steps=0)
+        optimizer.apply_gradients([(ones, variable)])
+        assert optimizer.communication_stats()["skipped_steps"] == 0
+        moved = variable.numpy().astype("float32")
+        assert np.count_nonzero(moved) == sent and set(moved[moved != 0]) == {-0.5}

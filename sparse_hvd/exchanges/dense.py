@@ -13,6 +13,7 @@ optimizer routes every variable densely, so nothing is selected and the residual
 
 import tensorflow as tf
 
+from ..feedback import nonfinite
 from ..feedback.payload import Payload
 from .base import Exchange, register
 
@@ -32,7 +33,7 @@ class DenseAllreduce(Exchange):
             # a rank's NaN or infinity reaches every rank's sum: the averages say it, with no
             # collective of its own (the same bits on every rank, so the same answer); one
             # reduction per average, as each rank's own check (``Payload.local_finite``)
-            finite = tf.reduce_all([tf.math.is_finite(tf.reduce_sum(a)) for a in dense])
+            finite = tf.reduce_all([nonfinite.all_finite(a) for a in dense])
             return [], dense, finite, ()
         return [], dense, self.finite_everywhere(payload, step), ()
 

@@ -16,6 +16,7 @@ import tensorflow as tf
 from ..exchanges.compression import NONE
 from ..selection.density import elements_to_send
 from ..selection.sparsifiers import Selection
+from . import nonfinite
 
 INDEX_BYTES = 4  # indices travel as int32
 DENSE_ITEM_BYTES = 4  # what a dense float32 exchange sends per entry (the statistics' yardstick)
@@ -110,8 +111,7 @@ class PayloadBuilder:
         items.append(item)
         self._gradients.append(values)
         if self._check_finite:
-            # A sum is non-finite iff an entry is (or it overflows 3e38): one cheap pass.
-            self._local_finite.append(tf.math.is_finite(tf.reduce_sum(values)))
+            self._local_finite.append(nonfinite.all_finite(values))
         self._dense_bytes += route.num_elements * DENSE_ITEM_BYTES
         self._bytes_sent += bytes_sent
         self._sent.append((key, sent))
