@@ -165,8 +165,7 @@ class ErrorFeedback:
             sent, error = compression.round(selection.values)
             selection = selection._replace(values=sent)
             if remainder is not None:  # zero at the selected positions: now their error
-                remainder = tf.tensor_scatter_nd_add(
-                    remainder, tf.expand_dims(selection.indices, 1), error)
+                remainder = _scatter_add(remainder, error, selection.indices)
         if remainder is not None:
             updates.append((self.residuals[index], remainder))
         if self.momentum:
@@ -236,10 +235,7 @@ class ErrorFeedback:
         residuals: for a step that is not applied, so that no gradient is lost."""
         for index, (values, indices) in sent.items():
             residual = self.residuals[index]
-            flat = tf.reshape(tf.convert_to_tensor(residual), [-1])
-            flat = tf.tensor_scatter_nd_add(
-                flat, tf.expand_dims(tf.convert_to_tensor(indices, tf.int32), 1),
-                tf.convert_to_tensor(values, flat.dtype))
+            flat = _scatter_add(tf.reshape(tf.convert_to_tensor(residual), [-1]), values, indices)
             self.writer.assign(residual, tf.reshape(flat, residual.shape))
 
     def add_back(self, keys, returned, state_updates):

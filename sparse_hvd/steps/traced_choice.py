@@ -4,16 +4,16 @@ Traced once, the auto step holds every candidate exchange as a branch of one
 ``tf.switch_case`` (``sparse_hvd.steps.measured``). That conditional costs about 3% of the
 4.35M MLP's step at 2 workers (``docs/auto_exchange.md``): the exchange cannot start before
 every gradient is ready, and TensorFlow rewrites a conditional's body less. A step traced
-with one candidate alone has none of that, but a ``tf.function`` cannot change its graph from inside, so the code that
-calls the train function changes which function it calls:
+with one candidate alone has none of that, but a ``tf.function`` cannot change its graph
+from inside, so the code that calls the train function changes which function it calls:
 
 1. Before each call it reads which candidate the next step runs (the step writes that into a
    variable at its end, the same on every rank).
 2. It calls the function traced for that candidate: kept from before, or made now and traced
    at its first call, with the step told the candidate (``MeasuredChoiceStep.traced``).
 
-A job traces each candidate it runs once. Every rank reads the same
-variables at the same step, so every rank runs the same graph. Two ways in:
+A job traces each candidate it runs once. Every rank reads the same variables at the same
+step, so every rank runs the same graph. Two ways in:
 :class:`ExchangeChoiceCallback` for ``model.fit``, :func:`function` for a custom loop.
 Without them (``train_on_batch``, a plain ``tf.function``) the step keeps the conditional and
 is just as correct.
