@@ -29,9 +29,25 @@ Run
     .venv/bin/python scripts/benchmarks/bench_steps_to_loss.py --report results/steps \\
         --publish docs     # tables (Markdown), JSON and a plot from the runs so far
 
+Time to dense's loss on an emulated cluster (``--rate``)
+    With ``--rate 1gbit`` (or any tc rate) every worker count runs on an emulated cluster of
+    that many workers (``scripts/emulated_cluster.py``: one network namespace per worker, each
+    link shaped in both directions, MPI over TCP across the links), and the wrapper keeps the
+    library's own default exchange (``exchange="auto"``: the run is what a user's run is,
+    measured trials and a dense phase included; without ``--rate`` the sparse methods run the
+    allgather, to measure what the sparse exchange does step for step). Each run then also
+    gives its time to the target: the training time (evaluations left out, the first step's
+    tracing included) at the step it reaches dense's loss, interpolated between evaluations.
+    A run that never reaches it counts its whole training time and is marked. The speed-up is
+    dense's mean time over the method's. Before each run the benchmark waits (at most
+    ``--load-wait`` seconds) for the 1-minute load average to fall to ``--max-load`` and
+    records it; the report marks a group with a run that started above it as not publishable,
+    and ``--publish`` refuses it. Timed runs are kept apart from the loopback runs (their key
+    has the link), so one ``--out`` may hold both.
+
 Each finished run is appended to ``<out>/runs.jsonl`` at once, so a long benchmark can be
 stopped and resumed (runs already there are skipped). Convergence does not depend on timing,
-so the machine's load does not change these numbers, only how long they take.
+so the machine's load does not change the steps, only how long they take.
 """
 
 import argparse
@@ -46,6 +62,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))  # scripts/: launching
 sys.path.insert(0, HERE)
 
+import emulated_cluster as ec  # noqa: E402  (standard library only)
 import launching  # noqa: E402
 
 # Adam's learning rate for each model: the best for dense of three (one process standing in for
@@ -132,6 +149,16 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=None, help="override every workload's")
     parser.add_argument("--out", default=os.path.join(ROOT, "results", "steps"))
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--rate", default=None,
+                        help="run on an emulated cluster with links of this rate (tc spelling, "
+                             "e.g. 1gbit) and time each run to the target")
+    parser.add_argument("--delay", default=None, help="one-way delay added to the links (netem)")
+    parser.add_argument("--max-load", type=float, default=1.5,
+                        help="timed runs: wait for the 1-minute load average to fall to this")
+    parser.add_argument("--load-wait", type=float, default=600,
+                        help="timed runs: seconds to wait for it at most")
+    parser.add_argument("--name", default="steps_to_loss",
+                        help="--publish writes NAME.{md,json,png}")
     parser.add_argument("--report", default=None, metavar="DIR",
                         help="only report the runs in DIR/runs.jsonl")
     parser.add_argument("--publish", default=None, metavar="DIR",
@@ -144,6 +171,11 @@ def parse_args(argv=None):
     for method in args.methods:
         if method not in METHODS:
             parser.error(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    if args.rate is not None:
+        try:
+            ec.parse_rate(args.rate)
+        except ValueError as error:
+            parser.error(f"--rate: {error}")
     return args
 
 
@@ -182,7 +214,7 @@ def git_head():
 
 
 def run_key(run):
-    return (run["workload"], run["workers"], run["method"], run["seed"])
+    return (run["workload"], run["workers"], run.get("link"), run["method"], run["seed"])
 
 
 def load_runs(out):
@@ -198,6 +230,55 @@ def load_runs(out):
     return list(runs.values())
 
 
+def wait_for_idle(max_load, wait_seconds):
+    """Wait (at most ``wait_seconds``) for the 1-minute load average to fall to ``max_load``;
+    the load it got to."""
+    deadline = time.monotonic() + wait_seconds
+    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
+        time.sleep(10)
+    return os.getloadavg()[0]
+
+
+class Clusters:
+    """One emulated cluster per worker count, built when first needed, torn down on exit
+    (``--rate``); without ``--rate`` the jobs run on this machine's loopback."""
+
+    def __init__(self, rate, delay):
+        self.rate, self.delay = rate, delay
+        self.open = {}
+        self.links = {}
+
+    def __enter__(self):
+        if self.rate is not None:
+            reason = ec.namespaces_unavailable()
+            if reason:
+                raise SystemExit(f"--rate {self.rate}: {reason}; an emulated cluster needs root "
+                                 "and network namespaces")
+            ec.exit_on_signals()
+        return self
+
+    def __exit__(self, *exc):
+        for cluster in self.open.values():
+            cluster.teardown()
+
+    def command(self, workers, argv):
+        if self.rate is None:
+            return launching.mpirun_command(workers, launching.python_argv(argv),
+                                            yield_when_idle=True)
+        if workers not in self.open:
+            cluster = ec.EmulatedCluster(workers, rate=self.rate, delay=self.delay)
+            cluster.setup()
+            self.open[workers] = cluster
+            throughput = cluster.measure_throughput(
+                nbytes=max(8 << 20, int(ec.parse_rate(self.rate) / 8 * 0.25)))
+            self.links[workers] = {**cluster.describe(), "throughput_mbit": throughput / 1e6,
+                                   "rtt_us": cluster.measure_rtt() * 1e6}
+            print(f"[bench] {workers} workers on {self.rate} links: "
+                  f"{self.links[workers]['throughput_mbit']:,.0f} Mbit/s measured, RTT "
+                  f"{self.links[workers]['rtt_us']:.0f} us", flush=True)
+        return self.open[workers].mpirun_command([sys.executable, "-u", *argv])
+
+
 def train(args):
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     done = {run_key(r) for r in load_runs(args.out)}
@@ -205,38 +286,51 @@ def train(args):
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     worker = os.path.join(HERE, "steps_worker.py")
+    timed = args.rate is not None
     # seeds outermost: a partial benchmark has every method for the first seeds
-    for seed in args.seeds:
-        for workload in args.workloads:
-            for workers in args.workers:
-                for method in args.methods:
-                    if (workload, workers, method, seed) in done:
-                        continue
-                    steps = args.steps or SETTINGS[workload]["steps"]
-                    tag = f"{workload}_np{workers}_{method}_s{seed}"
-                    result = os.path.join(args.out, "logs", tag + ".json")
-                    command = launching.mpirun_command(workers, launching.python_argv([
-                        worker, "--workload", SETTINGS[workload].get("model", workload),
-                        "--label", workload, "--method", method, "--seed", str(seed),
-                        "--steps", str(steps), "--eval-every", str(SETTINGS[workload]["eval_every"]),
-                        "--options", json.dumps(options_for(workload, method, steps)),
-                        "--json", result]), yield_when_idle=True)
-                    finished = launching.run_bounded(command, env, args.timeout)
-                    with open(os.path.join(args.out, "logs", tag + ".log"), "w") as f:
-                        f.write(finished.output)
-                    if finished.returncode != 0 or not os.path.exists(result):
-                        print(f"[bench] {tag}: FAILED (exit {finished.returncode}, "
-                              f"timed out: {finished.timed_out}); log in {args.out}/logs",
-                              flush=True)
-                        continue
-                    with open(result) as f:
-                        run = json.load(f)
-                    run["commit"] = git_head()
-                    with open(os.path.join(args.out, "runs.jsonl"), "a") as f:
-                        f.write(json.dumps(run) + "\n")
-                    print(f"[bench] {tag}: final val loss {run['curve'][-1]['val_loss']:.4f}, "
-                          f"bytes {run['bytes_fraction']:.4f} of dense, identical replicas "
-                          f"{run['replicas_identical']}, {finished.seconds:.0f} s", flush=True)
+    with Clusters(args.rate, args.delay) as clusters:
+        for seed in args.seeds:
+            for workload in args.workloads:
+                for workers in args.workers:
+                    for method in args.methods:
+                        if (workload, workers, args.rate, method, seed) in done:
+                            continue
+                        steps = args.steps or SETTINGS[workload]["steps"]
+                        tag = f"{workload}_np{workers}_{method}_s{seed}"
+                        if timed:
+                            tag += f"_{args.rate}"
+                        result = os.path.join(args.out, "logs", tag + ".json")
+                        command = clusters.command(workers, [
+                            worker, "--workload", SETTINGS[workload].get("model", workload),
+                            "--label", workload, "--method", method, "--seed", str(seed),
+                            "--steps", str(steps),
+                            "--eval-every", str(SETTINGS[workload]["eval_every"]),
+                            "--exchange", "library" if timed else "allgather",
+                            "--options", json.dumps(options_for(workload, method, steps)),
+                            "--json", result])
+                        load = wait_for_idle(args.max_load, args.load_wait) if timed else None
+                        finished = launching.run_bounded(command, env, args.timeout)
+                        with open(os.path.join(args.out, "logs", tag + ".log"), "w") as f:
+                            f.write(finished.output)
+                        if finished.returncode != 0 or not os.path.exists(result):
+                            print(f"[bench] {tag}: FAILED (exit {finished.returncode}, "
+                                  f"timed out: {finished.timed_out}); log in {args.out}/logs",
+                                  flush=True)
+                            continue
+                        with open(result) as f:
+                            run = json.load(f)
+                        run["commit"] = git_head()
+                        if timed:
+                            run.update(link=args.rate, link_measured=clusters.links[workers],
+                                       load_before=load, max_load=args.max_load)
+                        with open(os.path.join(args.out, "runs.jsonl"), "a") as f:
+                            f.write(json.dumps(run) + "\n")
+                        print(f"[bench] {tag}: final val loss "
+                              f"{run['curve'][-1]['val_loss']:.4f}, bytes "
+                              f"{run['bytes_fraction']:.4f} of dense, identical replicas "
+                              f"{run['replicas_identical']}, training {run['train_seconds']:.0f} s"
+                              f"{'' if load is None else f', load before {load:.2f}'}, "
+                              f"{finished.seconds:.0f} s", flush=True)
 
 
 # ---- the target rule ---------------------------------------------------------------------------
@@ -272,13 +366,40 @@ def steps_to(curve, target):
     return None
 
 
+def seconds_at(curve, step):
+    """The training seconds (cumulative, evaluations left out) at ``step``, interpolated between
+    the evaluations around it; None for a curve without timings."""
+    points = [(p["step"], p["train_seconds"]) for p in curve if "train_seconds" in p]
+    if not points:
+        return None
+    points = [(0, 0.0)] + [p for p in points if p[0] > 0]
+    for (s0, t0), (s1, t1) in zip(points, points[1:]):
+        if s0 <= step <= s1:
+            return t0 + (t1 - t0) * (step - s0) / (s1 - s0)
+    return points[-1][1]
+
+
+def timing_row(mine, target):
+    """A timed method's seconds to ``target`` per seed (a run that never reaches it: its whole
+    training time), its steady-state step and the loads its runs started at."""
+    seconds = []
+    for r in mine:
+        s = steps_to(r["curve"], target)
+        seconds.append(seconds_at(r["curve"], r["steps"] if s is None else s))
+    return {"seconds_to_target": seconds,
+            "seconds_to_target_mean": statistics.mean(seconds),
+            "median_step_seconds": statistics.mean(r["median_step_seconds"] for r in mine),
+            "loads_before": [r.get("load_before") for r in mine],
+            "decisions": [r.get("exchange_decisions") for r in mine]}
+
+
 def summarise(runs):
     """Per (workload, workers): the target and each method's ratios, final losses and bytes."""
     groups = {}
     for run in runs:
-        groups.setdefault((run["workload"], run["workers"]), []).append(run)
+        groups.setdefault((run["workload"], run["workers"], run.get("link") or ""), []).append(run)
     summary = []
-    for (workload, workers), members in sorted(groups.items()):
+    for (workload, workers, link), members in sorted(groups.items()):
         dense = [r for r in members if r["method"] == "dense"]
         if not dense:
             continue
@@ -317,10 +438,21 @@ def summarise(runs):
                 <= max(dense_final) + 1e-12,
                 "bytes_fraction": statistics.mean(r["bytes_fraction"] for r in mine),
                 "replicas_identical": all(r["replicas_identical"] for r in mine),
+                **(timing_row(mine, target) if link else {}),
             })
-        summary.append({"workload": workload, "workers": workers, "steps": dense[0]["steps"],
+        if link:
+            dense_seconds = next(r for r in rows if r["method"] == "dense")["seconds_to_target_mean"]
+            for row in rows:
+                row["speedup_vs_dense"] = dense_seconds / row["seconds_to_target_mean"]
+        loads = [r.get("load_before") for r in members if r.get("load_before") is not None]
+        summary.append({"workload": workload, "workers": workers, "link": link or None,
+                        "link_measured": members[0].get("link_measured"),
+                        "steps": dense[0]["steps"],
                         "target_step": half, "target_loss": target,
                         "dense_final_min": min(dense_final), "dense_final_max": max(dense_final),
+                        "max_load_before": max(loads) if loads else None,
+                        "publishable": all(r.get("load_before", 0) <= r.get("max_load", 1e9)
+                                           for r in members),
                         "rows": rows})
     return summary
 
@@ -328,24 +460,50 @@ def summarise(runs):
 def markdown(summary):
     lines = []
     for group in summary:
+        link = group["link"]
+        title = f"### {group['workload']}, {group['workers']} workers, {group['steps']} steps"
+        if link:
+            measured = group["link_measured"] or {}
+            title += (f", {link} links (measured {measured.get('throughput_mbit', 0):,.0f} Mbit/s, "
+                      f"RTT {measured.get('rtt_us', 0):.0f} us)")
         lines += [
-            f"### {group['workload']}, {group['workers']} workers, {group['steps']} steps",
+            title,
             "",
             f"Target: dense's smoothed validation loss at step {group['target_step']:.0f}, "
             f"{group['target_loss']:.4f} (mean of dense's seeds). Dense's final loss over the "
             f"seeds: {group['dense_final_min']:.4f}-{group['dense_final_max']:.4f}.",
             "",
-            "| method | steps ratio, mean (per seed) | final val loss, mean (min-max) | "
-            "dense's step at that loss | final accuracy | bytes / dense | identical replicas |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
+        if link:
+            lines += [
+                f"The load average before the runs was at most {group['max_load_before']:.2f}"
+                f"{'' if group['publishable'] else ' (above the limit: NOT publishable)'}. "
+                "The sparse runs use the library's default exchange (`auto`).", "",
+                "| method | time to target, mean (per seed) | speed-up vs dense | "
+                "steps ratio, mean (per seed) | steady step | final val loss, mean "
+                "(min-max) | bytes / dense | exchanges chosen |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        else:
+            lines += ["| method | steps ratio, mean (per seed) | final val loss, mean (min-max) | "
+                      "dense's step at that loss | final accuracy | bytes / dense | identical "
+                      "replicas |",
+                      "| --- | --- | --- | --- | --- | --- | --- |"]
         for row in group["rows"]:
             per_seed = ", ".join(f"{r:.2f}" for r in row["ratios"])
             missed = f", {row['never_reached']} never reached" if row["never_reached"] else ""
+            ratio = f"{row['ratio_mean']:.2f} ({per_seed}{missed})"
+            final = (f"{row['final_loss_mean']:.4f} ({row['final_loss_min']:.4f}-"
+                     f"{row['final_loss_max']:.4f})")
+            if link:
+                seconds = ", ".join(f"{t:.0f}" for t in row["seconds_to_target"])
+                lines.append(
+                    f"| {row['method']} | {row['seconds_to_target_mean']:.0f} s ({seconds}) | "
+                    f"{row['speedup_vs_dense']:.2f}x | {ratio} | "
+                    f"{row['median_step_seconds'] * 1e3:.0f} ms | {final} | "
+                    f"{row['bytes_fraction']:.4f} | {chosen_exchanges(row['decisions'])} |")
+                continue
             lines.append(
-                f"| {row['method']} | {row['ratio_mean']:.2f} ({per_seed}{missed}) | "
-                f"{row['final_loss_mean']:.4f} ({row['final_loss_min']:.4f}-"
-                f"{row['final_loss_max']:.4f}) | "
+                f"| {row['method']} | {ratio} | {final} | "
                 f"{'-' if row['dense_step_at_final_loss'] is None else format(row['dense_step_at_final_loss'], '.0f')} | "
                 f"{row['final_accuracy_mean']:.4f} | "
                 f"{row['bytes_fraction']:.4f} | {row['replicas_identical']} |")
@@ -354,6 +512,16 @@ def markdown(summary):
     seen = dict.fromkeys(r["method"] for g in summary for r in g["rows"])
     lines += [f"- `{m}`: {METHODS.get(m, ('?', None))[0]}" for m in seen]
     return "\n".join(lines) + "\n"
+
+
+def chosen_exchanges(decisions):
+    """auto's choices over a method's runs, e.g. ``dense@1 allgather@200`` per seed; ``-``
+    where the method made none (dense, or an explicit exchange)."""
+    per_run = []
+    for run in decisions or []:
+        if run:
+            per_run.append(" ".join(f"{choice}@{step}" for step, _, choice in run))
+    return "; ".join(per_run) if per_run else "-"
 
 
 def plot(runs, summary, path):
@@ -365,15 +533,16 @@ def plot(runs, summary, path):
     fig, axes = plt.subplots(1, len(summary), figsize=(5.5 * len(summary), 4), squeeze=False)
     for ax, group in zip(axes[0], summary):
         for row in group["rows"]:
-            mine = [r for r in runs if (r["workload"], r["workers"], r["method"])
-                    == (group["workload"], group["workers"], row["method"])]
+            mine = [r for r in runs if (r["workload"], r["workers"], r.get("link"), r["method"])
+                    == (group["workload"], group["workers"], group["link"], row["method"])]
             steps, _ = smoothed(mine[0]["curve"])
             mean = [statistics.mean(smoothed(r["curve"])[1][i] for r in mine)
                     for i in range(len(steps))]
             ax.plot(steps, mean, label=f"{row['method']} ({row['ratio_mean']:.2f})")
         ax.axhline(group["target_loss"], color="grey", lw=0.8, ls="--")
         ax.axvline(group["target_step"], color="grey", lw=0.8, ls=":")
-        ax.set_title(f"{group['workload']}, {group['workers']} workers")
+        ax.set_title(f"{group['workload']}, {group['workers']} workers"
+                     + (f", {group['link']}" if group["link"] else ""))
         ax.set_xlabel("step")
         ax.set_ylabel("validation loss (smoothed, mean of seeds)")
         low = group["target_loss"]
@@ -383,31 +552,36 @@ def plot(runs, summary, path):
     fig.savefig(path, dpi=110)
 
 
-def report(out, publish):
+def report(out, publish, name="steps_to_loss"):
     runs = load_runs(out)
     summary = summarise(runs)
     text = markdown(summary)
     print(text)
     if publish:
+        loaded = [f"{g['workload']} x{g['workers']} {g['link']}" for g in summary
+                  if not g["publishable"]]
+        if loaded:
+            raise SystemExit(f"not published: runs of {', '.join(loaded)} started on a loaded "
+                             "machine (above --max-load); re-run them")
         os.makedirs(publish, exist_ok=True)
-        with open(os.path.join(publish, "steps_to_loss.md"), "w") as f:
+        with open(os.path.join(publish, name + ".md"), "w") as f:
             f.write(text)
         commits = sorted({r.get("commit") for r in runs if r.get("commit")})
-        with open(os.path.join(publish, "steps_to_loss.json"), "w") as f:
+        with open(os.path.join(publish, name + ".json"), "w") as f:
             json.dump({"commits": commits, "summary": summary, "runs": runs}, f, indent=1)
             f.write("\n")
-        plot(runs, summary, os.path.join(publish, "steps_to_loss.png"))
+        plot(runs, summary, os.path.join(publish, name + ".png"))
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.report:
-        report(args.report, args.publish)
+        report(args.report, args.publish, args.name)
         return 0
     started = time.time()
     train(args)
     print(f"[bench] all runs in {time.time() - started:.0f} s", flush=True)
-    report(args.out, args.publish)
+    report(args.out, args.publish, args.name)
     return 0
 
 

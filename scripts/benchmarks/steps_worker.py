@@ -40,6 +40,10 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=16, help="per worker")
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="TF threads per worker")
+    parser.add_argument("--exchange", default="allgather",
+                        help="the wrapper's default exchange: 'allgather' (what the sparse "
+                             "exchange does step for step) or 'library' (the library's own "
+                             "default, exchange='auto', as a user's run gets it)")
     parser.add_argument("--json", required=True)
     return parser.parse_args(argv)
 
@@ -70,8 +74,9 @@ def main(argv=None):
     import sparse_hvd.selection.defaults
 
     # what the sparse exchange does step for step: exchange="auto" (the default) would pick by
-    # this machine's speed, and may pick dense
-    sparse_hvd.selection.defaults.EXCHANGE = "allgather"
+    # this machine's speed, and may pick dense; timed runs (--exchange library) keep it
+    if args.exchange != "library":
+        sparse_hvd.selection.defaults.EXCHANGE = args.exchange
 
     hvd = sparse_hvd.init()
     import keras
@@ -132,17 +137,20 @@ def main(argv=None):
         loss, acc = validation()
         curve.append({"step": 0, "val_loss": loss, "val_accuracy": acc})
     train_seconds = 0.0
+    step_seconds = []
     for step in range(1, args.steps + 1):
         x, y = data.sample(rng, args.batch_size)
         t0 = time.perf_counter()
         loss = float(train_step(tf.constant(x), tf.constant(y.astype("int32"))))
-        train_seconds += time.perf_counter() - t0
+        step_seconds.append(time.perf_counter() - t0)
+        train_seconds += step_seconds[-1]
         if not np.isfinite(loss):
             raise SystemExit(f"rank {rank}: training loss is {loss} at step {step}")
         if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
             val_loss, acc = validation()
+            # train_seconds: the training time so far, evaluations left out
             curve.append({"step": step, "val_loss": val_loss, "val_accuracy": acc,
-                          "train_loss": loss})
+                          "train_loss": loss, "train_seconds": train_seconds})
             print(f"[steps_worker] {args.workload} {args.method} x{size} seed {args.seed} "
                   f"step {step}: val loss {val_loss:.4f}, acc {acc:.4f}", flush=True)
 
@@ -150,7 +158,10 @@ def main(argv=None):
     stats = sparse.communication_stats() if sparse is not None else None
     digest = hashlib.sha256(b"".join(np.ascontiguousarray(v.numpy()).tobytes()
                                      for v in variables)).hexdigest()
-    mine = {"stats": stats, "digest": digest, "train_seconds": train_seconds}
+    mine = {"stats": stats, "digest": digest, "train_seconds": train_seconds,
+            # the steady state: the second half of the run (a dense warm-up, traces, trials
+            # and the first steps fall in the first)
+            "median_step_seconds": float(np.median(step_seconds[len(step_seconds) // 2:]))}
     everyone = hvd.allgather_object(mine, name="steps.results") if size > 1 else [mine]
     if rank == 0:
         if sparse is None:
@@ -175,6 +186,10 @@ def main(argv=None):
             "layer_stats": sparse.layer_stats() if sparse is not None else None,
             "replicas_identical": len({r["digest"] for r in everyone}) == 1,
             "train_seconds": train_seconds,
+            "median_step_seconds": float(np.median([r["median_step_seconds"] for r in everyone])),
+            "exchange": args.exchange,
+            "exchange_decisions": (getattr(sparse, "exchange_decisions", None)
+                                   if sparse is not None else None),
             "seconds": time.perf_counter() - started,
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
