@@ -69,6 +69,19 @@ def test_auto_takes_the_fastest_and_dense_unless_a_sparse_exchange_clearly_wins(
     assert decide([2.0, 2.0], ["sparse_allreduce", "allgather"]) == 1
 
 
+def test_the_dense_margin_is_1_5x_and_the_old_one_can_be_set_back(monkeypatch):
+    """A sparse step 1.3x faster than dense's (the compute-bound LSTM's, about) runs dense; the
+    README's way back to the previous margin (DENSE_WITHIN = 0.2) picks the sparse one."""
+    import sparse_hvd.steps.measured as measured
+
+    names = ["allgather", "dense"]
+    assert measured.DENSE_WITHIN == 0.5
+    assert names[decide([1.0, 1.3], names)] == "dense"
+    assert names[decide([1.0, 1.6], names)] == "allgather"
+    monkeypatch.setattr(measured, "DENSE_WITHIN", 0.2)
+    assert names[decide([1.0, 1.3], names)] == "allgather"
+
+
 def test_auto_tries_again_each_time_the_warmup_halves_the_density():
     import math
 
