@@ -104,6 +104,9 @@ METHODS = {
     "default": ("SparseDistributedOptimizer(opt, density=0.01): the library's defaults (the "
                 "warm-up and one budget for the whole model)", {"density": 0.01}),
     "default_0.001": ("the defaults at density=0.001", {"density": 0.001}),
+    "default_margin_1.2": ("the defaults with auto's previous dense margin: a sparse step must "
+                           "be 1.2x faster than dense's, not 1.5x (DENSE_WITHIN = 0.2)",
+                           {"density": 0.01, "dense_within": 0.2}),
     "per_layer": ("the warm-up with a budget per layer (budget='layer': the previous default)",
                   {"density": 0.01, "budget": "layer"}),
     "per_layer_0.001": ("the previous default at 0.1%", {"density": 0.001, "budget": "layer"}),
@@ -199,13 +202,17 @@ def options_for(workload, method, steps):
         return {"inner": inner, "wrapper": None}
     wrapper = json.loads(json.dumps(wrapper))
     inner.update(wrapper.pop("inner", {}))
+    dense_within = wrapper.pop("dense_within", None)
     density = wrapper.get("density")
     if isinstance(density, dict):
         config = density["config"]
         for key in ("warmup_steps", "dense_steps"):
             if key in config:
                 config[key] = resolve_steps(config[key], steps)
-    return {"inner": inner, "wrapper": {"name": f"sparse_{method.replace('.', '_')}", **wrapper}}
+    options = {"inner": inner, "wrapper": {"name": f"sparse_{method.replace('.', '_')}", **wrapper}}
+    if dense_within is not None:
+        options["dense_within"] = dense_within  # auto's margin (steps.measured.DENSE_WITHIN)
+    return options
 
 
 def git_head():

@@ -89,6 +89,10 @@ def main(argv=None):
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     rank, size = sparse_hvd.rank(), sparse_hvd.size()
     options = json.loads(args.options)
+    if "dense_within" in options:  # auto's dense margin, read at each decision
+        import sparse_hvd.steps.measured
+
+        sparse_hvd.steps.measured.DENSE_WITHIN = options["dense_within"]
     workload = WORKLOADS[args.workload]
     data = workload.load(rank, size)
 
