@@ -24,7 +24,7 @@ Before the first trial the steps run dense (``first_mode``).
    faster than dense's by more than ``DENSE_WITHIN`` (1.5x): a sparse run needs more steps to
    the same loss (the default's steps ratio: 0.94-1.07 on a CNN, 1.40-1.78 on a character
    LSTM, ``docs/steps_to_loss.md``), and on shared cores a trial's medians are noisy (in one
-   run dense's ranged 0.18-0.28 s a step over five trials), so a step that is only a little
+   run dense's ranged 0.18-0.33 s a step over five trials), so a step that is only a little
    cheaper finishes later. With a margin of 1.2 the LSTM at 4 workers on 1 Gbit/s links,
    whose sparse step is at best about 1.2x cheaper, reached dense's loss 0.81x as fast as
    dense (trial noise picked sparse phases); where a sparse exchange pays, on a link slower
