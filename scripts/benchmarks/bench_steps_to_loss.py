@@ -550,12 +550,18 @@ def plot(runs, summary, path):
             steps, _ = smoothed(mine[0]["curve"])
             mean = [statistics.mean(smoothed(r["curve"])[1][i] for r in mine)
                     for i in range(len(steps))]
-            ax.plot(steps, mean, label=f"{row['method']} ({row['ratio_mean']:.2f})")
+            if group["link"]:  # timed runs: against the training time, the mean over seeds
+                x = [statistics.mean(seconds_at(r["curve"], s) for r in mine) for s in steps]
+                label = f"{row['method']} ({row['speedup_vs_dense']:.2f}x dense's speed)"
+            else:
+                x, label = steps, f"{row['method']} ({row['ratio_mean']:.2f})"
+            ax.plot(x, mean, label=label)
         ax.axhline(group["target_loss"], color="grey", lw=0.8, ls="--")
-        ax.axvline(group["target_step"], color="grey", lw=0.8, ls=":")
+        if not group["link"]:
+            ax.axvline(group["target_step"], color="grey", lw=0.8, ls=":")
         ax.set_title(f"{group['workload']}, {group['workers']} workers"
                      + (f", {group['link']}" if group["link"] else ""))
-        ax.set_xlabel("step")
+        ax.set_xlabel("training seconds" if group["link"] else "step")
         ax.set_ylabel("validation loss (smoothed, mean of seeds)")
         low = group["target_loss"]
         ax.set_ylim(low * 0.7, low * 2.5)
