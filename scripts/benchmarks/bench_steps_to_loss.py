@@ -490,7 +490,9 @@ def markdown(summary):
             lines += [
                 f"The load average before the runs was at most {group['max_load_before']:.2f}"
                 f"{'' if group['publishable'] else ' (above the limit: NOT publishable)'}. "
-                "The sparse runs use the library's default exchange (`auto`).", "",
+                "The sparse runs use the library's default exchange (`auto`). Replicas "
+                "bit-identical at the end of every run: "
+                f"{all(r['replicas_identical'] for r in group['rows'])}.", "",
                 "| method | time to target, mean (per seed) | speed-up vs dense | "
                 "steps ratio, mean (per seed) | steady step | final val loss, mean "
                 "(min-max) | bytes / dense | exchanges chosen |",
