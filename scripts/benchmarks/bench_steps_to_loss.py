@@ -104,6 +104,8 @@ METHODS = {
     "default": ("SparseDistributedOptimizer(opt, density=0.01): the library's defaults (the "
                 "warm-up and one budget for the whole model)", {"density": 0.01}),
     "default_0.001": ("the defaults at density=0.001", {"density": 0.001}),
+    "default_no_warmup": ("the defaults without the warm-up (warmup_steps=0): 1% from the first "
+                          "step", {"density": 0.01, "warmup_steps": 0}),
     "default_margin_1.2": ("the defaults with auto's previous dense margin: a sparse step must "
                            "be 1.2x faster than dense's, not 1.5x (DENSE_WITHIN = 0.2)",
                            {"density": 0.01, "dense_within": 0.2}),
