@@ -409,6 +409,13 @@ class EmulatedCluster:
         """Median round-trip seconds of a 1-byte TCP ping-pong between workers ``a`` and ``b``."""
         return _measure_rtt(self.exec_prefix(b), self.exec_prefix(a), self.addresses[b], count, timeout)
 
+    def measured_link(self):
+        """:meth:`describe` plus the link as measured: one TCP stream's throughput (Mbit/s, over
+        a quarter second's worth of the configured rate, at least 8 MiB) and the median RTT."""
+        nbytes = max(8 << 20, int((self.rate or 0) / 8 * 0.25))
+        return {**self.describe(), "throughput_mbit": self.measure_throughput(nbytes=nbytes) / 1e6,
+                "rtt_us": self.measure_rtt() * 1e6}
+
     def describe(self):
         """A dict for JSON outputs: the model, the settings and what was really applied."""
         return {

@@ -110,6 +110,15 @@ class Finished(NamedTuple):
     timed_out: bool
 
 
+def wait_for_idle(max_load: float, wait_seconds: float, poll: float = 10.0) -> float:
+    """Before a timed job: wait (at most ``wait_seconds``) for the 1-minute load average to
+    fall to ``max_load``; the load average it got to."""
+    deadline = time.monotonic() + wait_seconds
+    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
+        time.sleep(poll)
+    return os.getloadavg()[0]
+
+
 def run_bounded(command, env, timeout) -> Finished:
     """Run ``command`` in a session of its own; after ``timeout`` seconds kill the whole
     session (the launcher and every rank it started), so that a hang ends as a failure."""

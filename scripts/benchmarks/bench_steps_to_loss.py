@@ -244,15 +244,6 @@ def load_runs(out):
     return list(runs.values())
 
 
-def wait_for_idle(max_load, wait_seconds):
-    """Wait (at most ``wait_seconds``) for the 1-minute load average to fall to ``max_load``;
-    the load it got to."""
-    deadline = time.monotonic() + wait_seconds
-    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
-        time.sleep(10)
-    return os.getloadavg()[0]
-
-
 class Clusters:
     """One emulated cluster per worker count, built when first needed, torn down on exit
     (``--rate``); without ``--rate`` the jobs run on this machine's loopback."""
@@ -283,10 +274,7 @@ class Clusters:
             cluster = ec.EmulatedCluster(workers, rate=self.rate, delay=self.delay)
             cluster.setup()
             self.open[workers] = cluster
-            throughput = cluster.measure_throughput(
-                nbytes=max(8 << 20, int(ec.parse_rate(self.rate) / 8 * 0.25)))
-            self.links[workers] = {**cluster.describe(), "throughput_mbit": throughput / 1e6,
-                                   "rtt_us": cluster.measure_rtt() * 1e6}
+            self.links[workers] = cluster.measured_link()
             print(f"[bench] {workers} workers on {self.rate} links: "
                   f"{self.links[workers]['throughput_mbit']:,.0f} Mbit/s measured, RTT "
                   f"{self.links[workers]['rtt_us']:.0f} us", flush=True)
@@ -322,7 +310,8 @@ def train(args):
                             "--exchange", "library" if timed else "allgather",
                             "--options", json.dumps(options_for(workload, method, steps)),
                             "--json", result])
-                        load = wait_for_idle(args.max_load, args.load_wait) if timed else None
+                        load = (launching.wait_for_idle(args.max_load, args.load_wait) if timed
+                                else None)
                         finished = launching.run_bounded(command, env, args.timeout)
                         with open(os.path.join(args.out, "logs", tag + ".log"), "w") as f:
                             f.write(finished.output)

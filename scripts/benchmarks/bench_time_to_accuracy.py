@@ -86,6 +86,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # scripts/: launching, emulated_cluster
 
 import emulated_cluster as ec  # noqa: E402  (standard library only)
+import launching  # noqa: E402
 from tta_worker import METHODS  # noqa: E402  (no heavy imports at module level)
 
 WORKER = os.path.join(HERE, "tta_worker.py")
@@ -522,12 +523,8 @@ def plot(configs, out_dir):
 
 
 def wait_for_idle(max_load, wait_seconds):
-    """Wait (at most ``wait_seconds``) for the 1-minute load average to drop to ``max_load``;
-    return the load average it started with (printed)."""
-    deadline = time.monotonic() + wait_seconds
-    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
-        time.sleep(10)
-    load = os.getloadavg()[0]
+    """``launching.wait_for_idle``, and the load average it got to printed (and returned)."""
+    load = launching.wait_for_idle(max_load, wait_seconds)
     print(f"[bench] load average before the runs: {load:.2f}"
           f"{'' if load <= max_load else f' (above --max-load {max_load}: not publishable)'}",
           flush=True)
@@ -571,10 +568,7 @@ def main(argv=None):
             timing = None
             with (cluster_cm if cluster_cm is not None else _nullcontext()) as cluster:
                 if cluster is not None:
-                    throughput = cluster.measure_throughput(nbytes=max(8 << 20, int(ec.parse_rate(rate) / 8 * 0.25)))
-                    rtt = cluster.measure_rtt()
-                    link = {**cluster.describe(), "throughput_mbit": throughput / 1e6,
-                            "rtt_us": rtt * 1e6}
+                    link = cluster.measured_link()
                 else:
                     throughput, rtt = ec.measure_loopback()
                     link = {"model": "unshaped loopback (not root or no namespaces)",
