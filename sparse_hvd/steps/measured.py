@@ -18,7 +18,14 @@ Before the first trial the steps run dense (``first_mode``).
    see), as the mean over the ranks, so every rank holds the same numbers. A candidate whose
    timed step takes over ``ABORT_AFTER`` x the fastest median so far ends its turn there.
    Not worth trying (``worth_trying``): a sparse candidate whose bytes on the wire alone, at
-   the trial's density, cannot beat dense by ``DENSE_WITHIN``.
+   the trial's density, cannot beat dense by ``DENSE_WITHIN``. Dense's steps also time its
+   exchange, from its gradients' existence to its averages', on every rank: the rank that
+   reached the collective last waited only for the transfer, so the step less its time is
+   the step's compute, which no exchange removes (``sparse_can_win``). Where dense's step is
+   within ``DENSE_WITHIN`` of its compute (a fast link, or a model whose compute outweighs
+   its gradients' bytes) no sparse exchange can win: the trial ends with dense's turn, and
+   the sparse candidates are never traced or run (on the character LSTM at 1 Gbit/s their
+   traces and trial steps made the first 20 steps 2x dense's).
 2. **Decision**, in the trial's last step, on every rank at once, by one rule on the same
    numbers: the fastest median, except that dense wins unless a sparse exchange's step is
    faster than dense's by more than ``DENSE_WITHIN`` (1.5x): a sparse run needs more steps to
@@ -143,6 +150,13 @@ def worth_trying(plans, density, value_bytes) -> List[bool]:
     return keep if any(keep) else [True] * len(plans)
 
 
+def sparse_can_win(step_seconds, compute_seconds) -> bool:
+    """Whether some exchange could make dense's step (``step_seconds``, of which
+    ``compute_seconds`` are not its exchange) faster by more than ``DENSE_WITHIN``: at best a
+    sparse step costs the compute alone."""
+    return step_seconds > (1 + DENSE_WITHIN) * compute_seconds
+
+
 def decide(seconds, names) -> int:
     """Step 2: the index of the chosen candidate given each one's time (seconds)."""
     fastest = min(range(len(names)), key=lambda i: (seconds[i], names[i]))
@@ -164,6 +178,8 @@ class MeasuredChoiceStep(SynchronousStep):
         # is traced with that plan alone (``traced_choice``); FIRST: the plan steps run
         # before the first trial (the index is known once the optimizer is built)
         self.traced = None
+        self.dense_index = None  # dense's plan, when it is a candidate
+        self._exchange_seconds = None  # in a trace: the exchange's time in the step being made
 
     def choose_among(self, candidates, routes):
         """Make the plans (at build, once the routes are fixed); with one worker or one
@@ -175,6 +191,8 @@ class MeasuredChoiceStep(SynchronousStep):
         for plan in self.plans[1:]:
             plan.exchange.build(opt, plan.routes)
         count = len(self.plans)
+        names = [plan.name for plan in self.plans]
+        self.dense_index = names.index("dense") if "dense" in names else None
         policy = opt.density_policy
         settled = int(getattr(policy, "warmup_steps", 0) or 0)
         value_bytes = 2 if opt._compression.half is not None else max(
@@ -197,6 +215,9 @@ class MeasuredChoiceStep(SynchronousStep):
             self.gates = tf.constant(gates, tf.bool)
             self.samples = tf.Variable(tf.zeros([count, TRIAL_STEPS - 1], tf.float64),
                                        trainable=False, name="auto_samples")
+            # dense's timed steps less the exchange of the rank that reached it last
+            self.computes = tf.Variable(tf.zeros([TRIAL_STEPS - 1], tf.float64),
+                                        trainable=False, name="auto_dense_compute")
             # which candidates the next trial runs, in the order of ``order``: dense first,
             # so that a sparse candidate far slower than it can end its turn early
             self.trying = tf.Variable(gates[0], trainable=False, name="auto_trying")
@@ -268,21 +289,28 @@ class MeasuredChoiceStep(SynchronousStep):
             put_off = tf.logical_and(in_trial, tf.not_equal(candidate, index))
             self.trial_start.assign_add(tf.cast(put_off, tf.int64))
             in_trial = tf.logical_and(in_trial, tf.logical_not(put_off))
+        ended, exchanged = ended
         elapsed = ended - self.last_end  # the whole step: since the previous step's end
         self.last_end.assign(ended)
-        tf.cond(in_trial, lambda: self._time(elapsed, phase, length, candidate), lambda: None)
+        tf.cond(in_trial, lambda: self._time(elapsed, exchanged, phase, length, candidate),
+                lambda: None)
         self.steps.assign_add(1)
         self.next_branch.assign(self._due()[-1])
 
-    def _time(self, elapsed, phase, length, candidate):
+    def _time(self, elapsed, exchanged, phase, length, candidate):
         """Step 1's timing of one trial step, and step 2 at the trial's end. A candidate whose
         timed step takes over ``ABORT_AFTER`` x the fastest median so far ends its turn there
         (its step's time stands for all its samples): at the warm-up's high densities a sparse
-        step can take several times dense's, and a trial ran each for ``TRIAL_STEPS`` steps."""
+        step can take several times dense's, and a trial ran each for ``TRIAL_STEPS`` steps.
+        At the end of dense's turn, a trial no sparse exchange can win ends (step 1)."""
         opt = self.optimizer
-        # the mean over the ranks: every rank records the same numbers and decides alike
-        elapsed = collectives.allreduce(tf.reshape(elapsed, [1]), name=f"{opt._prefix}.auto.step",
-                                        process_set=opt.process_set, step=self.steps)[0]
+        # every rank's step and exchange times: every rank records the same numbers (the step's
+        # mean, the step less the shortest exchange) and decides alike
+        times = collectives.allgather(tf.reshape(tf.stack([elapsed, exchanged]), [1, 2]),
+                                      name=f"{opt._prefix}.auto.step",
+                                      process_set=opt.process_set, step=self.steps)
+        elapsed = tf.reduce_mean(times[:, 0])
+        compute = elapsed - tf.reduce_min(times[:, 1])
         slot = tf.cast(tf.math.floormod(phase, TRIAL_STEPS), tf.int32) - 1
         last_slot = TRIAL_STEPS - 2
         timed = slot >= 0
@@ -303,7 +331,25 @@ class MeasuredChoiceStep(SynchronousStep):
         self.best.assign(tf.where(turn_done, tf.minimum(self.best, median), self.best))
         trial_done = tf.logical_and(
             turn_done, tf.equal(phase + tf.cast(skipped, tf.int64), length - 1))
-        tf.cond(trial_done, self._decide, lambda: None)
+        hopeless = tf.constant(False)
+        if self.dense_index is not None:
+            is_dense = tf.equal(candidate, self.dense_index)
+            computes = tf.tensor_scatter_nd_update(self.computes, [[tf.maximum(slot, 0)]],
+                                                   [compute])
+
+            def record_compute():
+                self.computes.assign(computes)
+
+            tf.cond(tf.logical_and(timed, is_dense), record_compute, lambda: None)
+            compute = tf.sort(computes)[(TRIAL_STEPS - 1) // 2]
+            hopeless = tf.cond(
+                tf.logical_and(turn_done, is_dense),
+                lambda: tf.reshape(tf.numpy_function(
+                    lambda whole, work: np.bool_(not sparse_can_win(float(whole), float(work))),
+                    [median, compute], tf.bool, stateful=False), []),
+                lambda: tf.constant(False))
+        tf.cond(tf.logical_or(trial_done, hopeless), lambda: self._decide(hopeless),
+                lambda: None)
 
     def _branch(self, plan, grads_and_vars):
         """The step with ``plan``'s exchange, ending in its timestamp. A plan with routes for
@@ -313,35 +359,61 @@ class MeasuredChoiceStep(SynchronousStep):
             opt = self.optimizer
             saved = opt._exchange, opt._routes
             opt._exchange, opt._routes = plan.exchange, routes
+            self._exchange_seconds = None
             try:
-                return SynchronousStep.run(self, grads_and_vars)
+                went_ahead = SynchronousStep.run(self, grads_and_vars)
             finally:
                 opt._exchange, opt._routes = saved
+            exchanged, self._exchange_seconds = self._exchange_seconds, None
+            if exchanged is None:  # no exchange ran (nothing to time)
+                exchanged = tf.constant(0.0, tf.float64)
+            return went_ahead, exchanged
 
         def run_plan():
             if plan.clear_routes is None:
-                went_ahead = run_with(plan.routes)
+                went_ahead, exchanged = run_with(plan.routes)
                 written = self.clear.assign(
                     tf.logical_and(went_ahead, not plan.exchange.sends_selections))
             else:
-                went_ahead = tf.cond(self.clear, lambda: run_with(plan.clear_routes),
-                                     lambda: run_with(plan.routes))
+                went_ahead, exchanged = tf.cond(self.clear, lambda: run_with(plan.clear_routes),
+                                                lambda: run_with(plan.routes))
                 written = self.clear.assign(tf.logical_or(self.clear, went_ahead))
             # an explicit edge: after lowering, nothing else orders the step's end after its
             # writes (``went_ahead`` exists only once they are done)
             with tf.control_dependencies([written]):
-                return tf.timestamp()
+                return tf.timestamp(), exchanged
         return run_plan
 
-    def _decide(self):
-        """Step 2 and the next trial's start (step 3)."""
+    def exchange(self, payload, gradients):
+        """Step 4, timed on this rank from its gradients' existence to its averages' (read by
+        ``_branch``'s step, in whose trace this runs)."""
+        present = [t for t in tf.nest.flatten(gradients, expand_composites=True)
+                   if t is not None]
+        with tf.control_dependencies(present):
+            began = tf.timestamp()
+        with tf.control_dependencies([began]):
+            averaged = super().exchange(payload, gradients)
+        done = [t for t in tf.nest.flatten(averaged.gradients, expand_composites=True)
+                if t is not None] + [averaged.finite]
+        with tf.control_dependencies(done):
+            self._exchange_seconds = tf.timestamp() - began
+        return averaged
+
+    def _decide(self, hopeless):
+        """Step 2 and the next trial's start (step 3); ``hopeless``: the trial ended with
+        dense's turn, which only dense ran."""
         medians = tf.sort(self.samples, axis=1)[:, (TRIAL_STEPS - 1) // 2]
         self.best.assign(np.inf)
-        medians = tf.where(self.trying, medians, tf.constant(np.inf, tf.float64))
+        trying = self.trying
+        if self.dense_index is not None:
+            trying = tf.where(hopeless, tf.equal(tf.range(len(self.plans)), self.dense_index),
+                              trying)
+        medians = tf.where(trying, medians, tf.constant(np.inf, tf.float64))
         names = [plan.name for plan in self.plans]
+        compute = tf.sort(self.computes)[(TRIAL_STEPS - 1) // 2]
         choice = tf.numpy_function(
-            lambda seconds, step: self._decided(seconds, step, names),
-            [medians, self.steps], tf.int32, stateful=True)
+            lambda seconds, step, work, alone: self._decided(seconds, step, names, work, alone),
+            [medians, self.steps, compute, hopeless], tf.int32, stateful=True)
         self.choice.assign(tf.reshape(choice, []))
         upcoming = tf.boolean_mask(self.warmup_trials, self.warmup_trials > self.steps)
         following = tf.cond(tf.size(upcoming) > 0, lambda: upcoming[0],
@@ -351,7 +423,7 @@ class MeasuredChoiceStep(SynchronousStep):
         # halves a sparse step's exchange at most, so one over ``PRUNE_AFTER`` x the fastest
         # cannot win the next trial (dense's step does not change); the warm-up's last trial
         # and the later ones forget what was pruned
-        slow = tf.logical_and(self.trying, medians > PRUNE_AFTER * tf.reduce_min(medians))
+        slow = tf.logical_and(trying, medians > PRUNE_AFTER * tf.reduce_min(medians))
         pruning = tf.size(upcoming) > 1  # the next trial is in the warm-up, not its last
         pruned = tf.logical_and(tf.logical_or(self.pruned, slow), pruning)
         self.pruned.assign(pruned)
@@ -359,13 +431,21 @@ class MeasuredChoiceStep(SynchronousStep):
         row = tf.maximum(tf.reduce_sum(tf.cast(self.gate_starts <= following, tf.int32)) - 1, 0)
         self.trying.assign(tf.logical_and(tf.logical_not(pruned), self.gates[row]))
 
-    def _decided(self, seconds, step, names):
+    def _decided(self, seconds, step, names, compute, alone):
         """Step 2 on the host: the choice (the same on every rank: same numbers, one rule),
-        recorded, and logged by rank 0."""
+        recorded, and logged by rank 0 with dense's compute (``compute``) and, when only dense
+        ran (``alone``), why."""
         choice = decide([float(s) for s in seconds], names)
         times = {name: float(s) for name, s in zip(names, seconds) if np.isfinite(s)}
         self.decisions.append((int(step), times, names[choice]))
         if runtime.rank(self.optimizer.process_set) == 0:
-            log.info("exchange='auto' at step %d: %s (median ms a step: %s)", int(step),
-                     names[choice], ", ".join(f"{n} {t * 1e3:.1f}" for n, t in times.items()))
+            why = ""
+            if alone:
+                why = (f"; {compute * 1e3:.1f} ms of dense's step are compute, so no exchange "
+                       f"can make it {1 + DENSE_WITHIN:g}x faster: the others were not tried")
+            elif "dense" in times:
+                why = f"; dense's compute {compute * 1e3:.1f}"
+            log.info("exchange='auto' at step %d: %s (median ms a step: %s%s)", int(step),
+                     names[choice], ", ".join(f"{n} {t * 1e3:.1f}" for n, t in times.items()),
+                     why)
         return np.int32(choice)

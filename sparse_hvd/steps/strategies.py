@@ -52,8 +52,7 @@ class SynchronousStep:
         with tf.name_scope("sparse_exchange"):
             payload = preparation.make_payload(opt, grads_and_vars)  # Steps 1-3
             with watchdog.one_wait():  # one watched wait for all of the step's collectives
-                averaged = opt._exchange.average(payload, opt._num_elements(),  # Step 4
-                                                 step=opt.iterations)
+                averaged = self.exchange(payload, [g for g, _ in grads_and_vars])  # Step 4
             grads, state_updates = preparation.inner_gradients(opt, payload, averaged.gradients,
                                                                variables)
             opt._counters.record(payload, opt._exchange.bytes_sent(payload, opt._num_elements()))
@@ -73,6 +72,12 @@ class SynchronousStep:
             return tf.constant(False)
 
         return nonfinite.guard(opt.nonfinite, averaged.finite, go_ahead, skip)  # Step 5
+
+    def exchange(self, payload, gradients):
+        """Step 4: the exchange's averages of ``payload`` (``gradients``: the step's own, for
+        a subclass that times the exchange from the moment they exist)."""
+        opt = self.optimizer
+        return opt._exchange.average(payload, opt._num_elements(), step=opt.iterations)
 
     def current_exchange(self):
         """The exchange the steps run now (``exchange="auto"`` switches it)."""

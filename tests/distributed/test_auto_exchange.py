@@ -18,9 +18,10 @@ STEPS = 1 + CANDIDATES * measured.TRIAL_STEPS + 3  # step 0, the trial, then the
 
 @pytest.fixture(autouse=True)
 def whole_turns(monkeypatch):
-    """No candidate ends its turn early (the schedules below are closed-form) unless a test
-    sets ``ABORT_AFTER`` itself."""
+    """No candidate ends its turn early and no trial ends with dense's turn (the schedules
+    below are closed-form) unless a test sets ``ABORT_AFTER`` or ``sparse_can_win`` itself."""
     monkeypatch.setattr(measured, "ABORT_AFTER", np.inf)
+    monkeypatch.setattr(measured, "sparse_can_win", lambda step, compute: True)
 
 
 def train(name, steps, momentum_correction=0.0, compression="none", density=0.05,
@@ -201,6 +202,42 @@ def test_a_candidate_far_slower_than_the_best_ends_its_turn(hvd, monkeypatch):
                       name="auto_abort.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
     _same_everywhere(hvd, weights, "auto_abort")
+    _conservation(hvd, optimizer, weights, steps, "none")
+
+
+@pytest.mark.parametrize("per_mode", [False, True])
+def test_a_trial_no_sparse_exchange_can_win_ends_with_dense(hvd, monkeypatch, per_mode):
+    """Where dense's compute leaves no room for the margin (``sparse_can_win`` False) the trial
+    ends with dense's turn: decided in its last step (step 4), dense alone timed, dense running
+    after it, and (``per_mode``) no function ever traced for a sparse candidate. Dense's
+    compute (its step less the shortest exchange of any rank) was recorded for each timed step:
+    positive and under the step; the same numbers on every rank."""
+    seen = []
+
+    def hopeless(step, compute):
+        seen.append((step, compute))
+        return False
+
+    monkeypatch.setattr(measured, "sparse_can_win", hopeless)
+    steps = 1 + measured.TRIAL_STEPS + 3
+    name = f"auto_hopeless_{per_mode}"
+    optimizer, weights, stats = train(name, steps, per_mode=per_mode)
+    step = optimizer._step
+    names = [p.name for p in step.plans]
+    assert optimizer.exchange_decisions == [
+        (measured.TRIAL_STEPS, {"dense": pytest.approx(np.median(step.samples.numpy()[
+            names.index("dense")]))}, "dense")]
+    assert len(seen) == 1  # asked once, at the end of dense's turn
+    dense_steps, computes = step.samples.numpy()[names.index("dense")], step.computes.numpy()
+    assert np.all(computes > 0) and np.all(computes < dense_steps), (computes, dense_steps)
+    assert seen[0] == pytest.approx((np.median(dense_steps), np.median(computes)))
+    assert all(s[next(iter(s))]["exchange"] == "dense" for s in stats)
+    if per_mode:  # dense's function alone
+        assert sorted(optimizer.functions) == [names.index("dense")]
+    everyone = gather(hvd, (optimizer.exchange_decisions, computes.tolist()),
+                      name=f"{name}.decisions")
+    assert all(e == everyone[0] for e in everyone), everyone
+    _same_everywhere(hvd, weights, name)
     _conservation(hvd, optimizer, weights, steps, "none")
 
 
