@@ -167,6 +167,20 @@ def decide(seconds, names) -> int:
     return fastest
 
 
+def _tensors_of(gradients) -> list:
+    """The tensors that make up ``gradients`` (a list of tensors, ``IndexedSlices`` or None):
+    a row-sparse gradient's values and indices. Not ``tf.nest.flatten(...,
+    expand_composites=True)``: an ``IndexedSlices`` whose ``dense_shape`` is a Python tuple (as
+    Keras makes them) has no type spec to expand."""
+    tensors = []
+    for gradient in gradients:
+        if isinstance(gradient, tf.IndexedSlices):
+            tensors += [gradient.values, gradient.indices]
+        elif gradient is not None:
+            tensors.append(gradient)
+    return tensors
+
+
 class MeasuredChoiceStep(SynchronousStep):
     """A synchronous step that runs the candidate exchange the trials timed fastest."""
 
@@ -386,15 +400,14 @@ class MeasuredChoiceStep(SynchronousStep):
 
     def exchange(self, payload, gradients):
         """Step 4, timed on this rank from its gradients' existence to its averages' (read by
-        ``_branch``'s step, in whose trace this runs)."""
-        present = [t for t in tf.nest.flatten(gradients, expand_composites=True)
-                   if t is not None]
-        with tf.control_dependencies(present):
+        ``_branch``'s step, in whose trace this runs); with nothing to choose, untimed."""
+        if len(self.plans) < 2:
+            return super().exchange(payload, gradients)
+        with tf.control_dependencies(_tensors_of(gradients)):
             began = tf.timestamp()
         with tf.control_dependencies([began]):
             averaged = super().exchange(payload, gradients)
-        done = [t for t in tf.nest.flatten(averaged.gradients, expand_composites=True)
-                if t is not None] + [averaged.finite]
+        done = _tensors_of(averaged.gradients) + [averaged.finite]
         with tf.control_dependencies(done):
             self._exchange_seconds = tf.timestamp() - began
         return averaged
