@@ -48,6 +48,9 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+FIRST_STEPS_KEPT = 60  # the JSON keeps rank 0's time of each of the first steps
+
+
 def learning_rate(keras, peak, steps):
     """Linear warm-up over the first 5% of the steps, then cosine decay to 0."""
     warmup = max(1, steps // 20)
@@ -191,6 +194,8 @@ def main(argv=None):
             "replicas_identical": len({r["digest"] for r in everyone}) == 1,
             "train_seconds": train_seconds,
             "median_step_seconds": float(np.median([r["median_step_seconds"] for r in everyone])),
+            # rank 0's first steps one by one: where a run's start-up (traces, trials) goes
+            "first_step_seconds": [round(s, 4) for s in step_seconds[:FIRST_STEPS_KEPT]],
             "exchange": args.exchange,
             "exchange_decisions": (getattr(sparse, "exchange_decisions", None)
                                    if sparse is not None else None),
