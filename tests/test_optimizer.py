@@ -184,6 +184,20 @@ def test_indexed_slices_gradients_of_an_embedding_are_sparsified(mode):
     np.testing.assert_allclose(embedding.embeddings.numpy().ravel(), expected, rtol=1e-6)
 
 
+@pytest.mark.convergence_defaults  # the default exchange, "auto", whose timer met them
+def test_row_gradients_whose_shape_is_a_python_tuple_are_applied_as_rows():
+    """Keras builds row gradients with ``dense_shape`` a tuple (its own optimizer tests do); the
+    default exchange's timer once passed them to ``tf.nest.flatten(...,
+    expand_composites=True)``, which fails on them."""
+    table = keras.Variable(np.zeros((30, 4), "float32"))  # 120 entries: dense route
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(1.0))
+    values = np.arange(12, dtype="float32").reshape(3, 4)
+    optimizer.apply_gradients([(tf.IndexedSlices(tf.constant(values), (2, 7, 7), (30, 4)), table)])
+    expected = np.zeros((30, 4), "float32")
+    np.add.at(expected, [2, 7, 7], -values)
+    np.testing.assert_array_equal(table.numpy(), expected)
+
+
 def test_variables_not_given_at_build_are_refused():
     a = keras.Variable(np.zeros(SHAPE, "float32"))
     b = keras.Variable(np.zeros(SHAPE, "float32"))
