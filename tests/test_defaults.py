@@ -33,14 +33,14 @@ def _sent_per_step(optimizer, variable, steps, seed=0):
 
 
 @pytest.mark.convergence_defaults
-def test_a_numeric_density_warms_up_from_25_percent_over_200_steps():
+def test_a_numeric_density_warms_up_from_10_percent_over_200_steps():
     variable = keras.Variable(np.zeros(SHAPE, "float32"))
     optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), density=0.01)
     assert isinstance(optimizer.density_policy, WarmupDensity)
     assert optimizer.warmup_steps == 200
     sent = _sent_per_step(optimizer, variable, 4)
     assert sent == [_warmup_k(t, 0.01, 10_000) for t in range(4)]
-    assert sent[0] == 2500
+    assert sent[0] == 1000
     assert optimizer.density == 0.01  # the density it settles at
 
 
@@ -56,11 +56,12 @@ def test_warmup_steps_zero_keeps_the_density_constant_from_the_first_step():
 @pytest.mark.convergence_defaults
 def test_resolution_of_density_and_warmup_steps():
     assert resolve_density(0.01, None).get_config() == {
-        "density": 0.01, "initial_density": 0.25, "warmup_steps": 200}
+        "density": 0.01, "initial_density": 0.1, "warmup_steps": 200}
     assert resolve_density(0.001, 50).get_config()["warmup_steps"] == 50
     assert type(resolve_density(0.01, 0)) is ConstantDensity
     # a density at or above the warm-up's start needs none
-    assert type(resolve_density(0.25, None)) is ConstantDensity
+    assert type(resolve_density(0.1, None)) is ConstantDensity
+    assert resolve_density(0.099, None).get_config()["initial_density"] == 0.1
     assert type(resolve_density(1.0, None)) is ConstantDensity
     policy = DenseStart(0.01, dense_steps=5)
     assert resolve_density(policy, None) is policy  # a policy is used as given
@@ -75,9 +76,14 @@ def test_the_resolved_warmup_round_trips_and_an_old_config_keeps_its_constant_de
     config = optimizer.get_config()
     assert config["warmup_steps"] == 200
     assert config["density"] == {"class_name": "warmup", "config": {
-        "density": 0.01, "initial_density": 0.25, "warmup_steps": 200}}
+        "density": 0.01, "initial_density": 0.1, "warmup_steps": 200}}
     again = sparse_hvd.SparseDistributedOptimizer.from_config(config)
     assert again.density_policy.get_config() == optimizer.density_policy.get_config()
+    # written when the warm-up started at 25%: it reloads as it ran
+    older = dict(config, density={"class_name": "warmup", "config": {
+        "density": 0.01, "initial_density": 0.25, "warmup_steps": 200}})
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(
+        older).density_policy.get_config()["initial_density"] == 0.25
     # written before the warm-up default existed: no warmup_steps key, a float density
     old = dict(config, density=0.01)
     del old["warmup_steps"]

@@ -104,6 +104,10 @@ METHODS = {
     "default": ("SparseDistributedOptimizer(opt, density=0.01): the library's defaults (the "
                 "warm-up and one budget for the whole model)", {"density": 0.01}),
     "default_0.001": ("the defaults at density=0.001", {"density": 0.001}),
+    "default_warmup_25": ("the defaults with the previous release's warm-up start: 25% -> 1% "
+                          "over 200 steps (WarmupDensity(0.01, 0.25, 200))",
+                          {"density": {"class_name": "warmup", "config": {
+                              "density": 0.01, "initial_density": 0.25, "warmup_steps": 200}}}),
     "default_no_warmup": ("the defaults without the warm-up (warmup_steps=0): 1% from the first "
                           "step", {"density": 0.01, "warmup_steps": 0}),
     "default_margin_1.2": ("the defaults with auto's previous dense margin: a sparse step must "
