@@ -35,7 +35,7 @@ Before the first trial the steps run dense (``first_mode``).
    cheaper finishes later. With a margin of 1.2 the LSTM at 4 workers on 1 Gbit/s links,
    whose sparse step is at best about 1.2x cheaper, reached dense's loss 0.81x as fast as
    dense (trial noise picked sparse phases); where a sparse exchange pays, on a link slower
-   than the compute, its step is 2.6-4x cheaper (``docs/time_to_loss.md``).
+   than the compute, its step is 2.6-4x cheaper (``docs/time_to_loss_previous.md``).
    Rank 0 logs the times and the choice.
 3. **Re-trials**, since the link and the density can change: during a warm-up, each time the
    density has halved since the last trial (``warmup_trials``: from 25% to 1% a sparse
