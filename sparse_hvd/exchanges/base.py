@@ -298,9 +298,10 @@ class Exchange:
     def slices_average(self, slices: Sequence[tf.IndexedSlices], keys: Sequence[int], step=None):
         """Average row-sparse gradients (embeddings) over workers, keeping them row-sparse.
 
-        The rows every rank sent are gathered (values and indices, one allgather each, named by
-        ``keys``) and the values divided by the number of workers; rows sent by several ranks
-        stay repeated, and the inner optimizer sums them, as it does within one rank. So the
+        The rows every rank sent (each once: ``feedback.preparation.as_rows`` combines a rank's
+        repeats) are gathered (values and indices, one allgather each, named by ``keys``) and
+        the values divided by the number of workers; rows sent by several ranks stay
+        repeated, and the inner optimizer sums them, as it does within one rank. So the
         inner optimizer sees ``IndexedSlices`` exactly as it would without sparse_hvd (some
         optimizers, Adam among them, update only the rows present).
         """

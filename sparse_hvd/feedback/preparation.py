@@ -28,9 +28,24 @@ def with_tensor_parts(grad):
     return grad
 
 
-def as_rows(grad: tf.IndexedSlices, variable) -> tf.IndexedSlices:
-    """A row-sparse gradient with values in the variable's dtype."""
-    return tf.IndexedSlices(tf.cast(grad.values, variable.dtype), grad.indices, grad.dense_shape)
+def as_rows(grad: tf.IndexedSlices, variable, combine=False) -> tf.IndexedSlices:
+    """A row-sparse gradient with values in the variable's dtype; with ``combine``, each row
+    once, the sum of its repeats (in the order the rows first appear).
+
+    An embedding's gradient has a row per lookup, so a batch of 16 sequences of 64 characters
+    sends 1,024 rows of a 97-row table: 10x the table's bytes, gathered from every rank each
+    step. Combined, a rank sends at most the table. The inner optimizer sums repeated rows as
+    it receives them, so it applies the same sums; only the order of the additions differs,
+    which is why one worker (no exchange) leaves the rows as Keras made them. Every rank
+    receives the same combined rows, so the replicas stay identical (on a GPU the sum of a
+    row's repeats may add in another order from run to run, as Keras' own scatter-add of
+    repeated rows does)."""
+    values = tf.cast(grad.values, variable.dtype)
+    if not combine:
+        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+    rows, where = tf.unique(grad.indices)
+    return tf.IndexedSlices(tf.math.unsorted_segment_sum(values, where, tf.size(rows)), rows,
+                            grad.dense_shape)
 
 
 def as_dense(grad, variable) -> tf.Tensor:
@@ -56,6 +71,7 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
     if opt._exchange.per_layer:
         order = reversed(order)
     prepared = []  # (position, index, route, rows, gradient as it travels)
+    workers = runtime.size(opt.process_set)
     for position in order:
         grad, variable = grads_and_vars[position]
         index = opt._get_variable_index(variable)
@@ -63,7 +79,7 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
         rows = (keep_rows and isinstance(grad, tf.IndexedSlices) and not route.sparse
                 and not route.flushed and not opt.momentum_correction)
         grad = opt._loss_scaling.unscale(
-            as_rows(grad, variable) if rows else as_dense(grad, variable))
+            as_rows(grad, variable, combine=workers > 1) if rows else as_dense(grad, variable))
         opt.density_policy.gradient_ready(index, grad.values if rows else grad)
         prepared.append((position, index, route, rows, grad))
     if opt.clipping == "local":

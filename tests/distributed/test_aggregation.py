@@ -222,6 +222,33 @@ def test_embedding_rows_on_the_dense_route_are_averaged_as_rows(hvd):
 
 
 
+def test_an_embeddings_repeated_rows_travel_once_per_rank(hvd):
+    """A row looked up several times in a batch is one row per lookup in Keras' gradient; each
+    rank sends it once, the sum of its repeats (bytes counted as sent), and the table gets the
+    mean over ranks of every lookup's gradient; replicas identical."""
+    rank, size = hvd.rank(), hvd.size()
+    table = keras.Variable(np.zeros((30, 4), "float32"))  # 120 entries: dense route
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(1.0),
+                                                      name="repeated_rows")
+
+    def lookups(r):  # row r three times, row 7 twice, row 20 once
+        indices = np.array([r, 7, r, 20, 7, r], "int32")
+        values = (np.arange(24, dtype="float32").reshape(6, 4) + 1) * (r + 1)
+        return indices, values
+
+    indices, values = lookups(rank)
+    optimizer.apply_gradients([(tf.IndexedSlices(tf.constant(values), tf.constant(indices),
+                                                 (30, 4)), table)])
+    expected = np.zeros((30, 4), "float64")
+    for r in range(size):
+        i, v = lookups(r)
+        np.add.at(expected, i, -v.astype("float64") / size)
+    np.testing.assert_allclose(table.numpy(), expected, rtol=1e-6)
+    rows = len(set(indices.tolist()))  # 3: r, 7 and 20 (the rank tests run at under 7 ranks)
+    assert optimizer.communication_stats()["bytes_sent"] == rows * (4 * 4 + 4)
+    assert len(set(gather(hvd, digest([table.numpy()]), name="repeated_rows.digest"))) == 1
+
+
 @pytest.mark.convergence_defaults
 @pytest.mark.parametrize("budget", ["layer", "model"])
 def test_the_default_warmup_and_a_model_wide_budget_apply_the_mean_of_every_selection(hvd, budget):
