@@ -38,11 +38,12 @@ Before the first trial the steps run dense (``first_mode``).
    than the compute, its step is 2.6-4x cheaper (``docs/time_to_loss_previous.md``).
    Rank 0 logs the times and the choice.
 3. **Re-trials**, since the link and the density can change: during a warm-up, each time the
-   density has halved since the last trial (``warmup_trials``: from 25% to 1% a sparse
+   density has halved since the last trial (``warmup_trials``: from 10% to 1% a sparse
    exchange often wins long before the warm-up ends, and a short run is mostly warm-up),
    each of them without the candidates measured over ``PRUNE_AFTER`` x a trial's fastest
-   (on a fast link the sparse exchanges at 25% density took 4-5x dense's step, and four
-   steps of each in every re-trial made a 250-step run 1.7x slower than dense); at the
+   (on a fast link the sparse exchanges at 25% density, the previous warm-up's start, took
+   4-5x dense's step, and four steps of each in every re-trial made a 250-step run 1.7x
+   slower than dense); at the
    density policy's first settled step (the warm-up's end), with every candidate worth
    trying; then every ``RECHECK_STEPS`` steps, the same.
 
