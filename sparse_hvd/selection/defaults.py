@@ -20,8 +20,10 @@ the user says otherwise:
   against 1.485, seeds within 0.012) and at 5% a little above (1.504); with no warm-up at all
   the seeds scatter from 1.514 to 1.633. In time the start matters more than in steps: at 4
   workers the allgather of 25% of the entries moves as many bytes as dense's ring allreduce,
-  so ``exchange="auto"`` ran the warm-up's first ~60 steps dense at dense's price, where 10%
-  moves 0.4x dense's bytes.
+  so ``exchange="auto"`` could only run those steps dense, where 10% moves 0.4x dense's bytes
+  (on this machine's 2 shared cores the 10% allgather's CPU work still made its step about
+  dense's, and auto ran the first ~70 steps dense in two seeds of three:
+  ``docs/time_to_loss.md``).
 * **One budget for the whole model** (``budget``, default :data:`BUDGET` with the grouped
   exchanges): the sum of the variables' k is spent on the largest entries of the whole model
   (``selection.model_budget``), so the same bytes travel, but a layer whose gradient is large

@@ -43,9 +43,8 @@ Before the first trial the steps run dense (``first_mode``).
    each of them without the candidates measured over ``PRUNE_AFTER`` x a trial's fastest
    (on a fast link the sparse exchanges at 25% density, the previous warm-up's start, took
    4-5x dense's step, and four steps of each in every re-trial made a 250-step run 1.7x
-   slower than dense); at the
-   density policy's first settled step (the warm-up's end), with every candidate worth
-   trying; then every ``RECHECK_STEPS`` steps, the same.
+   slower than dense); at the density policy's first settled step (the warm-up's end), with
+   every candidate worth trying; then every ``RECHECK_STEPS`` steps, the same.
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
 exact: the dense candidate sends each sparse-route variable's compensated gradient whole and
