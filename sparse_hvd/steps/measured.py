@@ -167,6 +167,11 @@ def decide(seconds, names) -> int:
     return fastest
 
 
+def _median(samples):
+    """The median of a trial's timed samples (the last axis, ``TRIAL_STEPS - 1`` of them)."""
+    return tf.sort(samples, axis=-1)[..., (TRIAL_STEPS - 1) // 2]
+
+
 def _tensors_of(gradients) -> list:
     """The tensors that make up ``gradients`` (a list of tensors, ``IndexedSlices`` or None):
     a row-sparse gradient's values and indices. Not ``tf.nest.flatten(...,
@@ -341,7 +346,7 @@ class MeasuredChoiceStep(SynchronousStep):
         skipped = tf.where(aborted, last_slot - slot, 0)
         self.trial_start.assign_sub(tf.cast(skipped, tf.int64))
         turn_done = tf.logical_and(timed, tf.equal(slot + skipped, last_slot))
-        median = tf.sort(row)[(TRIAL_STEPS - 1) // 2]
+        median = _median(row)
         self.best.assign(tf.where(turn_done, tf.minimum(self.best, median), self.best))
         trial_done = tf.logical_and(
             turn_done, tf.equal(phase + tf.cast(skipped, tf.int64), length - 1))
@@ -355,7 +360,7 @@ class MeasuredChoiceStep(SynchronousStep):
                 self.computes.assign(computes)
 
             tf.cond(tf.logical_and(timed, is_dense), record_compute, lambda: None)
-            compute = tf.sort(computes)[(TRIAL_STEPS - 1) // 2]
+            compute = _median(computes)
             hopeless = tf.cond(
                 tf.logical_and(turn_done, is_dense),
                 lambda: tf.reshape(tf.numpy_function(
@@ -415,7 +420,7 @@ class MeasuredChoiceStep(SynchronousStep):
     def _decide(self, hopeless):
         """Step 2 and the next trial's start (step 3); ``hopeless``: the trial ended with
         dense's turn, which only dense ran."""
-        medians = tf.sort(self.samples, axis=1)[:, (TRIAL_STEPS - 1) // 2]
+        medians = _median(self.samples)
         self.best.assign(np.inf)
         trying = self.trying
         if self.dense_index is not None:
@@ -423,7 +428,7 @@ class MeasuredChoiceStep(SynchronousStep):
                               trying)
         medians = tf.where(trying, medians, tf.constant(np.inf, tf.float64))
         names = [plan.name for plan in self.plans]
-        compute = tf.sort(self.computes)[(TRIAL_STEPS - 1) // 2]
+        compute = _median(self.computes)
         choice = tf.numpy_function(
             lambda seconds, step, work, alone: self._decided(seconds, step, names, work, alone),
             [medians, self.steps, compute, hopeless], tf.int32, stateful=True)
