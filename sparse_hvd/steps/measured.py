@@ -138,8 +138,9 @@ def worth_trying(plans, density, value_bytes) -> List[bool]:
     Such an exchange cannot win: with the step's compute c and dense's transfer t, it would
     need ``m (c + r t) < c + t`` for the margin m = 1 + DENSE_WITHIN, impossible for a ratio
     r of their bytes at or above 1/m (and its CPU work only adds). Dense's ring allreduce
-    receives ``2 (N - 1) / N`` values per entry. At 8 workers and the warm-up's 25% the allgather moves 2x dense's bytes: it ran at
-    2x dense's step in the first trial of a 250-step run."""
+    receives ``2 (N - 1) / N`` values per entry. At 8 workers and the previous warm-up's 25%
+    the allgather moved 2x dense's bytes: it ran at 2x dense's step in the first trial of a
+    250-step run."""
     workers = plans[0].exchange.size
     dense = 2 * (workers - 1) / workers * value_bytes
     limit = dense / (1 + DENSE_WITHIN)
