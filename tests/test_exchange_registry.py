@@ -10,8 +10,8 @@ from sparse_hvd import checks
 from sparse_hvd.selection.adaptive import AdaptiveDensity
 from sparse_hvd.exchanges.compression import Compression
 from sparse_hvd.selection.density import ConstantDensity
-from sparse_hvd.steps.measured import (DENSE_WITHIN, Plan, decide, sparse_can_win, warmup_trials,
-                                       worth_trying)
+from sparse_hvd.steps.measured import (DENSE_WITHIN, SAVING, Plan, decide, sparse_can_win,
+                                       warmup_trials, within_reach, worth_trying)
 from sparse_hvd.exchanges import available, create, exchange_class, groupings_of, register
 from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 
@@ -93,6 +93,29 @@ def test_no_sparse_candidate_is_tried_where_compute_alone_is_within_the_margin()
     # the bound itself: exactly the margin is not enough, just over it is
     assert not sparse_can_win((1 + DENSE_WITHIN) * 0.1, 0.1)
     assert sparse_can_win((1 + DENSE_WITHIN) * 0.1 + 1e-9, 0.1)
+
+
+def test_auto_tries_what_builds_on_the_allgather_only_where_its_bytes_could_pay():
+    """The bound: the reference's step less the bytes saved, priced at dense's exchange time
+    per byte. 4 workers, 1%: dense receives 6 bytes an entry, the allgather 0.24, the sparse
+    allreduce's lower bound 0.12. The numbers of a trial on 10 Gbit/s links (dense 104.9 ms,
+    its compute 13.9, the allgather 88.4): 1.8 ms saved at most, 86.6 ms, not 1.5x under
+    dense's. On 1 Gbit/s links (dense 336 ms, compute 46.5, the allgather 142.3 at the
+    warm-up's 2.5%, 0.6 against 0.3 bytes): 14.5 ms saved, under the allgather's by 5%."""
+    assert not within_reach(0.12, 0.0884, 0.24, 0.1049, 0.0139, 6.0)
+    assert within_reach(0.3, 0.1423, 0.6, 0.336, 0.0465, 6.0)
+    # closed form at the edges: a bound of exactly dense's step over the margin is out, as is
+    # one exactly the reference's over 1 + SAVING; just under both is in
+    price = (1.0 - 0.5) / 5.0  # 0.1 s per byte of an entry
+    edge = 1.0 / (1 + DENSE_WITHIN)  # the bound that ties the margin
+    assert not within_reach(0.0, edge + 0.2, 2.0, 1.0, 0.5, 5.0)  # bound: edge exactly
+    assert within_reach(0.0, edge + 0.2 - 1e-9, 2.0, 1.0, 0.5, 5.0)
+    tie = 0.3 * (1 + SAVING) / SAVING  # a reference whose step ties the bound at SAVING
+    assert not within_reach(0.0, tie, 3.0, 100.0, 100.0 - 5.0 * price, 5.0)
+    assert within_reach(0.0, tie * (1 - 1e-9), 3.0, 100.0, 100.0 - 5.0 * price, 5.0)
+    # more bytes than the reference never lowers the bound; unknown bytes are always tried
+    assert not within_reach(0.5, 0.1, 0.24, 0.1049, 0.0139, 6.0)
+    assert within_reach(None, 1.0, 0.24, 0.1, 0.0, 6.0)
 
 
 def test_auto_tries_again_each_time_the_warmup_halves_the_density():

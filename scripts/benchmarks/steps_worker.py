@@ -44,6 +44,10 @@ def parse_args(argv=None):
                         help="the wrapper's default exchange: 'allgather' (what the sparse "
                              "exchange does step for step) or 'library' (the library's own "
                              "default, exchange='auto', as a user's run gets it)")
+    parser.add_argument("--trace", choices=("per-exchange", "conditional"), default="per-exchange",
+                        help="exchange='auto''s train step: one function traced per exchange it "
+                             "runs (sparse_hvd.function, the default) or one plain tf.function "
+                             "holding every candidate as a branch of a conditional")
     parser.add_argument("--json", required=True)
     return parser.parse_args(argv)
 
@@ -112,7 +116,12 @@ def main(argv=None):
     allreduce = sparse is None and size > 1
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-    @sparse_hvd.function(optimizer, jit_compile=False)  # auto: traced per exchange it runs
+    if args.trace == "per-exchange":  # auto: traced per exchange it runs
+        decorate = sparse_hvd.function(optimizer, jit_compile=False)
+    else:
+        decorate = tf.function(jit_compile=False)
+
+    @decorate
     def train_step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))

@@ -141,6 +141,9 @@ class Exchange:
     returns_unsent = False
     sends_selections = True
     saves_state = True  # its state (if any) is checkpointed; exchange="auto"'s extras are not
+    # the registered exchange whose per-step work this one does too, and more, to send fewer
+    # bytes: exchange="auto" tries it only where its fewer bytes could pay for that (None: always)
+    builds_on = None
     grouping_reason = ""  # why the other grouping is not registered (for the message)
 
     def __init__(self, name: str, process_set=None, grouping="grouped", compression=None):

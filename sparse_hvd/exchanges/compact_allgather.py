@@ -34,6 +34,7 @@ class CompactAllgather(FusedAllgather):
 
     staleness = False  # the delayed pipeline gathers plain int32 indices on its own thread
     grouping_reason = "its indices are coded as one set over every variable's entries."
+    builds_on = "allgather"  # the fused allgather, plus coding and decoding the indices
 
     def _index_bytes(self, density):
         return (2 + math.log2(1 / density)) / 8  # index_coding's Elias-Fano bits an index

@@ -343,6 +343,9 @@ class SparseAllreduceExchange(FusedAllgather):
 
     staleness = False
     returns_unsent = True
+    # the allgather's selection, plus the split into regions, the owners' sums and their top-k
+    # (measured slower than the allgather's step on this project's machines: issue-12 note)
+    builds_on = "allgather"
 
     def wire_bytes_per_entry(self, density, value_bytes):
         """Ok-Topk's lower bound: 2 (N - 1) / N entries a sent entry (regions, then sums)."""
@@ -388,6 +391,7 @@ class LayerwiseSparseAllreduce(Exchange):
     allgathers (a tiny allreduce when there are none)."""
 
     per_layer = True
+    builds_on = "allgather"
     staleness = False
     returns_unsent = True
 

@@ -25,7 +25,12 @@ Before the first trial the steps run dense (``first_mode``).
    within ``DENSE_WITHIN`` of its compute (a fast link, or a model whose compute outweighs
    its gradients' bytes) no sparse exchange can win: the trial ends with dense's turn, and
    the sparse candidates are never traced or run (on the character LSTM at 1 Gbit/s their
-   traces and trial steps made the first 20 steps 2x dense's).
+   traces and trial steps made the first 20 steps 2x dense's). After dense comes the
+   reference, the exchange the others build on (``Exchange.builds_on``: the coded allgather
+   and the sparse allreduce do the allgather's work and more, to send fewer bytes); at the end
+   of its turn, those that could not become the choice even if their fewer bytes were all
+   they changed (``within_reach``) leave the trial, never traced or run for it (with 4 ranks
+   on 2 cores each trace took 3-6 s: 13 s of a 57 s run on 10 Gbit/s links, where dense won).
 2. **Decision**, in the trial's last step, on every rank at once, by one rule on the same
    numbers: the fastest median, except that dense wins unless a sparse exchange's step is
    faster than dense's by more than ``DENSE_WITHIN`` (1.5x): a sparse run needs more steps to
@@ -71,6 +76,7 @@ DENSE_WITHIN = 0.5  # dense wins unless a sparse exchange's step is faster by mo
 PRUNE_AFTER = 2.0  # a warm-up re-trial skips candidates slower than this x the fastest
 FIRST = -1  # MeasuredChoiceStep.traced: the plan before the first trial
 ABORT_AFTER = 2.0  # a candidate's turn ends at a timed step slower than this x the best so far
+SAVING = 0.05  # a candidate that builds on another is tried only if it could save this share
 
 
 class Plan(NamedTuple):
@@ -132,6 +138,11 @@ def warmup_trials(policy, settled, trial_length) -> List[int]:
         last = low
 
 
+def dense_bytes_per_entry(workers, value_bytes) -> float:
+    """What dense's ring allreduce receives per entry: ``2 (N - 1) / N`` values."""
+    return 2 * (workers - 1) / workers * value_bytes
+
+
 def worth_trying(plans, density, value_bytes) -> List[bool]:
     """Which plans a trial at ``density`` runs: not a sparse exchange whose bytes on the wire
     alone (``Exchange.wire_bytes_per_entry``) are at least dense's over ``1 + DENSE_WITHIN``.
@@ -141,9 +152,7 @@ def worth_trying(plans, density, value_bytes) -> List[bool]:
     receives ``2 (N - 1) / N`` values per entry. At 8 workers and the previous warm-up's 25%
     the allgather moved 2x dense's bytes: it ran at 2x dense's step in the first trial of a
     250-step run."""
-    workers = plans[0].exchange.size
-    dense = 2 * (workers - 1) / workers * value_bytes
-    limit = dense / (1 + DENSE_WITHIN)
+    limit = dense_bytes_per_entry(plans[0].exchange.size, value_bytes) / (1 + DENSE_WITHIN)
     keep = []
     for plan in plans:
         per_entry = plan.exchange.wire_bytes_per_entry(density, value_bytes)  # dense: None
@@ -156,6 +165,29 @@ def sparse_can_win(step_seconds, compute_seconds) -> bool:
     ``compute_seconds`` are not its exchange) faster by more than ``DENSE_WITHIN``: at best a
     sparse step costs the compute alone."""
     return step_seconds > (1 + DENSE_WITHIN) * compute_seconds
+
+
+def within_reach(candidate_bytes, reference_seconds, reference_bytes, dense_seconds,
+                 dense_compute, dense_bytes) -> bool:
+    """Whether a candidate that builds on the reference exchange (``Exchange.builds_on``: its
+    work and more, to send ``candidate_bytes`` per entry of the model instead of
+    ``reference_bytes``) could become the choice, from the trial's medians so far: the
+    reference's step, and dense's step, compute and bytes per entry.
+
+    1. Its step is at least the reference's less what its fewer bytes save on the link,
+       priced at dense's exchange time per byte (``dense_seconds - dense_compute`` over
+       ``dense_bytes``: an over-estimate of the link's cost per byte, since dense's exchange
+       also holds its fixed costs, so the bound errs towards trying).
+    2. It could become the choice only if that bound beats dense by more than
+       ``DENSE_WITHIN`` and the reference by more than ``SAVING``.
+
+    None for a byte count: not known, so within reach."""
+    if None in (candidate_bytes, reference_bytes) or dense_bytes <= 0:
+        return True
+    price = max(dense_seconds - dense_compute, 0.0) / dense_bytes
+    lower = reference_seconds - max(reference_bytes - candidate_bytes, 0.0) * price
+    return (lower * (1 + DENSE_WITHIN) < dense_seconds
+            and lower * (1 + SAVING) < reference_seconds)
 
 
 def decide(seconds, names) -> int:
@@ -199,6 +231,7 @@ class MeasuredChoiceStep(SynchronousStep):
         # before the first trial (the index is known once the optimizer is built)
         self.traced = None
         self.dense_index = None  # dense's plan, when it is a candidate
+        self.reference_index = None  # the plan others build on (``Exchange.builds_on``)
         self._exchange_seconds = None  # in a trace: the exchange's time in the step being made
 
     def choose_among(self, candidates, routes):
@@ -213,18 +246,28 @@ class MeasuredChoiceStep(SynchronousStep):
         count = len(self.plans)
         names = [plan.name for plan in self.plans]
         self.dense_index = names.index("dense") if "dense" in names else None
+        bases = {plan.exchange.builds_on for plan in self.plans} & set(names)
+        # one reference: the plan most others build on (every registered one builds on the
+        # allgather); ties by name, so every rank picks alike
+        reference = min(bases, key=lambda base: (-sum(
+            plan.exchange.builds_on == base for plan in self.plans), base), default=None)
+        self.reference_index = names.index(reference) if reference else None
+        self.bounded = [reference is not None and plan.exchange.builds_on == reference
+                        for plan in self.plans]  # builds on the reference
         policy = opt.density_policy
         settled = int(getattr(policy, "warmup_steps", 0) or 0)
         value_bytes = 2 if opt._compression.half is not None else max(
             [route.itemsize for route in routes if route.sparse], default=4)
+        self.value_bytes = value_bytes
         # eager (also when the first step's trace builds the optimizer), and not optimizer
         # variables: nothing of this is checkpointed
         with tf.init_scope():
             retrials = warmup_trials(policy, settled, count * TRIAL_STEPS)
             # the candidates worth trying at each trial's density (later ones: the last row's)
             starts = [1] + retrials
-            gates = [worth_trying(self.plans, policy.current_density(0, start) if settled
-                                  else policy.final_density, value_bytes) for start in starts]
+            densities = [policy.current_density(0, start) if settled else policy.final_density
+                         for start in starts]
+            gates = [worth_trying(self.plans, density, value_bytes) for density in densities]
             first = self.first_mode()
             self.choice = tf.Variable(first, dtype=tf.int32, trainable=False, name="auto_choice")
             self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="auto_steps")
@@ -233,6 +276,9 @@ class MeasuredChoiceStep(SynchronousStep):
             self.warmup_trials = tf.constant(retrials, tf.int64)
             self.gate_starts = tf.constant(starts, tf.int64)
             self.gates = tf.constant(gates, tf.bool)
+            self.gate_densities = tf.constant(densities, tf.float64)  # each trial's density
+            self.trial_row = tf.Variable(0, dtype=tf.int32, trainable=False,
+                                         name="auto_trial_row")  # the next trial's, in those
             self.samples = tf.Variable(tf.zeros([count, TRIAL_STEPS - 1], tf.float64),
                                        trainable=False, name="auto_samples")
             # dense's timed steps less the exchange of the rank that reached it last
@@ -244,7 +290,9 @@ class MeasuredChoiceStep(SynchronousStep):
             # measured over PRUNE_AFTER x the fastest in a warm-up trial: out until its last
             self.pruned = tf.Variable(tf.zeros([count], tf.bool), trainable=False,
                                       name="auto_pruned")
-            self.order = tf.constant([first] + [i for i in range(count) if i != first],
+            # dense first, then the reference, so that what builds on it can be skipped
+            leading = [first] + [i for i in [self.reference_index] if i not in (None, first)]
+            self.order = tf.constant(leading + [i for i in range(count) if i not in leading],
                                      tf.int32)
             self.best = tf.Variable(np.inf, dtype=tf.float64, trainable=False,
                                     name="auto_best_median")  # the fastest so far in a trial
@@ -349,8 +397,6 @@ class MeasuredChoiceStep(SynchronousStep):
         turn_done = tf.logical_and(timed, tf.equal(slot + skipped, last_slot))
         median = _median(row)
         self.best.assign(tf.where(turn_done, tf.minimum(self.best, median), self.best))
-        trial_done = tf.logical_and(
-            turn_done, tf.equal(phase + tf.cast(skipped, tf.int64), length - 1))
         hopeless = tf.constant(False)
         if self.dense_index is not None:
             is_dense = tf.equal(candidate, self.dense_index)
@@ -368,8 +414,44 @@ class MeasuredChoiceStep(SynchronousStep):
                     lambda whole, work: np.bool_(not sparse_can_win(float(whole), float(work))),
                     [median, compute], tf.bool, stateful=False), []),
                 lambda: tf.constant(False))
+            if any(self.bounded):
+                ends_reference = tf.logical_and(
+                    tf.logical_and(turn_done, tf.equal(candidate, self.reference_index)),
+                    self.trying[self.dense_index])
+                tf.cond(ends_reference, lambda: self._skip_beyond_reach(median), lambda: None)
+                length = tf.cast(tf.reduce_sum(tf.cast(self.trying, tf.int32)) * TRIAL_STEPS,
+                                 tf.int64)
+        trial_done = tf.logical_and(
+            turn_done, tf.equal(phase + tf.cast(skipped, tf.int64), length - 1))
         tf.cond(tf.logical_or(trial_done, hopeless), lambda: self._decide(hopeless),
                 lambda: None)
+
+    def _skip_beyond_reach(self, reference_seconds):
+        """At the end of the reference's turn (dense's came before it): the candidates that
+        build on the reference and cannot become the choice (``within_reach``) leave this
+        trial, so they are neither traced nor run for it."""
+        dense_seconds = _median(self.samples[self.dense_index])
+        compute = _median(self.computes)
+        density = self.gate_densities[self.trial_row]
+        keep = tf.numpy_function(self._within_reach, [reference_seconds, dense_seconds,
+                                                      compute, density], tf.bool,
+                                 stateful=False)
+        self.trying.assign(tf.logical_and(self.trying, tf.reshape(keep, [len(self.plans)])))
+
+    def _within_reach(self, reference_seconds, dense_seconds, compute, density):
+        """``within_reach`` for each plan (host): True for those that do not build on the
+        reference."""
+        density = float(density)
+        dense_bytes = dense_bytes_per_entry(self.plans[0].exchange.size, self.value_bytes)
+
+        def sent(plan):  # per entry of the model, at the trial's density
+            per_entry = plan.exchange.wire_bytes_per_entry(density, self.value_bytes)
+            return None if per_entry is None else density * per_entry
+
+        reference = sent(self.plans[self.reference_index])
+        return np.array([not self.bounded[i] or within_reach(
+            sent(plan), float(reference_seconds), reference, float(dense_seconds),
+            float(compute), dense_bytes) for i, plan in enumerate(self.plans)], np.bool_)
 
     def _branch(self, plan, grads_and_vars):
         """The step with ``plan``'s exchange, ending in its timestamp. A plan with routes for
@@ -448,6 +530,7 @@ class MeasuredChoiceStep(SynchronousStep):
         self.pruned.assign(pruned)
         # and only those whose bytes can win at the next trial's density (``worth_trying``)
         row = tf.maximum(tf.reduce_sum(tf.cast(self.gate_starts <= following, tf.int32)) - 1, 0)
+        self.trial_row.assign(row)
         self.trying.assign(tf.logical_and(tf.logical_not(pruned), self.gates[row]))
 
     def _decided(self, seconds, step, names, compute, alone):
@@ -464,6 +547,9 @@ class MeasuredChoiceStep(SynchronousStep):
                        f"can make it {1 + DENSE_WITHIN:g}x faster: the others were not tried")
             elif "dense" in times:
                 why = f"; dense's compute {compute * 1e3:.1f}"
+            untried = [name for name in names if name not in times]
+            if untried and not alone:
+                why += f"; not tried: {', '.join(untried)}"
             log.info("exchange='auto' at step %d: %s (median ms a step: %s%s)", int(step),
                      names[choice], ", ".join(f"{n} {t * 1e3:.1f}" for n, t in times.items()),
                      why)

@@ -18,10 +18,12 @@ STEPS = 1 + CANDIDATES * measured.TRIAL_STEPS + 3  # step 0, the trial, then the
 
 @pytest.fixture(autouse=True)
 def whole_turns(monkeypatch):
-    """No candidate ends its turn early and no trial ends with dense's turn (the schedules
-    below are closed-form) unless a test sets ``ABORT_AFTER`` or ``sparse_can_win`` itself."""
+    """No candidate ends its turn early, no trial ends with dense's turn and none skips what
+    builds on the allgather (the schedules below are closed-form) unless a test sets
+    ``ABORT_AFTER``, ``sparse_can_win`` or ``within_reach`` itself."""
     monkeypatch.setattr(measured, "ABORT_AFTER", np.inf)
     monkeypatch.setattr(measured, "sparse_can_win", lambda step, compute: True)
+    monkeypatch.setattr(measured, "within_reach", lambda *numbers: True)
 
 
 def train(name, steps, momentum_correction=0.0, compression="none", density=0.05,
@@ -236,6 +238,54 @@ def test_a_trial_no_sparse_exchange_can_win_ends_with_dense(hvd, monkeypatch, pe
         assert sorted(optimizer.functions) == [names.index("dense")]
     everyone = gather(hvd, (optimizer.exchange_decisions, computes.tolist()),
                       name=f"{name}.decisions")
+    assert all(e == everyone[0] for e in everyone), everyone
+    _same_everywhere(hvd, weights, name)
+    _conservation(hvd, optimizer, weights, steps, "none")
+
+
+@pytest.mark.parametrize("per_mode", [False, True])
+def test_what_cannot_beat_the_allgather_by_its_bytes_is_not_tried(hvd, monkeypatch, per_mode):
+    """Where ``within_reach`` says no, the trial is dense's turn and the allgather's (the
+    exchange the others build on), decided in the allgather's last step; the coded allgather
+    and the sparse allreduce are never timed nor (``per_mode``) traced. ``within_reach`` is
+    asked once per candidate that builds on the allgather, at that step, with the trial's
+    own medians: the allgather's and dense's step, dense's compute; the density (5%) priced
+    in each candidate's bytes per entry; the same numbers on every rank."""
+    asked = []
+
+    def beyond(*numbers):
+        asked.append(numbers)
+        return False
+
+    monkeypatch.setattr(measured, "within_reach", beyond)
+    steps = 1 + 2 * measured.TRIAL_STEPS + 3
+    name = f"auto_reach_{per_mode}"
+    optimizer, weights, stats = train(name, steps, per_mode=per_mode)
+    step = optimizer._step
+    names = [p.name for p in step.plans]
+    samples = step.samples.numpy()
+    median = {n: float(np.median(samples[names.index(n)])) for n in ("dense", "allgather")}
+    decided_at, times, choice = optimizer.exchange_decisions[0]
+    assert decided_at == 2 * measured.TRIAL_STEPS and len(optimizer.exchange_decisions) == 1
+    assert times == pytest.approx(median)
+    for skipped in ("compact_allgather", "sparse_allreduce"):
+        assert np.all(samples[names.index(skipped)] == 0), skipped
+    size = hvd.size()
+    dense_bytes = 2 * (size - 1) / size * 4
+    reference = 0.05 * (size - 1) * 8  # the allgather: value and int32 index from each other
+    compute = float(np.median(step.computes.numpy()))
+    # asked in the plans' order; Elias-Fano codes an index in 2 + log2(1 / density) bits
+    expected = {"compact_allgather": 0.05 * (size - 1) * (4 + (2 + np.log2(20)) / 8),
+                "sparse_allreduce": 0.05 * 2 * (size - 1) / size * 8}
+    assert [a[0] for a in asked] == pytest.approx([expected[n] for n in names if n in expected])
+    for numbers in asked:
+        assert numbers[1:] == pytest.approx((median["allgather"], reference, median["dense"],
+                                             compute, dense_bytes))
+    assert all(s[next(iter(s))]["exchange"] == choice for s in stats[decided_at:])
+    if per_mode:  # dense's function and the allgather's alone
+        assert sorted(optimizer.functions) == sorted(
+            [names.index("dense"), names.index("allgather")])
+    everyone = gather(hvd, (optimizer.exchange_decisions, asked), name=f"{name}.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
     _same_everywhere(hvd, weights, name)
     _conservation(hvd, optimizer, weights, steps, "none")
