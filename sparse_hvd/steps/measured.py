@@ -48,7 +48,8 @@ Before the first trial the steps run dense (``first_mode``).
    each of them without the candidates measured over ``PRUNE_AFTER`` x a trial's fastest
    (on a fast link the sparse exchanges at 25% density, the previous warm-up's start, took
    4-5x dense's step, and four steps of each in every re-trial made a 250-step run 1.7x
-   slower than dense); at the density policy's first settled step (the warm-up's end), with
+   slower than dense), and without what builds on a pruned reference and was not tried
+   with it; at the density policy's first settled step (the warm-up's end), with
    every candidate worth trying; then every ``RECHECK_STEPS`` steps, the same.
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
@@ -527,6 +528,13 @@ class MeasuredChoiceStep(SynchronousStep):
         slow = tf.logical_and(trying, medians > PRUNE_AFTER * tf.reduce_min(medians))
         pruning = tf.size(upcoming) > 1  # the next trial is in the warm-up, not its last
         pruned = tf.logical_and(tf.logical_or(self.pruned, slow), pruning)
+        if any(self.bounded):
+            # what builds on a pruned reference and was not tried (``within_reach`` found its
+            # bytes short) goes with it: else the next trial would run those alone, and trace
+            # them, while the reference they cannot beat by much waits for the warm-up's end
+            orphaned = tf.logical_and(tf.constant(self.bounded), tf.logical_not(trying))
+            pruned = tf.logical_or(pruned, tf.logical_and(orphaned,
+                                                          pruned[self.reference_index]))
         self.pruned.assign(pruned)
         # and only those whose bytes can win at the next trial's density (``worth_trying``)
         row = tf.maximum(tf.reduce_sum(tf.cast(self.gate_starts <= following, tf.int32)) - 1, 0)

@@ -291,6 +291,37 @@ def test_what_cannot_beat_the_allgather_by_its_bytes_is_not_tried(hvd, monkeypat
     _conservation(hvd, optimizer, weights, steps, "none")
 
 
+def test_what_builds_on_a_pruned_allgather_is_pruned_with_it(hvd, monkeypatch):
+    """The warm-up of the test above, ``within_reach`` always no and ``PRUNE_AFTER`` 1 (only
+    the fastest of a trial goes on): the first trial is dense's and the allgather's. If the
+    allgather was the slower, what builds on it (untried) is pruned with it and the trial at
+    step 33 is dense's alone; if dense was, the allgather goes on and, with no dense in that
+    trial to price the bytes, so do the others. The warm-up's last trial (80) forgets what
+    was pruned: dense and the allgather again. Every rank decides alike."""
+    import sparse_hvd
+
+    monkeypatch.setattr(measured, "PRUNE_AFTER", 1.0)
+    monkeypatch.setattr(measured, "within_reach", lambda *numbers: False)
+    steps = 96
+    optimizer, weights, _ = train("auto_orphans", steps,
+                                  density=sparse_hvd.WarmupDensity(0.01, 0.16, 80))
+    decisions = optimizer.exchange_decisions
+    first = decisions[0][1]
+    assert set(first) == {"dense", "allgather"}
+    if first["allgather"] > first["dense"]:
+        assert set(decisions[1][1]) == {"dense"}
+    else:
+        assert set(decisions[1][1]) == NAMES - {"dense"}
+    assert set(decisions[2][1]) == {"dense", "allgather"}
+    lengths = [len(d[1]) * measured.TRIAL_STEPS for d in decisions]
+    assert [d[0] for d in decisions] == [start + length - 1
+                                         for start, length in zip((1, 33, 80), lengths)]
+    everyone = gather(hvd, [(d[0], d[2]) for d in decisions], name="auto_orphans.decisions")
+    assert all(e == everyone[0] for e in everyone), everyone
+    _same_everywhere(hvd, weights, "auto_orphans")
+    _conservation(hvd, optimizer, weights, steps, "none")
+
+
 FIT_BATCH, FIT_FEATURES = 4, 2048
 
 
