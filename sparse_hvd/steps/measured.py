@@ -233,6 +233,7 @@ class MeasuredChoiceStep(SynchronousStep):
         self.traced = None
         self.dense_index = None  # dense's plan, when it is a candidate
         self.reference_index = None  # the plan others build on (``Exchange.builds_on``)
+        self.bounded = []  # per plan: whether it builds on the reference
         self._exchange_seconds = None  # in a trace: the exchange's time in the step being made
 
     def choose_among(self, candidates, routes):
@@ -254,7 +255,7 @@ class MeasuredChoiceStep(SynchronousStep):
             plan.exchange.builds_on == base for plan in self.plans), base), default=None)
         self.reference_index = names.index(reference) if reference else None
         self.bounded = [reference is not None and plan.exchange.builds_on == reference
-                        for plan in self.plans]  # builds on the reference
+                        for plan in self.plans]
         policy = opt.density_policy
         settled = int(getattr(policy, "warmup_steps", 0) or 0)
         value_bytes = 2 if opt._compression.half is not None else max(
