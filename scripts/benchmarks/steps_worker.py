@@ -45,7 +45,7 @@ def parse_args(argv=None):
                              "exchange does step for step) or 'library' (the library's own "
                              "default, exchange='auto', as a user's run gets it)")
     parser.add_argument("--trace", choices=("per-exchange", "conditional"), default="per-exchange",
-                        help="exchange='auto''s train step: one function traced per exchange it "
+                        help="with exchange='auto', the train step: one function traced per exchange it "
                              "runs (sparse_hvd.function, the default) or one plain tf.function "
                              "holding every candidate as a branch of a conditional")
     parser.add_argument("--json", required=True)
