@@ -62,13 +62,13 @@ checkpointed: the checkpoint format does not depend on which exchanges were cand
 restored job measures again.
 """
 
-from typing import List, NamedTuple
+from typing import List
 
 import numpy as np
 import tensorflow as tf
 
-from ..exchanges import create
 from ..runtime import collectives, log, startup as runtime
+from .candidates import Plan, dense_bytes_per_entry, plans_for, warmup_trials  # noqa: F401
 from .strategies import SynchronousStep
 
 TRIAL_STEPS = 4  # steps each candidate runs in a trial; the first is not timed
@@ -78,70 +78,6 @@ PRUNE_AFTER = 2.0  # a warm-up re-trial skips candidates slower than this x the 
 FIRST = -1  # MeasuredChoiceStep.traced: the plan before the first trial
 ABORT_AFTER = 2.0  # a candidate's turn ends at a timed step slower than this x the best so far
 SAVING = 0.05  # a candidate that builds on another is tried only if it could save this share
-
-
-class Plan(NamedTuple):
-    """One candidate: its name, its exchange and the routes it runs with; for dense, also
-    the routes once the residuals are clear (None: always ``routes``)."""
-
-    name: str
-    exchange: object
-    routes: list
-    clear_routes: list = None
-
-
-def plans_for(optimizer, candidates, routes) -> List[Plan]:
-    """A plan per candidate, the optimizer's current exchange first. A candidate that sends no
-    selections (dense) runs every sparse route whole (``Route.flushed``)."""
-    plans = [Plan(optimizer._exchange.method, optimizer._exchange, list(routes))]
-    for name in candidates:
-        if name == plans[0].name:
-            continue
-        # names of its own: no collective of one candidate shares a name (and Horovod's
-        # cached response) with another's of other shapes
-        exchange = create(name, optimizer._exchange.grouping, name=f"{optimizer._prefix}.{name}",
-                          process_set=optimizer.process_set,
-                          compression=optimizer._compression)
-        exchange.saves_state = False
-        if exchange.sends_selections:
-            plans.append(Plan(name, exchange, list(routes)))
-            continue
-        flushing = [route._replace(sparse=False, flushed=route.sparse) for route in routes]
-        # once flushed, a residual stays zero (or, with compression, holds the rounding error
-        # that the dense route's own rounding keeps there too): plain dense routes then send
-        # the same; not with momentum correction, whose dense route applies global momentum
-        clear = None if optimizer.momentum_correction else [
-            route._replace(sparse=False) for route in routes]
-        plans.append(Plan(name, exchange, flushing, clear))
-    return plans
-
-
-def warmup_trials(policy, settled, trial_length) -> List[int]:
-    """Step 3's re-trials before ``settled`` (the warm-up's last step, 0 for none): the first
-    steps where the policy's density has halved since the previous trial, each at least two
-    trials' length after the previous one and before the one at ``settled``, which is always
-    made. The warm-up's density does not rise, so each is found by bisection."""
-    if settled <= 0:
-        return []
-    starts, last = [], 1
-    while True:
-        half = policy.current_density(0, last) / 2
-        low, high = last + 2 * trial_length, settled - 2 * trial_length
-        if low > high or policy.current_density(0, high) > half:
-            return starts + [settled]
-        while low < high:  # the first step in [low, high] at or below half
-            middle = (low + high) // 2
-            if policy.current_density(0, middle) <= half:
-                high = middle
-            else:
-                low = middle + 1
-        starts.append(low)
-        last = low
-
-
-def dense_bytes_per_entry(workers, value_bytes) -> float:
-    """What dense's ring allreduce receives per entry: ``2 (N - 1) / N`` values."""
-    return 2 * (workers - 1) / workers * value_bytes
 
 
 def worth_trying(plans, density, value_bytes) -> List[bool]:
@@ -421,8 +357,7 @@ class MeasuredChoiceStep(SynchronousStep):
                     tf.logical_and(turn_done, tf.equal(candidate, self.reference_index)),
                     self.trying[self.dense_index])
                 tf.cond(ends_reference, lambda: self._skip_beyond_reach(median), lambda: None)
-                length = tf.cast(tf.reduce_sum(tf.cast(self.trying, tf.int32)) * TRIAL_STEPS,
-                                 tf.int64)
+                length = tf.math.count_nonzero(self.trying) * TRIAL_STEPS
         trial_done = tf.logical_and(
             turn_done, tf.equal(phase + tf.cast(skipped, tf.int64), length - 1))
         tf.cond(tf.logical_or(trial_done, hopeless), lambda: self._decide(hopeless),
@@ -433,11 +368,9 @@ class MeasuredChoiceStep(SynchronousStep):
         build on the reference and cannot become the choice (``within_reach``) leave this
         trial, so they are neither traced nor run for it."""
         dense_seconds = _median(self.samples[self.dense_index])
-        compute = _median(self.computes)
-        density = self.gate_densities[self.trial_row]
-        keep = tf.numpy_function(self._within_reach, [reference_seconds, dense_seconds,
-                                                      compute, density], tf.bool,
-                                 stateful=False)
+        numbers = [reference_seconds, dense_seconds, _median(self.computes),
+                   self.gate_densities[self.trial_row]]
+        keep = tf.numpy_function(self._within_reach, numbers, tf.bool, stateful=False)
         self.trying.assign(tf.logical_and(self.trying, tf.reshape(keep, [len(self.plans)])))
 
     def _within_reach(self, reference_seconds, dense_seconds, compute, density):
