@@ -42,3 +42,44 @@ def numpy_topk_split(compensated, k):
 
 def weights_of(model):
     return [np.array(w) for w in model.get_weights()]
+
+
+def elias_fano_words(n, k):
+    """int32 words of the Elias-Fano code of k positions among n, by index_coding's module
+    doc in plain integers (an independent reference)."""
+    if k == 0:
+        return 0
+    low = max(0, (n // k).bit_length() - 1)  # floor(log2(n / K)), in integers
+    return -(-k * low // 32) + -(-(k + (n >> low) + 1) // 32)
+
+
+FLOAT_LAYOUTS = {"float32": (32, 8), "float16": (16, 5), "bfloat16": (16, 8)}  # bits, exponent
+
+
+def coded_value_words(raw_bits, counts, dtype_name):
+    """int32 words of value_coding's block for one rank's values given as their raw bits (ints),
+    ``counts[j]`` of them for variable j, by its module doc in plain integers: the per-variable
+    base, then the Rice width that costs least, found by trying every width."""
+    bits, exponent_bits = FLOAT_LAYOUTS[dtype_name]
+    mantissa = bits - 1 - exponent_bits
+    exponents = [(int(b) >> mantissa) & ((1 << exponent_bits) - 1) for b in raw_bits]
+    codes, start = [], 0
+    for count in counts:
+        mine = exponents[start:start + count]
+        start += count
+        nonzero = [e for e in mine if e > 0]
+        base = (min(nonzero) if nonzero else (1 << exponent_bits) - 1) - (0 in mine)
+        codes += [e - base if e > 0 else 0 for e in mine]
+    k = len(codes)
+    cost, width = min((k * w + sum(c >> w for c in codes), w) for w in range(exponent_bits + 1))
+    unary = k + sum(c >> width for c in codes)
+    return -(-k * (bits - exponent_bits) // 32) + -(-k * width // 32) + -(-unary // 32)
+
+
+def raw_bits_of(values, dtype_name):
+    """The bits of a NumPy array of floats in ``dtype_name`` as Python ints."""
+    import tensorflow as tf
+
+    narrow = tf.cast(tf.constant(values), dtype_name)
+    view = tf.int32 if dtype_name == "float32" else tf.uint16
+    return [int(b) & 0xFFFFFFFF for b in tf.bitcast(narrow, view).numpy().reshape(-1)]

@@ -1,5 +1,6 @@
 """Elias-Fano coded indices (sparse_hvd/exchanges/index_coding.py): exact round trips, the
-code's length against its closed form, and the bound of the module doc."""
+code's length against its closed form, and the bound of the module doc; the native kernels'
+path and the TensorFlow ops' give the same words."""
 
 import math
 
@@ -7,6 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import elias_fano_words
+from sparse_hvd import kernels
 from sparse_hvd.exchanges import index_coding
 
 CASES = [  # (space n, entries K)
@@ -24,20 +27,12 @@ def _positions(n, k, seed=0):
     return np.unique(x)
 
 
-def _closed_form_words(n, k):
-    """Words of the code by the module doc's steps, in plain integers."""
-    if k == 0:
-        return 0
-    low = max(0, (n // k).bit_length() - 1)  # floor(log2(n / K)), in integers
-    return -(-k * low // 32) + -(-(k + (n >> low) + 1) // 32)
-
-
 @pytest.mark.parametrize("n,k", CASES)
 def test_positions_come_back_exactly_from_a_code_of_the_closed_form_length(n, k):
     x = _positions(n, k)
     words = index_coding.encode(tf.constant(x, tf.int64), n)
     assert words.dtype == tf.int32
-    assert int(tf.size(words)) == _closed_form_words(n, len(x))
+    assert int(tf.size(words)) == elias_fano_words(n, len(x))
     low, bitmap = index_coding.encoded_words(len(x), n)
     assert int(low) + int(bitmap) == int(tf.size(words))
     np.testing.assert_array_equal(index_coding.decode(words, len(x), n).numpy(), x)
@@ -63,3 +58,46 @@ def test_traced_with_unknown_counts_as_the_exchange_runs_it():
                                           tf.TensorSpec([], tf.int64)])
     words = encode(tf.constant(x))
     np.testing.assert_array_equal(decode(words, tf.constant(len(x), tf.int64)).numpy(), x)
+
+
+def _use(monkeypatch, path):
+    if path == "native" and kernels.encode_positions() is None:
+        pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
+    if path == "tensorflow":
+        monkeypatch.setattr(index_coding.kernels, "encode_positions", lambda: None)
+        monkeypatch.setattr(index_coding.kernels, "decode_positions", lambda: None)
+
+
+@pytest.mark.parametrize("path", ["native", "tensorflow"])
+def test_any_order_in_every_rank_back_in_order_from_the_closed_form_code(monkeypatch, path):
+    """Two variables share the space, the second from position 1,000,000: each rank's
+    positions come back as indices within their variable, rank after rank."""
+    _use(monkeypatch, path)
+    n, second, cases = 4_350_000, 1_000_000, [(4_350, 3), (0, 4), (43_500, 5), (1, 6), (2, 7)]
+    blocks, counts, expected = [], [], []
+    for k, seed in cases:
+        x = _positions(n, k, seed)
+        shuffled = np.random.default_rng(seed).permutation(x)
+        words, order = index_coding.encode_in_any_order(tf.constant(shuffled), n)
+        assert int(tf.size(words)) == elias_fano_words(n, len(x))
+        np.testing.assert_array_equal(shuffled[order.numpy()], x)
+        np.testing.assert_array_equal(words.numpy(), index_coding.encode(tf.constant(x), n).numpy())
+        blocks.append(words)
+        counts.append([int(np.sum(x < second)), int(np.sum(x >= second))])
+        expected.append(np.where(x < second, x, x - second))
+    decoded = index_coding.decode_ranks(tf.concat(blocks, 0), tf.constant(counts), [0, second], n)
+    assert decoded.dtype == tf.int32
+    np.testing.assert_array_equal(decoded.numpy(), np.concatenate(expected))
+
+
+def test_the_native_code_refuses_repeated_or_outside_positions_and_wrong_words(monkeypatch):
+    _use(monkeypatch, "native")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="sent twice"):
+        index_coding.encode_in_any_order(tf.constant([5, 9, 5], tf.int64), 100)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="outside"):
+        index_coding.encode_in_any_order(tf.constant([5, 100], tf.int64), 100)
+    words, _ = index_coding.encode_in_any_order(tf.constant([1, 50, 70], tf.int64), 100)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="words"):
+        index_coding.decode_ranks(words[:-1], tf.constant([[3]]), [0], 100)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="within its variables"):
+        index_coding.decode_ranks(words, tf.constant([[1, 2]]), [0, 60], 100)  # 50 is not >= 60

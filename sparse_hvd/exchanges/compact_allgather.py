@@ -1,21 +1,24 @@
-"""``exchange="compact_allgather"``: the allgather exchange with indices of about 1-1.5 bytes.
+"""``exchange="compact_allgather"``: the allgather exchange in about 4.2 bytes an entry, not 8.
 
-The fused allgather (``fused_allgather``) with one change to its wire format: instead of an
-int32 index per entry, each rank's indices travel Elias-Fano coded (``index_coding``), 1.1
-bytes an entry at 1% and 1.5 at 0.1% instead of 4. The values and everything else are the
-allgather's, so the averages are the same bits.
+The fused allgather (``fused_allgather``) with a coded wire format. Instead of an int32 index
+per entry, each rank's indices travel Elias-Fano coded (``index_coding``): 1.1 bytes an entry
+at 1% and 1.5 at 0.1% instead of 4. Instead of its raw bits, each float32 or 16-bit value
+travels as its sign and mantissa and a Rice-coded exponent (``value_coding``): about 3.1
+bytes a float32, 1.5 a float16. Nothing is rounded, so the averages are the allgather's bits.
 
-1. each selection is put in index order (its values with it; the sum does not depend on the
-   order of one rank's entries, which are distinct);
-2. one index space: variable j's positions are offset by the entries of the variables before
-   it, so the concatenated positions are ascending; they are coded as one set among the space's
-   entries;
-3. after the gather, each rank's block is decoded (its length follows from its entry count,
-   in its header) and the offsets taken off again.
+1. one index space: variable j's positions are offset by the entries of the variables before
+   it; the positions are coded as one set among the space's entries, and each selection is
+   put in index order (its values with it; the sum does not depend on the order of one rank's
+   entries, which are distinct);
+2. each dtype's values are coded in that order, variable after variable; the header carries
+   what their blocks' lengths follow from (``value_coding.header_fields``);
+3. after the gather, every rank's indices are decoded (their lengths follow from the entry
+   counts in the headers) and the offsets taken off again, and every rank's values decoded.
 
-The coding costs CPU work that the saved bytes must pay for: worth it on a slow link, not on a
-fast one. ``exchange="auto"`` times it against the others on the job and picks it only where it
-is faster.
+The coding costs CPU work that the saved bytes must pay for: on CPU it runs as native passes
+(``sparse_hvd/kernels/index_codec.cc``, ``value_codec.cc``; a few nanoseconds an entry), with
+TensorFlow ops on GPU. ``exchange="auto"`` times it against the others on the job and picks it
+only where it is faster.
 """
 
 import math
@@ -23,18 +26,19 @@ import math
 import tensorflow as tf
 
 from ..feedback.payload import INDEX_BYTES
-from . import index_coding
-from .base import register
+from . import index_coding, value_coding
+from .base import group_positions_by_dtype, register
 from .fused_allgather import FusedAllgather
 
 
 @register("compact_allgather", grouping="grouped")
 class CompactAllgather(FusedAllgather):
-    """Steps 1-3 of the module doc around the fused allgather."""
+    """Steps 1-3 of the module doc around the fused allgather (float64 values travel as
+    they are)."""
 
     staleness = False  # the delayed pipeline gathers plain int32 indices on its own thread
     grouping_reason = "its indices are coded as one set over every variable's entries."
-    builds_on = "allgather"  # the fused allgather, plus coding and decoding the indices
+    builds_on = "allgather"  # the fused allgather, plus coding and decoding what it sends
 
     def _index_bytes(self, density):
         return (2 + math.log2(1 / density)) / 8  # index_coding's Elias-Fano bits an index
@@ -42,51 +46,85 @@ class CompactAllgather(FusedAllgather):
     def _pack_indices(self, selections, sizes):
         if not selections:
             return tf.zeros([0], tf.int32), selections
-        offsets = _offsets(sizes)
         positions = tf.concat([tf.cast(s.indices, tf.int64) + offset  # step 2
-                               for s, offset in zip(selections, offsets)], 0)
-        if len({s.values.dtype for s in selections}) == 1:  # step 1 as one sort
-            order = tf.argsort(positions)
-            positions = tf.gather(positions, order)
-            counts = tf.stack([tf.size(s.indices) for s in selections])
-            values = tf.split(tf.gather(tf.concat([s.values for s in selections], 0), order),
-                              counts, num=len(selections))
-            indices = tf.split(positions, counts, num=len(selections))
-            ordered = [s._replace(values=v, indices=tf.cast(i - offset, tf.int32))
-                       for s, v, i, offset in zip(selections, values, indices, offsets)]
-        else:
-            ordered = []
-            for selection in selections:  # step 1, variable by variable
-                order = tf.argsort(selection.indices)
-                ordered.append(selection._replace(indices=tf.gather(selection.indices, order),
-                                                  values=tf.gather(selection.values, order)))
-            positions = tf.concat([tf.cast(s.indices, tf.int64) + offset
-                                   for s, offset in zip(ordered, offsets)], 0)
-        return index_coding.encode(positions, sum(sizes)), ordered
+                               for s, offset in zip(selections, _offsets(sizes))], 0)
+        words, order = index_coding.encode_in_any_order(positions, sum(sizes))
+        # step 1: the variables' ranges of the space do not overlap, so the sorting order
+        # keeps each variable's entries where they were, in its own order
+        counts = tf.stack([tf.size(s.indices) for s in selections])
+        firsts = tf.cumsum(counts, exclusive=True)
+        ordered = []
+        for j, (selection, own) in enumerate(zip(selections, tf.split(order, counts,
+                                                                      num=len(selections)))):
+            own = own - firsts[j]
+            ordered.append(selection._replace(indices=tf.gather(selection.indices, own),
+                                              values=tf.gather(selection.values, own)))
+        return words, ordered
+
+    def _value_bytes(self, value_bytes):
+        exponent = 8 if value_bytes == 4 else 5  # float32's, float16's
+        return value_bytes - (exponent - value_coding.EXPONENT_BITS) / 8
+
+    def _wire_values(self, selections, positions):
+        """The values of variables ``positions``, one after another, as they travel: in their
+        16-bit type with ``compression`` (exactly: the payload holds them rounded)."""
+        values = tf.concat([selections[p].values for p in positions], 0)
+        return tf.cast(values, self._wire_dtype(values.dtype))
+
+    def _wire_dtype(self, dtype):
+        return self.compression.wire_dtype(dtype) or tf.as_dtype(dtype)
+
+    def _pack_values(self, selections, counts, value_groups):
+        """Each float32 or 16-bit group's values coded by ``value_coding``; its header fields
+        ``[W, bitmap bits, each variable's base]``. float64 travels as it is, without fields."""
+        words, fields = [], []
+        for positions in value_groups.values():
+            values = self._wire_values(selections, positions)
+            if not value_coding.codable(values.dtype):
+                words.append(self.compression.encode(values))
+                continue
+            block = value_coding.encode(values, [counts[p] for p in positions])
+            words.append(block.words)
+            fields.append(value_coding.header_fields(block))
+        return words, tf.concat(fields, 0) if fields else tf.zeros([0], tf.int64)
+
+    def _unpack_values(self, words, dtype, value_groups, counts, value_fields):
+        wire = self._wire_dtype(dtype)
+        if not value_coding.codable(wire):
+            return super()._unpack_values(words, dtype, value_groups, counts, value_fields)
+        start = 0  # where this group's fields start: after those of the coded groups before it
+        for earlier, positions in value_groups.items():
+            if earlier == dtype:
+                break
+            if value_coding.codable(self._wire_dtype(earlier)):
+                start += 2 + len(positions)
+        positions = value_groups[dtype]
+        fields = value_fields[:, start:start + 2 + len(positions)]
+        return tf.cast(value_coding.decode(words, tf.gather(counts, positions, axis=1), fields,
+                                           wire), dtype)
 
     def bytes_sent(self, payload, num_elements):
-        """The payload's count with the int32 indices replaced by their code's words."""
+        """The payload's count with the int32 indices and the values replaced by their codes'
+        words."""
         if not payload.sparse.items or self.size == 1:
             return payload.bytes_sent
-        entries = tf.add_n([tf.size(s.indices, out_type=tf.int64) for s in payload.sparse.items])
+        selections = payload.sparse.items
+        entries = tf.add_n([tf.size(s.indices, out_type=tf.int64) for s in selections])
         space = sum(num_elements[key] for key in payload.sparse.keys)
         low, bitmap = index_coding.encoded_words(entries, space)
-        return payload.bytes_sent - INDEX_BYTES * entries + 4 * (low + bitmap)
+        sent = payload.bytes_sent - INDEX_BYTES * entries + 4 * (low + bitmap)
+        counts = [tf.size(s.indices, out_type=tf.int64) for s in selections]
+        for positions in group_positions_by_dtype([s.values for s in selections]).values():
+            values = self._wire_values(selections, positions)
+            if value_coding.codable(values.dtype):
+                plain = tf.size(values, out_type=tf.int64) * values.dtype.size
+                sent += 4 * value_coding.coded_words(values, [counts[p] for p in positions]) - plain
+        return sent
 
     def _unpack_indices(self, gathered, counts, sizes):
         if not sizes:
             return tf.zeros([0], tf.int32)
-        total, ranks = sum(sizes), counts.shape[0]
-        per_rank = tf.reduce_sum(tf.cast(counts, tf.int64), axis=1)
-        low, bitmap = index_coding.encoded_words(per_rank, total)
-        lengths = low + bitmap
-        starts = tf.cumsum(lengths, exclusive=True)
-        decoded = [index_coding.decode(gathered[starts[r]:starts[r] + lengths[r]],  # step 3
-                                       per_rank[r], total)
-                   for r in range(ranks)]
-        offsets = tf.repeat(tf.tile(tf.constant(_offsets(sizes) or [0], tf.int64),
-                                    [ranks]), tf.reshape(counts, [-1]))
-        return tf.cast(tf.concat(decoded, 0) - offsets, tf.int32)
+        return index_coding.decode_ranks(gathered, counts, _offsets(sizes), sum(sizes))  # step 3
 
 
 def _offsets(sizes):

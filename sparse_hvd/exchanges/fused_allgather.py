@@ -38,7 +38,7 @@ class FusedAllgather(Exchange):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._layout = None  # (selections, tensors after the header): what _announce sends
+        self._layout = None  # (header fields, tensors after the header): what _announce sends
 
     @property
     def traced(self) -> bool:
@@ -46,7 +46,10 @@ class FusedAllgather(Exchange):
 
     def wire_bytes_per_entry(self, density, value_bytes):
         """Every other rank's entries: value and int32 index."""
-        return (self.size - 1) * (value_bytes + self._index_bytes(density))
+        return (self.size - 1) * (self._value_bytes(value_bytes) + self._index_bytes(density))
+
+    def _value_bytes(self, value_bytes):
+        return value_bytes
 
     def _index_bytes(self, density):
         return INDEX_BYTES
@@ -60,24 +63,26 @@ class FusedAllgather(Exchange):
         indices, selections = self._pack_indices(selections, sizes)
         counts = [tf.size(s.indices, out_type=tf.int32) for s in selections]
         value_groups = group_positions_by_dtype([s.values for s in selections])
-        words = [self.compression.encode(tf.concat([selections[p].values for p in positions], 0))
-                 for positions in value_groups.values()]
-        self._layout = (len(selections), 1 + len(words) + len(dense_words))
+        words, value_fields = self._pack_values(selections, counts, value_groups)
+        fields = tf.concat([tf.stack(counts) if counts else tf.zeros([0], tf.int32),
+                            tf.cast(value_fields, tf.int32)], 0)
+        self._layout = (fields.shape[0], 1 + len(words) + len(dense_words))
         # Step 2: gather
         gathered = collectives.grouped_allgather(
-            [header(payload.finite_here(), step, rest=counts), indices] + words + dense_words,
+            [header(payload.finite_here(), step, rest=fields), indices] + words + dense_words,
             name=f"{self.name}.fused", process_set=self.process_set, step=step)
         # Steps 3 and 6: every rank in this step, every rank's flag, the counts
-        gathered, finite, counts = checked_headers(gathered, size)
-        counts = tf.reshape(counts, [size, len(selections)])  # static: the unpacking needs it
+        gathered, finite, fields = checked_headers(gathered, size)
+        fields = tf.reshape(fields, [size, self._layout[0]])  # static: the unpacking needs it
+        counts = fields[:, :len(selections)]
         all_indices = self._unpack_indices(gathered[1], counts, sizes)
         gathered_words = gathered[2:2 + len(words)]
         gathered_dense = gathered[2 + len(words):]
         # Step 4: each variable's entries in rank order, summed and averaged
         sparse = [None] * len(selections)
         for (dtype, positions), group_words in zip(value_groups.items(), gathered_words):
-            values = self.compression.decode(group_words, dtype,
-                                 tf.reduce_sum(tf.gather(counts, positions, axis=1), 1))
+            values = self._unpack_values(group_words, dtype, value_groups, counts,
+                                         fields[:, len(selections):])
             averages = average_entries(all_indices, values, counts, positions,
                                        [sizes[p] for p in positions], size)
             for position, average in zip(positions, averages):
@@ -93,6 +98,21 @@ class FusedAllgather(Exchange):
         indices = tf.concat([s.indices for s in selections] or [tf.zeros([0], tf.int32)], 0)
         return indices, selections
 
+    def _pack_values(self, selections, counts, value_groups):
+        """Step 1 for the values: one int32 tensor per dtype group (``value_groups``: {dtype:
+        positions}), and the int fields each rank's header carries for them (here: none)."""
+        words = [self.compression.encode(tf.concat([selections[p].values for p in positions], 0))
+                 for positions in value_groups.values()]
+        return words, tf.zeros([0], tf.int32)
+
+    def _unpack_values(self, words, dtype, value_groups, counts, value_fields):
+        """Every rank's values of ``dtype`` (variables ``value_groups[dtype]``), in rank order,
+        from their gathered ``words``; ``value_fields``: [ranks, -1], what :meth:`_pack_values`
+        put in each header."""
+        positions = value_groups[dtype]
+        return self.compression.decode(words, dtype,
+                                       tf.reduce_sum(tf.gather(counts, positions, axis=1), 1))
+
     def _unpack_indices(self, gathered, counts, sizes):
         """The gathered indices, rank by rank and variable by variable (``counts``: [ranks,
         variables] entries), as int32 positions in their variables."""
@@ -100,9 +120,9 @@ class FusedAllgather(Exchange):
 
     def _announce(self, step, state):
         """The fused exchange of a rank that sends nothing, with ``state`` for its fields."""
-        selections, tensors = self._layout
+        fields, tensors = self._layout
         gathered = collectives.grouped_allgather(
-            [header(True, step, state, rest=tf.zeros([selections], tf.int32))]
+            [header(True, step, state, rest=tf.zeros([fields], tf.int32))]
             + [tf.zeros([0], tf.int32)] * tensors, name=f"{self.name}.fused",
             process_set=self.process_set)
         return lockstep.check(tf.reshape(gathered[0], [self.size, -1])[:, 1:1 + lockstep.WIDTH])

@@ -18,9 +18,16 @@ The bitmap costs at most 3 bits an entry (``(n >> L) / K < 2``), so an entry cos
 ``L + 1..3`` bits: 1.1 bytes at 1%, 1.5 bytes at 0.1%, against 4. Both sides know n and K (K
 travels in the exchange's header), so the code needs no length field; the word counts follow
 from them (:func:`encoded_words`).
+
+On CPU, :func:`encode_in_any_order` and :func:`decode_ranks` run as one native pass each
+(``sparse_hvd/kernels/index_codec.cc``, the same words bit for bit); the TensorFlow ops are
+the path on GPU and without the kernels.
 """
 
 import tensorflow as tf
+
+from .. import kernels
+from . import bit_packing
 
 
 def low_bits(num_positions, space):
@@ -41,45 +48,11 @@ def encoded_words(num_positions, space):
     num_positions = tf.cast(num_positions, tf.int64)
     space = tf.cast(space, tf.int64)
     shift = low_bits(num_positions, space)
-    low = (num_positions * shift + 31) // 32
-    bitmap = (num_positions + tf.bitwise.right_shift(space, shift) + 1 + 31) // 32
+    low = bit_packing.words_for(num_positions * shift)
+    bitmap = bit_packing.words_for(num_positions + tf.bitwise.right_shift(space, shift) + 1)
     empty = tf.equal(num_positions, 0)
     return (tf.where(empty, tf.zeros_like(low), low),
             tf.where(empty, tf.zeros_like(bitmap), bitmap))
-
-
-def _pack_fields(fields, width, words):
-    """int64 ``fields`` of ``width`` bits each (< 32), field i at bits [i w, i w + w) of the
-    little-endian bit string of ``words`` int32 words. Each field lands in at most two words;
-    the fields' bit ranges are disjoint, so adding them is setting their bits."""
-    starts = tf.range(tf.size(fields, out_type=tf.int64), dtype=tf.int64) * width
-    shifted = tf.bitwise.left_shift(fields, tf.bitwise.bitwise_and(starts, 31))  # < 2^63
-    word = tf.bitwise.right_shift(starts, 5)
-    low = tf.bitwise.bitwise_and(shifted, 0xFFFFFFFF)
-    packed = (tf.math.unsorted_segment_sum(low, word, words + 2)
-              + tf.math.unsorted_segment_sum(tf.bitwise.right_shift(shifted, 32),
-                                             word + 1, words + 2))[:words]
-    return tf.bitcast(tf.cast(packed, tf.uint32), tf.int32)
-
-
-def _unpack_fields(words, width, count):
-    """The inverse of :func:`_pack_fields`: ``count`` int64 fields of ``width`` bits."""
-    as_uint = tf.cast(tf.bitcast(tf.reshape(words, [-1]), tf.uint32), tf.int64)
-    as_uint = tf.concat([as_uint, tf.zeros([2], tf.int64)], 0)  # a field's second word
-    starts = tf.range(count, dtype=tf.int64) * width
-    word = tf.bitwise.right_shift(starts, 5)
-    pair = tf.bitwise.bitwise_or(tf.gather(as_uint, word),
-                                 tf.bitwise.left_shift(tf.gather(as_uint, word + 1), 32))
-    mask = tf.bitwise.left_shift(tf.constant(1, tf.int64), width) - 1
-    return tf.bitwise.bitwise_and(
-        tf.bitwise.right_shift(pair, tf.bitwise.bitwise_and(starts, 31)), mask)
-
-
-def _unpack_bits(words):
-    """Every bit of int32 ``words``, flat, as int64 (bit j of word w at 32 w + j)."""
-    as_uint = tf.cast(tf.bitcast(tf.reshape(words, [-1]), tf.uint32), tf.int64)
-    shifted = tf.bitwise.right_shift(tf.expand_dims(as_uint, 1), tf.range(32, dtype=tf.int64))
-    return tf.reshape(tf.bitwise.bitwise_and(shifted, 1), [-1])
 
 
 def encode(positions, space) -> tf.Tensor:
@@ -92,14 +65,10 @@ def encode(positions, space) -> tf.Tensor:
     low_words, bitmap_words = encoded_words(count, space)
     # step 2: the L low bits of each entry, entry after entry
     mask = tf.bitwise.left_shift(tf.constant(1, tf.int64), shift) - 1
-    lows = _pack_fields(tf.bitwise.bitwise_and(x, mask), shift, low_words)
+    lows = bit_packing.pack_fields(tf.bitwise.bitwise_and(x, mask), shift, low_words)
     # step 3
     places = tf.bitwise.right_shift(x, shift) + tf.range(count, dtype=tf.int64)
-    bitmap = tf.math.unsorted_segment_sum(
-        tf.bitwise.left_shift(tf.constant(1, tf.int64), tf.bitwise.bitwise_and(places, 31)),
-        tf.bitwise.right_shift(places, 5), bitmap_words)
-    bitmap = tf.bitcast(tf.cast(bitmap, tf.uint32), tf.int32)
-    return tf.concat([lows, bitmap], 0)
+    return tf.concat([lows, bit_packing.bitmap(places, bitmap_words)], 0)
 
 
 def decode(words, count, space) -> tf.Tensor:
@@ -109,7 +78,40 @@ def decode(words, count, space) -> tf.Tensor:
     space = tf.cast(space, tf.int64)
     shift = low_bits(count, space)
     low_words, _ = encoded_words(count, space)
-    low = _unpack_fields(words[:low_words], shift, count)
-    places = tf.reshape(tf.where(tf.equal(_unpack_bits(words[low_words:]), 1)), [-1])
+    low = bit_packing.unpack_fields(words[:low_words], shift, count)
+    places = bit_packing.set_bits(words[low_words:])
     high = places - tf.range(count, dtype=tf.int64)
     return tf.bitwise.bitwise_or(tf.bitwise.left_shift(high, shift), low)
+
+
+def encode_in_any_order(positions, space):
+    """``(words, order)``: :func:`encode` of distinct ``positions`` given in any order, and the
+    permutation (int32) that sorts them."""
+    positions = tf.cast(positions, tf.int64)
+    native = kernels.encode_positions()
+    if native is not None:
+        return native(positions, tf.cast(space, tf.int64))
+    order = tf.argsort(positions, stable=True)
+    return encode(tf.gather(positions, order), space), order
+
+
+def decode_ranks(words, counts, starts, space):
+    """Every rank's indices within their variables (int32), rank after rank and variable
+    after variable, from the gathered ``words`` of codes of one index space; ``counts``:
+    [ranks, variables] entries (static shape), ``starts``: where each variable's entries begin
+    in the space (a list of ints)."""
+    native = kernels.decode_positions()
+    if native is not None:
+        return native(words, tf.cast(counts, tf.int32),
+                      tf.constant(starts, tf.int64, shape=[len(starts)]), tf.cast(space, tf.int64))
+    counts = tf.cast(counts, tf.int64)
+    per_rank = tf.reduce_sum(counts, axis=1)
+    low, bitmap = encoded_words(per_rank, space)
+    lengths = low + bitmap
+    firsts = tf.cumsum(lengths, exclusive=True)
+    positions = tf.concat([decode(words[firsts[r]:firsts[r] + lengths[r]], per_rank[r], space)
+                           for r in range(counts.shape[0])], 0)
+    offsets = tf.repeat(tf.tile(tf.constant(starts, tf.int64, shape=[len(starts)]),
+                                [counts.shape[0]]),
+                        tf.reshape(counts, [-1]))
+    return tf.cast(positions - offsets, tf.int32)

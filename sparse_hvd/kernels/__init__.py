@@ -8,7 +8,13 @@
   every variable summed in rank order and divided where they arrived, in one walk);
 * ``owner_sum()``: the ``SparseHvdOwnerSum`` op (owner_sum.cc: what a sparse allreduce owner
   received, summed in rank order, counted at the threshold's levels and kept, in one pass
-  after a radix sort).
+  after a radix sort);
+* ``encode_values()`` and ``decode_values()``: the ``SparseHvdEncodeValues`` and
+  ``SparseHvdDecodeValues`` ops (value_codec.cc: ``sparse_hvd.exchanges.value_coding``'s code
+  in one sequential pass each way, the same words bit for bit);
+* ``encode_positions()`` and ``decode_positions()``: the ``SparseHvdEncodePositions`` and
+  ``SparseHvdDecodePositions`` ops (index_codec.cc: ``sparse_hvd.exchanges.index_coding``'s
+  Elias-Fano code, likewise).
 
 The library is found, or compiled on first use, under a key of the imported TensorFlow (see
 ``sparse_hvd.kernels.build``: a TensorFlow upgrade leads to a rebuild, never to a stale
@@ -98,3 +104,27 @@ def owner_sum():
     """The native owner-sum op of the sparse allreduce, or None."""
     library = _library()
     return None if library is None else library.sparse_hvd_owner_sum
+
+
+def encode_values():
+    """The native value-coding op, or None."""
+    library = _library()
+    return None if library is None else library.sparse_hvd_encode_values
+
+
+def decode_values():
+    """The native value-decoding op, or None."""
+    library = _library()
+    return None if library is None else library.sparse_hvd_decode_values
+
+
+def encode_positions():
+    """The native Elias-Fano coding op, or None."""
+    library = _library()
+    return None if library is None else library.sparse_hvd_encode_positions
+
+
+def decode_positions():
+    """The native Elias-Fano decoding op, or None."""
+    library = _library()
+    return None if library is None else library.sparse_hvd_decode_positions

@@ -8,19 +8,25 @@ import tensorflow as tf
 
 import sparse_hvd
 from conftest import digest, gather
+from helpers import coded_value_words, elias_fano_words, raw_bits_of
 
 HALF = {"float16": np.float16, "bfloat16": tf.bfloat16.as_numpy_dtype}
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("grouping", ["grouped", "layerwise"])
-def test_every_rank_applies_the_average_of_the_rounded_selections(hvd, name, grouping):
+@pytest.mark.parametrize("grouping,exchange", [("grouped", "allgather"),
+                                               ("grouped", "compact_allgather"),
+                                               ("layerwise", "allgather")])
+def test_every_rank_applies_the_average_of_the_rounded_selections(hvd, name, grouping, exchange):
+    """With the compact allgather the 16-bit values and the indices travel coded: the same
+    bits arrive, and the bytes counted are the codes' words (closed forms in helpers.py)."""
     rank, size = hvd.rank(), hvd.size()
     rng = np.random.RandomState(7 + rank)
     big, small = rng.randn(61, 33).astype("float32"), rng.randn(29).astype("float32")  # k odd
     variables = [keras.Variable(np.zeros((61, 33), "float32")), keras.Variable(np.zeros(29, "float32"))]
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(1.0), density=0.05, compression=name, grouping=grouping)
+        keras.optimizers.SGD(1.0), density=0.05, compression=name, grouping=grouping,
+        exchange=exchange, name=f"half_{exchange}")
     optimizer.apply([tf.constant(big), tf.constant(small)], variables)
 
     everyone = gather(hvd, (big, small), f"compression.{name}.{grouping}")
@@ -38,7 +44,15 @@ def test_every_rank_applies_the_average_of_the_rounded_selections(hvd, name, gro
         np.testing.assert_array_equal(variables[1].numpy(), expected_small)
     else:  # a Horovod allreduce: its own order of additions (in float16 for "float16")
         np.testing.assert_allclose(variables[1].numpy(), expected_small, rtol=2e-3, atol=1e-3)
-    assert optimizer.communication_stats()["bytes_sent"] == k * 6 + 29 * 2
+    sent = optimizer.communication_stats()["bytes_sent"]
+    if exchange == "compact_allgather":
+        mine = big.reshape(-1)[np.argsort(-np.abs(big.reshape(-1)), kind="stable")[:k]]
+        words = (elias_fano_words(big.size, k)
+                 + coded_value_words(raw_bits_of(mine.astype(HALF[name]).astype(np.float32),
+                                                 name), [k], name))
+        assert sent == 4 * words + 29 * 2 and 4 * words < k * 6
+    else:
+        assert sent == k * 6 + 29 * 2
     assert len(set(gather(hvd, digest([v.numpy() for v in variables]), "compression.replicas"))) == 1
 
 

@@ -1,0 +1,244 @@
+// SparseHvdEncodePositions / SparseHvdDecodePositions: sparse_hvd/exchanges/index_coding.py's
+// Elias-Fano code in one pass each way, with the same words, bit for bit, as its TensorFlow ops.
+//
+// Encoding one rank's K distinct ``positions`` in [0, space), in any order:
+//
+//   1. ``order``: the permutation that sorts them (the identity, found in one pass, when they
+//      arrive sorted, as a threshold selection sends them); L = floor(log2(space / K));
+//   2. the L low bits of each sorted position, packed 32 to an int32 word, little-endian;
+//   3. a bitmap of K + (space >> L) + 1 bits with bit (x_i >> L) + i set, from a fresh word.
+//
+// Decoding reads every rank's block (one thread per group of ranks): rank r sent
+// ``counts[r, v]`` positions of variable v, whose entries start at ``starts[v]`` of the space;
+// each comes back as an int32 index within its variable, rank after rank. Positions that
+// repeat, fall outside the space or outside their variable's range are an error that says so.
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace sparse_hvd {
+
+using absl::InvalidArgumentError;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+
+REGISTER_OP("SparseHvdEncodePositions")
+    .Input("positions: int64")
+    .Input("space: int64")
+    .Output("words: int32")
+    .Output("order: int32")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->input(0));
+      return tsl::OkStatus();
+    });
+
+REGISTER_OP("SparseHvdDecodePositions")
+    .Input("words: int32")
+    .Input("counts: int32")
+    .Input("starts: int64")
+    .Input("space: int64")
+    .Output("indices: int32")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      return tsl::OkStatus();
+    });
+
+namespace {
+
+int64_t WordsFor(int64_t bits) { return (bits + 31) / 32; }
+
+// L of step 1: floor(log2(space / count)), 0 when space < 2 count.
+int LowBits(int64_t count, int64_t space) {
+  const uint64_t quotient = static_cast<uint64_t>(space / std::max<int64_t>(count, 1));
+  return quotient <= 1 ? 0 : 63 - __builtin_clzll(quotient);
+}
+
+// (low words, bitmap words) of the code of ``count`` positions among ``space``.
+std::pair<int64_t, int64_t> CodeWords(int64_t count, int64_t space) {
+  if (count == 0) return {0, 0};
+  const int low = LowBits(count, space);
+  return {WordsFor(count * low), WordsFor(count + (space >> low) + 1)};
+}
+
+}  // namespace
+
+class EncodePositionsOp : public OpKernel {
+ public:
+  explicit EncodePositionsOp(OpKernelConstruction* context) : OpKernel(context) {}
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& positions_tensor = context->input(0);
+    const int64_t space = context->input(1).scalar<int64_t>()();
+    const int64_t count = positions_tensor.NumElements();
+    const int64_t* positions = positions_tensor.flat<int64_t>().data();
+    Tensor* order_tensor = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(1, positions_tensor.shape(), &order_tensor));
+    int32_t* order = order_tensor->flat<int32_t>().data();
+    // Step 1
+    std::iota(order, order + count, 0);
+    bool sorted = true;
+    for (int64_t i = 1; i < count && sorted; ++i) sorted = positions[i - 1] < positions[i];
+    if (!sorted)
+      std::sort(order, order + count,
+                [&](int32_t a, int32_t b) { return positions[a] < positions[b]; });
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t x = positions[order[i]];
+      OP_REQUIRES(context, x >= 0 && x < space,
+                  InvalidArgumentError(absl::StrCat("position ", x, " is outside [0, ", space,
+                                                    ")")));
+      OP_REQUIRES(context, i == 0 || positions[order[i - 1]] < x,
+                  InvalidArgumentError(absl::StrCat("position ", x, " is sent twice")));
+    }
+    const int low = count == 0 ? 0 : LowBits(count, space);
+    const auto [low_words, bitmap_words] = CodeWords(count, space);
+    Tensor* words_tensor = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({low_words + bitmap_words}),
+                                                     &words_tensor));
+    uint32_t* out = reinterpret_cast<uint32_t*>(words_tensor->flat<int32_t>().data());
+    std::fill(out, out + low_words + bitmap_words, 0u);
+    // Step 2
+    const uint64_t mask = (uint64_t{1} << low) - 1;
+    uint64_t buffer = 0;
+    int filled = 0;
+    uint32_t* word = out;
+    for (int64_t i = 0; i < count && low > 0; ++i) {
+      buffer |= (static_cast<uint64_t>(positions[order[i]]) & mask) << filled;
+      filled += low;
+      if (filled >= 32) {
+        *word++ = static_cast<uint32_t>(buffer);
+        buffer >>= 32;
+        filled -= 32;
+      }
+    }
+    if (filled > 0) *word = static_cast<uint32_t>(buffer);
+    // Step 3
+    uint32_t* bitmap = out + low_words;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t place = (positions[order[i]] >> low) + i;
+      bitmap[place >> 5] |= 1u << (place & 31);
+    }
+  }
+};
+
+class DecodePositionsOp : public OpKernel {
+ public:
+  explicit DecodePositionsOp(OpKernelConstruction* context) : OpKernel(context) {}
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& words = context->input(0);
+    const Tensor& counts_tensor = context->input(1);
+    const auto starts = context->input(2).flat<int64_t>();
+    const int64_t space = context->input(3).scalar<int64_t>()();
+    OP_REQUIRES(context, counts_tensor.dims() == 2 &&
+                             counts_tensor.dim_size(1) == starts.size(),
+                InvalidArgumentError("counts must be [ranks, variables], starts [variables]"));
+    const auto counts = counts_tensor.matrix<int32_t>();
+    const int64_t ranks = counts_tensor.dim_size(0), variables = starts.size();
+    std::vector<int64_t> word_start(ranks + 1, 0), start(ranks + 1, 0);
+    for (int64_t r = 0; r < ranks; ++r) {
+      int64_t count = 0;
+      for (int64_t v = 0; v < variables; ++v) {
+        OP_REQUIRES(context, counts(r, v) >= 0, InvalidArgumentError("a negative count"));
+        count += counts(r, v);
+      }
+      OP_REQUIRES(context, count <= space,
+                  InvalidArgumentError(absl::StrCat("rank ", r, " sent ", count,
+                                                    " positions among ", space)));
+      const auto [low_words, bitmap_words] = CodeWords(count, space);
+      word_start[r + 1] = word_start[r] + low_words + bitmap_words;
+      start[r + 1] = start[r] + count;
+    }
+    OP_REQUIRES(context, word_start[ranks] == words.NumElements(),
+                InvalidArgumentError(absl::StrCat("the index codes of ", start[ranks],
+                                                  " positions take ", word_start[ranks],
+                                                  " words, ", words.NumElements(),
+                                                  " arrived")));
+    Tensor* indices_tensor = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({start[ranks]}),
+                                                     &indices_tensor));
+    int32_t* out = indices_tensor->flat<int32_t>().data();
+    const uint32_t* in = reinterpret_cast<const uint32_t*>(words.flat<int32_t>().data());
+    std::vector<int64_t> bad(ranks, 0);
+    auto* pool = context->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(
+        pool->num_threads, pool->workers, ranks, /*cost_per_unit=*/1 << 16,
+        [&](int64_t first, int64_t last) {
+          std::vector<int64_t> positions;
+          for (int64_t r = first; r < last; ++r) {
+            const int64_t count = start[r + 1] - start[r];
+            if (count == 0) continue;
+            const int low = LowBits(count, space);
+            const int64_t low_words = CodeWords(count, space).first;
+            const uint32_t* lows = in + word_start[r];
+            const uint32_t* bitmap = lows + low_words;
+            const uint32_t* end = in + word_start[r + 1];
+            positions.assign(count, 0);
+            // the low halves
+            uint64_t buffer = 0;
+            int available = 0;
+            const uint32_t* next = lows;
+            const uint64_t mask = (uint64_t{1} << low) - 1;
+            for (int64_t i = 0; i < count; ++i) {
+              if (available < low) {
+                buffer |= static_cast<uint64_t>(*next++) << available;
+                available += 32;
+              }
+              positions[i] = static_cast<int64_t>(buffer & mask);
+              buffer >>= low;
+              available -= low;
+            }
+            // the high halves: the i-th set bit of the bitmap is at high_i + i
+            int64_t i = 0;
+            for (const uint32_t* w = bitmap; w < end && i < count; ++w) {
+              uint32_t bits = *w;
+              while (bits != 0 && i < count) {
+                const int64_t place = 32 * (w - bitmap) + __builtin_ctz(bits);
+                bits &= bits - 1;
+                positions[i] |= (place - i) << low;
+                ++i;
+              }
+            }
+            if (i < count) {
+              bad[r] = 1;
+              continue;
+            }
+            // each variable's run of positions, as indices within it
+            int32_t* indices = out + start[r];
+            for (int64_t v = 0, j = 0; v < variables; ++v) {
+              const int64_t begin = starts(v);
+              const int64_t limit = v + 1 < variables ? starts(v + 1) : space;
+              for (int64_t e = 0; e < counts(r, v); ++e, ++j) {
+                const int64_t x = positions[j];
+                if (x < begin || x >= limit || (j > 0 && x <= positions[j - 1])) bad[r] = 1;
+                indices[j] = static_cast<int32_t>(x - begin);
+              }
+            }
+          }
+        });
+    for (int64_t r = 0; r < ranks; ++r) {
+      OP_REQUIRES(context, !bad[r],
+                  InvalidArgumentError(absl::StrCat("rank ", r, "'s index code does not "
+                                                    "decode to ascending positions within its "
+                                                    "variables' ranges of [0, ", space, ")")));
+    }
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("SparseHvdEncodePositions").Device(tensorflow::DEVICE_CPU),
+                        EncodePositionsOp);
+REGISTER_KERNEL_BUILDER(Name("SparseHvdDecodePositions").Device(tensorflow::DEVICE_CPU),
+                        DecodePositionsOp);
+
+}  // namespace sparse_hvd

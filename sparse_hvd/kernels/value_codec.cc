@@ -1,0 +1,357 @@
+// SparseHvdEncodeValues / SparseHvdDecodeValues: sparse_hvd/exchanges/value_coding.py's code in
+// one sequential pass each way, with the same words, bit for bit, as its TensorFlow ops.
+//
+// A value travels as its raw bits (``bits``: int32, a 16-bit value zero-extended), of which
+// ``exponent_bits`` are the exponent, above ``mantissa = value_bits - 1 - exponent_bits``
+// mantissa bits, below the sign. Encoding one rank's values (``counts[j]`` of variable j):
+//
+//   1. per variable, base = its least nonzero exponent, less one if it has an exponent 0;
+//      code c = e - base, or 0 for exponent 0;
+//   2. W = the first width in [0, exponent_bits] with the least K W + sum(c >> W) (from a
+//      histogram of c);
+//   3. the words: the sign-and-mantissa fields, the W low bits of each code, then c >> W in
+//      unary (that many 0 bits, then a 1), each part from a fresh int32 word, bits numbered
+//      little-endian; ``fields`` = [W, bitmap bits, 2 base + zero flag per variable].
+//
+// Decoding reads every rank's block (one thread per group of ranks) from ``counts`` [ranks,
+// variables] and every rank's ``fields``. Words that do not hold what the fields say are an
+// error, never a silent wrong value.
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace sparse_hvd {
+
+using absl::InvalidArgumentError;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+
+REGISTER_OP("SparseHvdEncodeValues")
+    .Attr("value_bits: int")
+    .Attr("exponent_bits: int")
+    .Input("bits: int32")
+    .Input("counts: int32")
+    .Output("words: int32")
+    .Output("fields: int64")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      tensorflow::shape_inference::DimensionHandle fields;
+      TF_RETURN_IF_ERROR(c->Add(c->Dim(c->input(1), 0), 2, &fields));
+      c->set_output(1, c->Vector(fields));
+      return tsl::OkStatus();
+    });
+
+REGISTER_OP("SparseHvdDecodeValues")
+    .Attr("value_bits: int")
+    .Attr("exponent_bits: int")
+    .Input("words: int32")
+    .Input("counts: int32")
+    .Input("fields: int64")
+    .Output("bits: int32")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      return tsl::OkStatus();
+    });
+
+namespace {
+
+int64_t WordsFor(int64_t bits) { return (bits + 31) / 32; }
+
+// Appends fields of up to 32 bits to int32 words, little-endian.
+class BitWriter {
+ public:
+  explicit BitWriter(uint32_t* words) : out_(words) {}
+  void Put(uint64_t value, int width) {
+    buffer_ |= value << filled_;
+    filled_ += width;
+    if (filled_ >= 32) {
+      *out_++ = static_cast<uint32_t>(buffer_);
+      buffer_ >>= 32;
+      filled_ -= 32;
+    }
+  }
+  // Writes what is left; the next part starts at a fresh word.
+  uint32_t* Flush() {
+    if (filled_ > 0) *out_++ = static_cast<uint32_t>(buffer_);
+    buffer_ = 0;
+    filled_ = 0;
+    return out_;
+  }
+
+ private:
+  uint32_t* out_;
+  uint64_t buffer_ = 0;
+  int filled_ = 0;
+};
+
+// Reads fields of up to 32 bits from int32 words, little-endian, within [words, end).
+class BitReader {
+ public:
+  BitReader(const uint32_t* words, const uint32_t* end) : in_(words), end_(end) {}
+  uint64_t Get(int width) {
+    if (available_ < width) {
+      buffer_ |= static_cast<uint64_t>(in_ < end_ ? *in_ : 0) << available_;
+      ++in_;
+      available_ += 32;
+    }
+    const uint64_t value = width == 0 ? 0 : buffer_ & ((uint64_t{1} << width) - 1);
+    buffer_ >>= width;
+    available_ -= width;
+    return value;
+  }
+  // The number of 0 bits before the next 1 bit, which is consumed; -1 past the end.
+  int64_t Unary() {
+    int64_t zeros = 0;
+    while (true) {
+      if (available_ == 0) {
+        if (in_ >= end_) return -1;
+        buffer_ = *in_++;
+        available_ = 32;
+      }
+      if (buffer_ != 0) {
+        const int skip = __builtin_ctzll(buffer_);
+        buffer_ >>= skip;
+        buffer_ >>= 1;
+        available_ -= skip + 1;
+        return zeros + skip;
+      }
+      zeros += available_;
+      available_ = 0;
+    }
+  }
+
+ private:
+  const uint32_t* in_;
+  const uint32_t* end_;
+  uint64_t buffer_ = 0;
+  int available_ = 0;
+};
+
+struct Layout {
+  int value_bits, exponent_bits, mantissa, field;
+  Layout() : Layout(32, 8) {}
+  Layout(int value, int exponent)
+      : value_bits(value), exponent_bits(exponent), mantissa(value - 1 - exponent),
+        field(value - exponent) {}
+  uint32_t Exponent(uint32_t raw) const { return (raw >> mantissa) & ((1u << exponent_bits) - 1); }
+  uint32_t Field(uint32_t raw) const {
+    return ((raw >> (value_bits - 1)) << mantissa) | (raw & ((1u << mantissa) - 1));
+  }
+  uint32_t Raw(uint32_t field, uint32_t exponent) const {
+    return ((field >> mantissa) << (value_bits - 1)) | (exponent << mantissa) |
+           (field & ((1u << mantissa) - 1));
+  }
+  // Words of one block of ``count`` values with Rice width ``width`` and ``unary`` bitmap bits.
+  int64_t BlockWords(int64_t count, int64_t width, int64_t unary) const {
+    return WordsFor(count * field) + WordsFor(count * width) + WordsFor(unary);
+  }
+};
+
+absl::Status ReadLayout(OpKernelConstruction* context, Layout* layout) {
+  int value_bits = 0, exponent_bits = 0;
+  TF_RETURN_IF_ERROR(context->GetAttr("value_bits", &value_bits));
+  TF_RETURN_IF_ERROR(context->GetAttr("exponent_bits", &exponent_bits));
+  if (!((value_bits == 32 || value_bits == 16) && exponent_bits > 0 && exponent_bits <= 8 &&
+        exponent_bits < value_bits - 1))
+    return InvalidArgumentError("value_bits must be 16 or 32, exponent_bits 1..8");
+  *layout = Layout(value_bits, exponent_bits);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+class EncodeValuesOp : public OpKernel {
+ public:
+  explicit EncodeValuesOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, ReadLayout(context, &layout_));
+  }
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& bits = context->input(0);
+    const Tensor& counts = context->input(1);
+    const int64_t total = bits.NumElements();
+    const int64_t variables = counts.NumElements();
+    const auto count = counts.flat<int32_t>();
+    const uint32_t* raw = reinterpret_cast<const uint32_t*>(bits.flat<int32_t>().data());
+    int64_t sum = 0;
+    for (int64_t v = 0; v < variables; ++v) {
+      OP_REQUIRES(context, count(v) >= 0, InvalidArgumentError("a negative count"));
+      sum += count(v);
+    }
+    OP_REQUIRES(context, sum == total,
+                InvalidArgumentError(absl::StrCat("counts add up to ", sum, " values, ",
+                                                  total, " given")));
+    const Layout& l = layout_;
+    const uint32_t largest = (1u << l.exponent_bits) - 1;
+    Tensor* fields_tensor = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(1, TensorShape({variables + 2}),
+                                                     &fields_tensor));
+    auto fields = fields_tensor->flat<int64_t>();
+    // Step 1: each variable's base, then the codes
+    std::vector<uint32_t> codes(total);
+    std::vector<int64_t> histogram(largest + 1, 0);
+    for (int64_t v = 0, start = 0; v < variables; start += count(v), ++v) {
+      uint32_t least = largest;
+      bool zero = false;
+      for (int64_t i = start; i < start + count(v); ++i) {
+        const uint32_t e = l.Exponent(raw[i]);
+        if (e == 0) zero = true;
+        else least = std::min(least, e);
+      }
+      const uint32_t base = least - (zero ? 1 : 0);
+      fields(2 + v) = 2 * static_cast<int64_t>(base) + (zero ? 1 : 0);
+      for (int64_t i = start; i < start + count(v); ++i) {
+        const uint32_t e = l.Exponent(raw[i]);
+        codes[i] = e == 0 ? 0 : e - base;
+        ++histogram[codes[i]];
+      }
+    }
+    // Step 2
+    int64_t width = 0, best = -1;
+    for (int w = 0; w <= l.exponent_bits; ++w) {
+      int64_t cost = total * w;
+      for (uint32_t c = 0; c <= largest; ++c) cost += histogram[c] * (c >> w);
+      if (best < 0 || cost < best) best = cost, width = w;
+    }
+    int64_t unary = total;
+    for (int64_t i = 0; i < total; ++i) unary += codes[i] >> width;
+    fields(0) = width;
+    fields(1) = unary;
+    // Step 3
+    Tensor* words_tensor = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(
+                                0, TensorShape({l.BlockWords(total, width, unary)}),
+                                &words_tensor));
+    uint32_t* out = reinterpret_cast<uint32_t*>(words_tensor->flat<int32_t>().data());
+    BitWriter writer(out);
+    for (int64_t i = 0; i < total; ++i) writer.Put(l.Field(raw[i]), l.field);
+    writer = BitWriter(writer.Flush());
+    const uint32_t low_mask = (1u << width) - 1;
+    for (int64_t i = 0; i < total; ++i) writer.Put(codes[i] & low_mask, static_cast<int>(width));
+    uint32_t* bitmap = writer.Flush();
+    std::fill(bitmap, bitmap + WordsFor(unary), 0u);
+    int64_t place = 0;
+    for (int64_t i = 0; i < total; ++i) {
+      place += codes[i] >> width;
+      bitmap[place >> 5] |= 1u << (place & 31);
+      ++place;
+    }
+  }
+
+ private:
+  Layout layout_;
+};
+
+class DecodeValuesOp : public OpKernel {
+ public:
+  explicit DecodeValuesOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, ReadLayout(context, &layout_));
+  }
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& words = context->input(0);
+    const Tensor& counts = context->input(1);
+    const Tensor& fields_tensor = context->input(2);
+    OP_REQUIRES(context, counts.dims() == 2 && fields_tensor.dims() == 2 &&
+                             fields_tensor.dim_size(0) == counts.dim_size(0) &&
+                             fields_tensor.dim_size(1) == counts.dim_size(1) + 2,
+                InvalidArgumentError("counts must be [ranks, variables] and fields "
+                                     "[ranks, variables + 2]"));
+    const Layout& l = layout_;
+    const int64_t ranks = counts.dim_size(0), variables = counts.dim_size(1);
+    const auto count = counts.matrix<int32_t>();
+    const auto fields = fields_tensor.matrix<int64_t>();
+    std::vector<int64_t> word_start(ranks + 1, 0), value_start(ranks + 1, 0);
+    for (int64_t r = 0; r < ranks; ++r) {
+      int64_t n = 0;
+      for (int64_t v = 0; v < variables; ++v) {
+        OP_REQUIRES(context, count(r, v) >= 0, InvalidArgumentError("a negative count"));
+        n += count(r, v);
+      }
+      const int64_t width = fields(r, 0), unary = fields(r, 1);
+      OP_REQUIRES(context, width >= 0 && width <= l.exponent_bits && unary >= n &&
+                               unary <= n * ((int64_t{1} << l.exponent_bits) + 1),
+                  InvalidArgumentError(absl::StrCat("rank ", r, "'s header is not a value "
+                                                    "code's (width ", width, ", ", unary,
+                                                    " bitmap bits for ", n, " values)")));
+      value_start[r + 1] = value_start[r] + n;
+      word_start[r + 1] = word_start[r] + l.BlockWords(n, width, unary);
+    }
+    OP_REQUIRES(context, word_start[ranks] == words.NumElements(),
+                InvalidArgumentError(absl::StrCat("the value codes' headers add up to ",
+                                                  word_start[ranks], " words, ",
+                                                  words.NumElements(), " arrived")));
+    Tensor* bits_tensor = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({value_start[ranks]}),
+                                                     &bits_tensor));
+    uint32_t* out = reinterpret_cast<uint32_t*>(bits_tensor->flat<int32_t>().data());
+    const uint32_t* in = reinterpret_cast<const uint32_t*>(words.flat<int32_t>().data());
+    const uint32_t largest = (1u << l.exponent_bits) - 1;
+    std::vector<int64_t> bad(ranks, 0);
+    auto* pool = context->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(
+        pool->num_threads, pool->workers, ranks, /*cost_per_unit=*/1 << 16,
+        [&](int64_t first, int64_t last) {
+          std::vector<uint32_t> codes;
+          for (int64_t r = first; r < last; ++r) {
+            const int64_t n = value_start[r + 1] - value_start[r];
+            const int width = static_cast<int>(fields(r, 0));
+            const uint32_t* block = in + word_start[r];
+            const uint32_t* lows = block + WordsFor(n * l.field);
+            const uint32_t* bitmap = lows + WordsFor(n * width);
+            const uint32_t* end = in + word_start[r + 1];
+            uint32_t* values = out + value_start[r];
+            BitReader low_reader(lows, bitmap);
+            BitReader unary_reader(bitmap, end);
+            codes.resize(n);
+            for (int64_t i = 0; i < n; ++i) {
+              const int64_t quotient = unary_reader.Unary();
+              const uint64_t code = (static_cast<uint64_t>(quotient) << width) |
+                                    low_reader.Get(width);
+              if (quotient < 0 || code > largest) {
+                bad[r] = 1;
+                break;
+              }
+              codes[i] = static_cast<uint32_t>(code);
+            }
+            if (bad[r]) continue;
+            BitReader field_reader(block, lows);
+            for (int64_t v = 0, i = 0; v < variables; ++v) {
+              const int64_t base = fields(r, 2 + v) >> 1;
+              const bool zero = fields(r, 2 + v) & 1;
+              for (int64_t e = 0; e < count(r, v); ++e, ++i) {
+                const uint32_t field = static_cast<uint32_t>(field_reader.Get(l.field));
+                const int64_t exponent = codes[i] == 0 && zero ? 0 : codes[i] + base;
+                if (exponent < 0 || exponent > largest) bad[r] = 1;
+                values[i] = l.Raw(field, static_cast<uint32_t>(exponent) & largest);
+              }
+            }
+          }
+        });
+    for (int64_t r = 0; r < ranks; ++r) {
+      OP_REQUIRES(context, !bad[r],
+                  InvalidArgumentError(absl::StrCat("rank ", r, "'s value code does not "
+                                                    "decode to its header's values")));
+    }
+  }
+
+ private:
+  Layout layout_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("SparseHvdEncodeValues").Device(tensorflow::DEVICE_CPU),
+                        EncodeValuesOp);
+REGISTER_KERNEL_BUILDER(Name("SparseHvdDecodeValues").Device(tensorflow::DEVICE_CPU),
+                        DecodeValuesOp);
+
+}  // namespace sparse_hvd
