@@ -115,13 +115,25 @@ def test_the_native_kernel_is_built_and_loads():
     op = kernels.compensate_cut()
     g = tf.constant([0.5, -2.0, 1.0, 3.0, -0.25], tf.float32)
     r = tf.constant([0.5, 0.5, -0.5, 0.0, 0.0], tf.float32)
-    remainder, indices, values, rejected = op(g, r, tf.constant(1.0), tf.constant(10, tf.int64))
+    remainder, indices, values, rejected, finite = op(g, r, tf.constant(1.0),
+                                                      tf.constant(10, tf.int64))
     np.testing.assert_array_equal(indices.numpy(), [0, 1, 3])
     np.testing.assert_array_equal(values.numpy(), [1.0, -1.5, 3.0])
     np.testing.assert_array_equal(remainder.numpy(), [0.0, 0.0, 0.5, 0.0, -0.25])
-    assert not bool(rejected)
-    *_, rejected = op(g, r, tf.constant(1.0), tf.constant(2, tf.int64))
-    assert bool(rejected)
+    assert not bool(rejected) and bool(finite)
+    *_, rejected, finite = op(g, r, tf.constant(1.0), tf.constant(2, tf.int64))
+    assert bool(rejected) and bool(finite)
+    # the same pass says whether every compensated entry is finite, in every shard
+    for bad in (np.nan, np.inf, -np.inf):
+        big = np.ones(200_000, np.float32)
+        big[150_001] = bad
+        *_, finite = op(tf.constant(big), tf.zeros_like(big), tf.constant(2.0),
+                        tf.constant(10, tf.int64))
+        assert not bool(finite), bad
+        *_, finite = kernels.compensate_topk()(
+            tf.constant(big), tf.zeros_like(big), tf.constant(0.5), tf.constant(3, tf.int64),
+            tf.constant(3, tf.int64), tf.constant(300_000, tf.int64))
+        assert not bool(finite), bad
 
 
 def test_threshold_cap_keeps_the_largest_and_reports_it():

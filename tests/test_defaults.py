@@ -162,8 +162,8 @@ def test_momentum_correction_without_masking_keeps_the_velocity():
 
 @pytest.mark.parametrize("share", [0.001, 0.01, 0.25])  # 0.25: the warm-up's first steps
 def test_the_model_wide_cut_of_a_large_model_sends_about_k(share):
-    """Above SAMPLES entries the cut is the K-th largest of the magnitudes at fixed spread
-    positions, scaled: the entries at or above it number K within 10% (ties, zeros and
+    """Above SAMPLES entries the cut is the K-th largest of the magnitudes in evenly spread
+    blocks, scaled: the entries at or above it number K within 10% (ties, zeros and
     subnormals included), traced or eager."""
     from sparse_hvd.selection import model_budget
 
@@ -175,9 +175,9 @@ def test_the_model_wide_cut_of_a_large_model_sends_about_k(share):
     arrays[2][:] = np.round(arrays[2])  # ties
     budgets = [max(1, int(share * n)) for n in sizes]
 
-    def magnitudes_at(j, positions):
+    def magnitudes_at(j, sample):
         magnitudes = tf.abs(tf.constant(arrays[j]))
-        return magnitudes if positions is None else tf.gather(magnitudes, positions)
+        return magnitudes if sample is None else sample(magnitudes)
 
     for function in (model_budget.model_wide_cut, tf.function(model_budget.model_wide_cut)):
         cut = float(function(magnitudes_at, sizes, budgets))
@@ -185,14 +185,38 @@ def test_the_model_wide_cut_of_a_large_model_sends_about_k(share):
         assert abs(sent - sum(budgets)) <= 0.1 * sum(budgets), (sent, sum(budgets))
 
 
+@pytest.mark.parametrize("count,n", [(1000, 4_194_304), (65_536, 65_536), (7, 10),
+                                     (1, 1), (300, 2_000), (205, 4_194_304), (3, 100)])
+def test_the_sampled_blocks_number_at_least_count_and_cover_every_column(count, n):
+    """The blocks start BLOCK x s apart, s the largest at most n // (count + BLOCK) without
+    a factor 2 or 3; a variable shorter than that gives its first block."""
+    from sparse_hvd.selection import model_budget
+
+    block = model_budget.BLOCK
+    stride = int(model_budget.sample_stride(count, n))
+    fits = [s for s in range(1, max(n // (count + block), 1) + 1) if s % 2 and s % 3]
+    assert stride == block * max(fits)
+    flat = np.arange(n, dtype=np.float32)
+    taken = model_budget.sampled_blocks(tf.constant(flat), tf.constant(stride, tf.int64)).numpy()
+    starts = range(0, max(n // stride, 1) * stride, stride)
+    expected = np.concatenate([flat[s:s + block] for s in starts])
+    np.testing.assert_array_equal(taken, expected)
+    assert len(taken) >= min(count, n)  # at least the samples asked for
+    # a 2048-wide matrix (and a 3 x 3 x 64 x 96 kernel's 96): every column, evenly
+    for row in (2048, 96):
+        if len(taken) >= 4 * row:
+            columns = np.bincount(taken.astype(np.int64) % row, minlength=row)
+            assert columns.min() > 0 and columns.max() <= 2 * columns.min()
+
+
 def test_the_model_wide_cut_of_a_small_model_is_exact():
     from sparse_hvd.selection import model_budget
 
     rng = np.random.RandomState(3)
     arrays = [rng.standard_normal(n).astype("float32") for n in (40_000, 20_000)]
-    def magnitudes_at(j, positions):
+    def magnitudes_at(j, sample):
         magnitudes = tf.abs(tf.constant(arrays[j]))
-        return magnitudes if positions is None else tf.gather(magnitudes, positions)
+        return magnitudes if sample is None else sample(magnitudes)
 
     cut = float(model_budget.model_wide_cut(magnitudes_at, (40_000, 20_000), [400, 200]))
     assert cut == np.sort(np.abs(np.concatenate(arrays)))[::-1][599]

@@ -1,10 +1,12 @@
 """What ``exchange="auto"`` costs on top of the exchange it chose, and where it comes from.
 
 Every variant trains its own copy of the 4.35M-parameter MLP (the same weights at the start)
-at 1% with one model-wide budget, and every auto variant is made to choose the allgather
-(``steps.measured.decide`` replaced), so each runs the allgather's step after its trial:
+at 1% with one model-wide budget, and every auto variant is made to choose ``--choice`` (the
+allgather by default; ``steps.measured.decide`` replaced), so each runs that exchange's step
+after its trial:
 
-* ``allgather``: ``exchange="allgather"`` named (the reference);
+* ``allgather``: ``exchange="allgather"`` named; ``chosen``: ``exchange=<--choice>`` named (the
+  reference);
 * ``auto``: the default, its step a ``sparse_hvd.function`` (traced for the exchange it runs);
 * ``auto_cond``: the default in a plain ``tf.function`` (every candidate a branch of one
   conditional);
@@ -28,6 +30,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--variants", default="allgather,auto,auto_cond,auto_no_trial,"
                         "auto_without_sparse_allreduce,auto_without_dense")
+    parser.add_argument("--choice", default="allgather",
+                        help="the exchange every auto variant is made to choose")
     parser.add_argument("--phases", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=10)
@@ -45,7 +49,7 @@ def main(argv=None):
 
     sparse_hvd.init()
     rank = sparse_hvd.rank()
-    measured.decide = lambda seconds, names: names.index("allgather")
+    measured.decide = lambda seconds, names: names.index(args.choice)
     rng = np.random.default_rng(rank)
     x_all = tf.constant(rng.standard_normal((4096, 64)).astype("float32"))
     y_all = tf.constant(rng.integers(0, 10, 4096).astype("int32"))
@@ -59,7 +63,8 @@ def main(argv=None):
         variables = model.trainable_variables
         optimizer = sparse_hvd.SparseDistributedOptimizer(
             keras.optimizers.SGD(0.01, momentum=0.9), density=0.01, warmup_steps=0,
-            budget="model", exchange="allgather" if variant == "allgather" else "auto",
+            budget="model", exchange={"allgather": "allgather", "chosen": args.choice}.get(
+                variant, "auto"),
             name=f"overhead_{variant}")
         optimizer.build(variables)
         step_state = optimizer._step

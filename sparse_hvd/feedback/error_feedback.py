@@ -173,13 +173,14 @@ class ErrorFeedback:
             updates.append((self.velocities[index], velocity))
         return selection, tuple(updates)
 
-    def compensated_at(self, index, grad, positions=None) -> tf.Tensor:
-        """What :meth:`select` hands the sparsifier for variable ``index``, flat, at the int64
-        ``positions`` (None: everywhere): the gradient (or, with momentum correction, the next
-        velocity) plus the residual; only those positions are read."""
+    def compensated_at(self, index, grad, sample=None) -> tf.Tensor:
+        """What :meth:`select` hands the sparsifier for variable ``index``, flat, at the
+        entries ``sample`` takes of a flat tensor (None: everywhere): the gradient (or, with
+        momentum correction, the next velocity) plus the residual; only those entries are
+        computed."""
         def at(tensor):
             flat = tf.reshape(tf.convert_to_tensor(tensor), [-1])
-            return flat if positions is None else tf.gather(flat, positions)
+            return flat if sample is None else sample(flat)
 
         flat = at(grad)
         if self.momentum:

@@ -104,14 +104,15 @@ class PayloadBuilder:
         self._capped = tf.constant(0, tf.int64)
         self._budgets = []
 
-    def _add(self, kind, position, key, item, route: Route, values, sent, bytes_sent):
+    def _add(self, kind, position, key, item, route: Route, values, sent, bytes_sent,
+             finite=None):
         positions, keys, items = self._parts[kind]
         positions.append(position)
         keys.append(key)
         items.append(item)
         self._gradients.append(values)
-        if self._check_finite:
-            self._local_finite.append(nonfinite.all_finite(values))
+        if self._check_finite:  # ``finite``: already found in the selecting pass
+            self._local_finite.append(nonfinite.all_finite(values) if finite is None else finite)
         self._dense_bytes += route.num_elements * DENSE_ITEM_BYTES
         self._bytes_sent += bytes_sent
         self._sent.append((key, sent))
@@ -123,7 +124,7 @@ class PayloadBuilder:
         self._budgets.append(budget)
         sent = tf.cast(tf.size(selection.values), tf.int64)
         self._add("sparse", position, key, selection, route, gradient, sent,
-                  sent * (route.itemsize + INDEX_BYTES))
+                  sent * (route.itemsize + INDEX_BYTES), finite=selection.finite)
         self._state_updates.extend(state_updates)
         if selection.capped is not None:
             self._capped += tf.cast(selection.capped, tf.int64)

@@ -117,9 +117,9 @@ def model_wide_sparsifier(opt, prepared, budgets):
 
     chosen = [(index, grad) for _, index, route, rows, grad in prepared if index in budgets]
 
-    def magnitudes_at(j, positions):
+    def magnitudes_at(j, sample):
         index, grad = chosen[j]
-        return tf.abs(tf.cast(opt._feedback.compensated_at(index, grad, positions), tf.float32))
+        return tf.abs(tf.cast(opt._feedback.compensated_at(index, grad, sample), tf.float32))
 
     sizes = [opt._routes[index].num_elements for index, _ in chosen]
     return AtOrAbove(model_wide_cut(magnitudes_at, sizes, [budgets[i] for i, _ in chosen]))

@@ -7,7 +7,9 @@
 //   indices, values = the selected positions (ascending) and c at them.
 // If more than `cap` entries pass, `rejected` is true and indices/values are empty (the caller
 // then takes its exact top-k path, and the remainder output must not be used): the cap bounds
-// the memory a too-small lambda could claim.
+// the memory a too-small lambda could claim. `finite` says whether every c_i is finite (both
+// ops): the rank's "all finite" check of its gradient, in the same pass (a NaN or an infinity
+// in g makes c non-finite), instead of a pass of its own.
 //
 // Work is split into contiguous shards run on TensorFlow's intra-op thread pool; each shard
 // keeps its own (index, value) list, concatenated in shard order, so the output is ascending
@@ -19,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -37,12 +40,12 @@ using tensorflow::Tensor;
 using tensorflow::TensorShape;
 using absl::InvalidArgumentError;
 
-// Both ops: (remainder shaped like grad, indices, values, a flag).
+// Both ops: (remainder shaped like grad, indices, values, then scalars).
 tsl::Status SelectionShapes(tensorflow::shape_inference::InferenceContext* c) {
   c->set_output(0, c->input(0));
   c->set_output(1, c->Vector(c->UnknownDim()));
   c->set_output(2, c->Vector(c->UnknownDim()));
-  c->set_output(3, c->Scalar());
+  for (int i = 3; i < c->num_outputs(); ++i) c->set_output(i, c->Scalar());
   return tsl::OkStatus();
 }
 
@@ -79,26 +82,33 @@ void ForEachShard(OpKernelContext* context, int64_t n, Body body) {
 }
 
 // Both ops: out[i] = g[i] + r[i] for i in [begin, end), and hit(i, c) for each i with
-// |c| >= cut, in index order. Per block of kBlock entries, a first loop adds and counts the hits
-// (it vectorises); the second, scalar loop runs only over blocks with a hit: at a density of
-// 1% most blocks have none, so most of the data is touched by vector instructions only.
+// |c| >= cut, in index order. Per block of kBlock entries, a first loop adds, counts the hits
+// and the non-finite entries (it vectorises); the second, scalar loop runs only over blocks
+// with a hit: at a density of 1% most blocks have none, so most of the data is touched by
+// vector instructions only. Returns the number of non-finite c.
 constexpr int64_t kBlock = 16;
 
 template <typename T, typename Hit>
-void CompensateAndScan(const T* g, const T* r, T* out, int64_t begin, int64_t end, T cut, Hit hit) {
+int64_t CompensateAndScan(const T* g, const T* r, T* out, int64_t begin, int64_t end, T cut,
+                          Hit hit) {
+  constexpr T kLargest = std::numeric_limits<T>::max();
+  int64_t nonfinite = 0;
   for (int64_t b = begin; b < end; b += kBlock) {
     const int64_t stop = std::min(end, b + kBlock);
-    int hits = 0;
+    int hits = 0, bad = 0;
     for (int64_t i = b; i < stop; ++i) {
       const T c = g[i] + r[i];
       out[i] = c;
       hits += std::abs(c) >= cut;  // never true for NaN
+      bad += !(std::abs(c) <= kLargest);  // NaN and infinities
     }
+    nonfinite += bad;
     if (hits == 0) continue;
     for (int64_t i = b; i < stop; ++i) {
       if (std::abs(out[i]) >= cut) hit(i, out[i]);
     }
   }
+  return nonfinite;
 }
 
 // An entry of c that passed the cut, with its position.
@@ -111,24 +121,34 @@ struct Candidate {
 // Both ops, the pass over the data: c = g + r into ``out``, and per shard, in index order, the
 // entries with |c| >= cut, at most cap + 1 of them (enough to tell "more than cap"), with their
 // values so later work reads contiguous memory. ``zero_passed``: also zero every passing entry
-// in ``out``. Returns the shards' lists (their concatenation is ascending) and their total.
+// in ``out``. Returns the shards' lists (their concatenation is ascending), their total and
+// whether every c was finite.
 template <typename T>
 std::vector<std::vector<Candidate<T>>> CollectCandidates(OpKernelContext* context, const T* g,
                                                          const T* r, T* out, int64_t n, T cut,
                                                          int64_t cap, bool zero_passed,
-                                                         int64_t* total) {
+                                                         int64_t* total, bool* finite) {
   std::vector<std::vector<Candidate<T>>> shard_candidates((n + kShardSize - 1) / kShardSize);
-  std::atomic<int64_t> count{0};
+  std::atomic<int64_t> count{0}, nonfinite{0};
   ForEachShard(context, n, [&](int64_t s, int64_t begin, int64_t end) {
     auto& found = shard_candidates[s];
-    CompensateAndScan(g, r, out, begin, end, cut, [&](int64_t i, T c) {
+    nonfinite += CompensateAndScan(g, r, out, begin, end, cut, [&](int64_t i, T c) {
       if (zero_passed) out[i] = T(0);
       if (static_cast<int64_t>(found.size()) <= cap) found.push_back({c, static_cast<int32_t>(i)});
     });
     count += static_cast<int64_t>(found.size());
   });
   *total = count.load();
+  *finite = nonfinite.load() == 0;
   return shard_candidates;
+}
+
+// Both ops: ``finite`` into output ``index``.
+tsl::Status WriteFinite(OpKernelContext* context, int index, bool finite) {
+  Tensor* out = nullptr;
+  TF_RETURN_IF_ERROR(context->allocate_output(index, TensorShape({}), &out));
+  out->scalar<bool>()() = finite;
+  return tsl::OkStatus();
 }
 
 REGISTER_OP("SparseHvdCompensateCut")
@@ -141,6 +161,7 @@ REGISTER_OP("SparseHvdCompensateCut")
     .Output("indices: int32")
     .Output("values: T")
     .Output("rejected: bool")
+    .Output("finite: bool")
     .SetShapeFn(SelectionShapes);
 
 template <typename T>
@@ -161,7 +182,10 @@ class CompensateCutOp : public OpKernel {
     T* out = remainder->flat<T>().data();
 
     int64_t total = 0;
-    const auto selected = CollectCandidates(context, g, r, out, n, cut, cap, true, &total);
+    bool finite = true;
+    const auto selected = CollectCandidates(context, g, r, out, n, cut, cap, true, &total,
+                                            &finite);
+    OP_REQUIRES_OK(context, WriteFinite(context, 4, finite));
     const bool rejected = total > cap;
     const int64_t count = rejected ? 0 : total;
     Tensor* indices = nullptr;
@@ -276,11 +300,8 @@ REGISTER_OP("SparseHvdCompensateTopK")
     .Output("values: T")
     .Output("missed: bool")
     .Output("candidates: int64")
-    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
-      TF_RETURN_IF_ERROR(SelectionShapes(c));
-      c->set_output(4, c->Scalar());
-      return tsl::OkStatus();
-    });
+    .Output("finite: bool")
+    .SetShapeFn(SelectionShapes);
 
 template <typename T>
 class CompensateTopKOp : public OpKernel {
@@ -304,7 +325,10 @@ class CompensateTopKOp : public OpKernel {
     // Step 1: each candidate with its value, so that step 3 reads contiguous memory instead
     // of c at scattered positions of a large tensor.
     int64_t m = 0;
-    const auto shard_candidates = CollectCandidates(context, g, r, out, n, cut, cap, false, &m);
+    bool finite = true;
+    const auto shard_candidates = CollectCandidates(context, g, r, out, n, cut, cap, false, &m,
+                                                    &finite);
+    OP_REQUIRES_OK(context, WriteFinite(context, 5, finite));
 
     // Step 2
     const bool missed = m < low || m > cap || k <= 0;

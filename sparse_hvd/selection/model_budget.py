@@ -8,9 +8,9 @@ Here, each step on each rank:
 1. the cut: the K-th largest magnitude of the compensated gradients ``c = gradient +
    residual`` (with momentum correction, velocity plus residual: what the sparsifier would
    see), K = the sum of the density policy's per-variable k, estimated from ``c`` at
-   fixed spread positions over the whole model (each variable in proportion to its size; at
-   least :data:`SAMPLES`, and about :data:`ABOVE` of them above the cut), exactly when the
-   model has no more entries than the sample;
+   blocks of entries evenly spread over each variable (:func:`sample_stride`; each variable
+   in proportion to its size; at least :data:`SAMPLES`, and about :data:`ABOVE` of them above
+   the cut), exactly when the model has no more entries than the sample;
 2. each variable sends its entries with ``|c| >= cut`` (ties at the cut included), in one pass
    over the data, through the same error feedback as any sparsifier.
 
@@ -25,21 +25,52 @@ small sends less. The cut is each rank's own, as a top-k selection is.
 
 import tensorflow as tf
 
-from .sparsifiers import (Selection, Sparsifier, _magnitude_cut_step, _partial_sort_topk,
-                          spread_positions)
+from .sparsifiers import Selection, Sparsifier, _magnitude_cut_step, _partial_sort_topk
 
 SAMPLES = 1 << 16  # at least this many magnitudes are sampled each step (all of a smaller model)
 ABOVE = 2048  # and enough that about this many of them are above the cut: K within ~2%
 
 
+BLOCK = 16  # sampled entries read together: one 64-byte cache line of float32
+
+
+def sample_stride(count, n):
+    """The distance ``S`` between the starts of the sampled blocks (:data:`BLOCK` entries
+    each) that give at least ``count`` of ``n`` entries (or all): ``BLOCK x s``, ``s`` the
+    largest integer at most ``n // (count + BLOCK)`` (or 1) divisible by neither 2 nor 3
+    (int64).
+
+    Reading whole cache lines is the point: scattered single entries (measured on the 4.35M
+    MLP at 1%: 205,000 of them a step) cost a cache line each, as much memory traffic as a
+    pass over every entry (15 ms a step on 2 cores), where blocks read 1/16 of it. And a block
+    grid that shares no factor but ``BLOCK`` with a matrix's row length covers every column
+    of it evenly: rows are mostly 2^a 3^b entries long, hence no 2 or 3 in ``s`` (one of any
+    4 consecutive integers, or 1, qualifies)."""
+    largest = tf.maximum(tf.math.floordiv(tf.cast(n, tf.int64),
+                                          tf.cast(count, tf.int64) + BLOCK), 1)
+    candidates = largest - tf.range(4, dtype=tf.int64)
+    fits = tf.logical_and(candidates >= 1, tf.logical_and(tf.math.floormod(candidates, 2) > 0,
+                                                          tf.math.floormod(candidates, 3) > 0))
+    return BLOCK * tf.reduce_max(tf.where(fits, candidates, tf.ones_like(candidates)))
+
+
+def sampled_blocks(flat, stride):
+    """The first :data:`BLOCK` entries of every ``stride`` entries of 1-D ``flat`` (whole
+    strides only; a variable shorter than one stride gives its first block)."""
+    n = flat.shape[0]
+    rows = tf.maximum(tf.math.floordiv(tf.constant(n, tf.int64), stride), 1)
+    return tf.reshape(tf.reshape(flat[:rows * stride], [rows, -1])[:, :BLOCK], [-1])
+
+
 def model_wide_cut(magnitudes_at, sizes, budgets) -> tf.Tensor:
     """The cut for a model whose variables have ``sizes`` entries and per-variable
-    ``budgets``: the K-th largest of the magnitudes at the sampled positions, K scaled to the
-    sample (K = sum of ``budgets``), in float32. ``magnitudes_at(j, positions)`` gives
-    ``|c|`` of variable j at int64 ``positions`` (None: every entry). The sample is
-    :data:`SAMPLES` entries, or more where K is so small a share of the model that fewer than
-    :data:`ABOVE` samples would pass the cut; with no more entries than that, every entry is
-    read and the cut is the exact K-th largest."""
+    ``budgets``: the K-th largest of the sampled magnitudes, K scaled to the sample (K = sum
+    of ``budgets``), in float32. ``magnitudes_at(j, sample)`` gives ``|c|`` of variable j at
+    the entries that ``sample`` (a function of a flat tensor; None: every entry) takes. The
+    sample
+    is :data:`SAMPLES` entries, or more where K is so small a share of the model that fewer
+    than :data:`ABOVE` samples would pass the cut; with no more entries than that, every entry
+    is read and the cut is the exact K-th largest."""
     entries = sum(sizes)
     total = tf.minimum(tf.add_n([tf.convert_to_tensor(k, tf.int32) for k in budgets]), entries)
     share = tf.cast(total, tf.float64) / entries
@@ -49,15 +80,18 @@ def model_wide_cut(magnitudes_at, sizes, budgets) -> tf.Tensor:
         return tf.concat([magnitudes_at(j, None) for j in range(len(sizes))], 0), total
 
     def sampled():
-        counts = [tf.maximum(tf.cast(samples * n / entries, tf.int64), 1) for n in sizes]
-        drawn = tf.add_n(counts)
-        want = tf.cast(tf.math.ceil(share * tf.cast(drawn, tf.float64)), tf.int32)
-        return (tf.concat([magnitudes_at(j, spread_positions(count, n))
-                           for j, (count, n) in enumerate(zip(counts, sizes))], 0), want)
+        drawn = tf.concat([magnitudes_at(j, _blocks_of(sample_stride(samples * n / entries, n)))
+                           for j, n in enumerate(sizes)], 0)
+        want = tf.cast(tf.math.ceil(share * tf.cast(tf.size(drawn), tf.float64)), tf.int32)
+        return drawn, want
 
     sample, want = tf.cond(samples >= entries, exact, sampled)
     want = tf.clip_by_value(want, 1, tf.size(sample))
     return tf.reduce_min(tf.math.top_k(sample, k=want, sorted=False).values)
+
+
+def _blocks_of(stride):
+    return lambda flat: sampled_blocks(flat, stride)
 
 
 class AtOrAbove(Sparsifier):

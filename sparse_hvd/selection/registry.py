@@ -16,6 +16,9 @@ class Selection(NamedTuple):
     values: tf.Tensor  # [m] the chosen entries, same dtype as the gradient
     indices: tf.Tensor  # [m] int32 positions in the flattened variable, all distinct
     capped: Optional[tf.Tensor] = None  # bool scalar: a payload cap cut this selection short
+    # bool scalar: every compensated entry was finite, found in the selecting pass itself (the
+    # native kernels); None: the payload checks the gradient with a pass of its own
+    finite: Optional[tf.Tensor] = None
 
 
 class Sparsifier:

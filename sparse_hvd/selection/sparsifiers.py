@@ -93,8 +93,9 @@ def _magnitude_cut_step(flat_grad, flat_residual, cut, low, high, fallback, fuse
     Returns ``(selection, remainder)``; ``selection.capped`` is True when step 3 ran.
     """
     native = kernels.compensate_cut() if fuse and flat_grad.dtype in (tf.float32, tf.float64) else None
+    finite = None
     if native is not None:
-        remainder, indices, values, too_many = native(
+        remainder, indices, values, too_many, finite = native(
             flat_grad, flat_residual, tf.cast(cut, flat_grad.dtype), tf.cast(high, tf.int64)
         )
     else:
@@ -108,7 +109,7 @@ def _magnitude_cut_step(flat_grad, flat_residual, cut, low, high, fallback, fuse
     indices, values, remainder = tf.cond(
         rejected, lambda: fallback(flat_grad, flat_residual), lambda: (indices, values, remainder)
     )
-    return Selection(values=values, indices=indices, capped=rejected), remainder
+    return Selection(values=values, indices=indices, capped=rejected, finite=finite), remainder
 
 
 def _largest_above(flat_grad, flat_residual, cut, k, low, high, slow, fuse=True):
@@ -129,8 +130,9 @@ def _largest_above(flat_grad, flat_residual, cut, k, low, high, slow, fuse=True)
     k = tf.convert_to_tensor(k, tf.int32)
     native = (kernels.compensate_topk() if fuse and flat_grad.dtype in (tf.float32, tf.float64)
               else None)
+    finite = None
     if native is not None:
-        remainder, indices, values, missed, candidates = native(
+        remainder, indices, values, missed, candidates, finite = native(
             flat_grad, flat_residual, tf.cast(cut, flat_grad.dtype), tf.cast(k, tf.int64),
             tf.cast(low, tf.int64), tf.cast(high, tf.int64))
         fast = Selection(values, indices, capped=candidates > tf.cast(k, tf.int64)), remainder
@@ -164,7 +166,7 @@ def _largest_above(flat_grad, flat_residual, cut, k, low, high, slow, fuse=True)
 
     values, indices, capped, remainder = tf.cond(
         missed, slow_path, lambda: (fast[0].values, fast[0].indices, fast[0].capped, fast[1]))
-    return Selection(values, indices, capped=capped), remainder
+    return Selection(values, indices, capped=capped, finite=finite), remainder
 
 
 def _exact_topk_path(k):
