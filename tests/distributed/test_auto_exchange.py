@@ -274,8 +274,10 @@ def test_what_cannot_beat_the_allgather_by_its_bytes_is_not_tried(hvd, monkeypat
     dense_bytes = 2 * (size - 1) / size * 4
     reference = 0.05 * (size - 1) * 8  # the allgather: value and int32 index from each other
     compute = float(np.median(step.computes.numpy()))
-    # asked in the plans' order; Elias-Fano codes an index in 2 + log2(1 / density) bits
-    expected = {"compact_allgather": 0.05 * (size - 1) * (4 + (2 + np.log2(20)) / 8),
+    # asked in the plans' order; Elias-Fano codes an index in 2 + log2(1 / density) bits, and
+    # a float32 value is priced at its 24 sign-and-mantissa bits and 1.5 for its exponent
+    expected = {"compact_allgather": 0.05 * (size - 1) * ((24 + 1.5) / 8
+                                                          + (2 + np.log2(20)) / 8),
                 "sparse_allreduce": 0.05 * 2 * (size - 1) / size * 8}
     assert [a[0] for a in asked] == pytest.approx([expected[n] for n in names if n in expected])
     for numbers in asked:
