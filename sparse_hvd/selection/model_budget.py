@@ -67,10 +67,9 @@ def model_wide_cut(magnitudes_at, sizes, budgets) -> tf.Tensor:
     ``budgets``: the K-th largest of the sampled magnitudes, K scaled to the sample (K = sum
     of ``budgets``), in float32. ``magnitudes_at(j, sample)`` gives ``|c|`` of variable j at
     the entries that ``sample`` (a function of a flat tensor; None: every entry) takes. The
-    sample
-    is :data:`SAMPLES` entries, or more where K is so small a share of the model that fewer
-    than :data:`ABOVE` samples would pass the cut; with no more entries than that, every entry
-    is read and the cut is the exact K-th largest."""
+    sample is :data:`SAMPLES` entries, or more where K is so small a share of the model that
+    fewer than :data:`ABOVE` samples would pass the cut; with no more entries than that, every
+    entry is read and the cut is the exact K-th largest."""
     entries = sum(sizes)
     total = tf.minimum(tf.add_n([tf.convert_to_tensor(k, tf.int32) for k in budgets]), entries)
     share = tf.cast(total, tf.float64) / entries
