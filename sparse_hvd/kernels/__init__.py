@@ -82,49 +82,47 @@ def _library():
     return _loaded or None
 
 
+def _op(name):
+    """The loaded library's op ``name``, or None when the kernels are not in use."""
+    library = _library()
+    return None if library is None else getattr(library, name)
+
+
 def compensate_cut():
     """The native compensate-and-cut op, or None."""
-    library = _library()
-    return None if library is None else library.sparse_hvd_compensate_cut
+    return _op("sparse_hvd_compensate_cut")
 
 
 def scatter_mean():
     """The native scatter-and-average op, or None."""
-    library = _library()
-    return None if library is None else library.sparse_hvd_scatter_mean
+    return _op("sparse_hvd_scatter_mean")
 
 
 def compensate_topk():
     """The native compensate-and-top-k op, or None."""
-    library = _library()
-    return None if library is None else library.sparse_hvd_compensate_top_k
+    return _op("sparse_hvd_compensate_top_k")
 
 
 def owner_sum():
     """The native owner-sum op of the sparse allreduce, or None."""
-    library = _library()
-    return None if library is None else library.sparse_hvd_owner_sum
+    return _op("sparse_hvd_owner_sum")
 
 
 def encode_values():
     """The native value-coding op, or None."""
-    library = _library()
-    return None if library is None else library.sparse_hvd_encode_values
+    return _op("sparse_hvd_encode_values")
 
 
 def decode_values():
     """The native value-decoding op, or None."""
-    library = _library()
-    return None if library is None else library.sparse_hvd_decode_values
+    return _op("sparse_hvd_decode_values")
 
 
 def encode_positions():
     """The native Elias-Fano coding op, or None."""
-    library = _library()
-    return None if library is None else library.sparse_hvd_encode_positions
+    return _op("sparse_hvd_encode_positions")
 
 
 def decode_positions():
     """The native Elias-Fano decoding op, or None."""
-    library = _library()
-    return None if library is None else library.sparse_hvd_decode_positions
+    return _op("sparse_hvd_decode_positions")

@@ -3,7 +3,7 @@
 A library compiled for one TensorFlow must not be loaded by another (its C++ ABI and op
 registry differ), so the library is looked for, and built, under a key of everything it
 depends on: the TensorFlow version, its compile and link flags (they carry the ABI flag and
-the library it links to), the Python version and the kernels' sources.
+the library it links to), the Python version and the kernels' sources and headers.
 
 1. :func:`library_path` names where the library for this key lives: next to the sources when
    that directory is writable (the checkout, or a site-packages an administrator installs
@@ -41,6 +41,11 @@ def sources():
     return sorted(glob.glob(os.path.join(HERE, "*.cc")))
 
 
+def headers():
+    """The headers the sources include (part of the key, not compiled on their own)."""
+    return sorted(glob.glob(os.path.join(HERE, "*.h")))
+
+
 def _flags():
     import tensorflow as tf
 
@@ -48,12 +53,12 @@ def _flags():
 
 
 def build_key() -> str:
-    """A short hash of the TensorFlow, its flags, the Python and the sources."""
+    """A short hash of the TensorFlow, its flags, the Python, the sources and headers."""
     version, compile_flags, link_flags = _flags()
     digest = hashlib.sha256()
     for part in (version, *compile_flags, *link_flags, sys.version, sysconfig.get_platform()):
         digest.update(part.encode() + b"\0")
-    for path in sources():
+    for path in sources() + headers():
         with open(path, "rb") as f:
             digest.update(f.read())
     return f"tf{version}-{digest.hexdigest()[:16]}"

@@ -23,6 +23,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "bit_stream.h"
 
 namespace sparse_hvd {
 
@@ -32,6 +33,9 @@ using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
 using tensorflow::Tensor;
 using tensorflow::TensorShape;
+using bit_stream::BitReader;
+using bit_stream::BitWriter;
+using bit_stream::WordsFor;
 
 REGISTER_OP("SparseHvdEncodePositions")
     .Input("positions: int64")
@@ -56,8 +60,6 @@ REGISTER_OP("SparseHvdDecodePositions")
     });
 
 namespace {
-
-int64_t WordsFor(int64_t bits) { return (bits + 31) / 32; }
 
 // L of step 1: floor(log2(space / count)), 0 when space < 2 count.
 int LowBits(int64_t count, int64_t space) {
@@ -110,25 +112,14 @@ class EncodePositionsOp : public OpKernel {
     std::fill(out, out + low_words + bitmap_words, 0u);
     // Step 2
     const uint64_t mask = (uint64_t{1} << low) - 1;
-    uint64_t buffer = 0;
-    int filled = 0;
-    uint32_t* word = out;
-    for (int64_t i = 0; i < count && low > 0; ++i) {
-      buffer |= (static_cast<uint64_t>(positions[order[i]]) & mask) << filled;
-      filled += low;
-      if (filled >= 32) {
-        *word++ = static_cast<uint32_t>(buffer);
-        buffer >>= 32;
-        filled -= 32;
-      }
-    }
-    if (filled > 0) *word = static_cast<uint32_t>(buffer);
+    BitWriter writer(out);
+    for (int64_t i = 0; i < count; ++i)
+      writer.Put(static_cast<uint64_t>(positions[order[i]]) & mask, low);
+    writer.Flush();
     // Step 3
     uint32_t* bitmap = out + low_words;
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t place = (positions[order[i]] >> low) + i;
-      bitmap[place >> 5] |= 1u << (place & 31);
-    }
+    for (int64_t i = 0; i < count; ++i)
+      bit_stream::SetBit(bitmap, (positions[order[i]] >> low) + i);
   }
 };
 
@@ -185,35 +176,21 @@ class DecodePositionsOp : public OpKernel {
             const uint32_t* bitmap = lows + low_words;
             const uint32_t* end = in + word_start[r + 1];
             positions.assign(count, 0);
-            // the low halves
-            uint64_t buffer = 0;
-            int available = 0;
-            const uint32_t* next = lows;
-            const uint64_t mask = (uint64_t{1} << low) - 1;
+            // the low halves, then the high halves: the i-th set bit of the bitmap is at
+            // high_i + i, so high_i is the number of 0 bits before it
+            BitReader low_reader(lows, bitmap);
+            BitReader high_reader(bitmap, end);
+            int64_t high = 0;
             for (int64_t i = 0; i < count; ++i) {
-              if (available < low) {
-                buffer |= static_cast<uint64_t>(*next++) << available;
-                available += 32;
+              const int64_t zeros = high_reader.Unary();
+              if (zeros < 0) {
+                bad[r] = 1;
+                break;
               }
-              positions[i] = static_cast<int64_t>(buffer & mask);
-              buffer >>= low;
-              available -= low;
+              high += zeros;
+              positions[i] = (high << low) | static_cast<int64_t>(low_reader.Get(low));
             }
-            // the high halves: the i-th set bit of the bitmap is at high_i + i
-            int64_t i = 0;
-            for (const uint32_t* w = bitmap; w < end && i < count; ++w) {
-              uint32_t bits = *w;
-              while (bits != 0 && i < count) {
-                const int64_t place = 32 * (w - bitmap) + __builtin_ctz(bits);
-                bits &= bits - 1;
-                positions[i] |= (place - i) << low;
-                ++i;
-              }
-            }
-            if (i < count) {
-              bad[r] = 1;
-              continue;
-            }
+            if (bad[r]) continue;
             // each variable's run of positions, as indices within it
             int32_t* indices = out + start[r];
             for (int64_t v = 0, j = 0; v < variables; ++v) {

@@ -26,6 +26,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "bit_stream.h"
 
 namespace sparse_hvd {
 
@@ -35,6 +36,9 @@ using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
 using tensorflow::Tensor;
 using tensorflow::TensorShape;
+using bit_stream::BitReader;
+using bit_stream::BitWriter;
+using bit_stream::WordsFor;
 
 REGISTER_OP("SparseHvdEncodeValues")
     .Attr("value_bits: int")
@@ -64,78 +68,6 @@ REGISTER_OP("SparseHvdDecodeValues")
     });
 
 namespace {
-
-int64_t WordsFor(int64_t bits) { return (bits + 31) / 32; }
-
-// Appends fields of up to 32 bits to int32 words, little-endian.
-class BitWriter {
- public:
-  explicit BitWriter(uint32_t* words) : out_(words) {}
-  void Put(uint64_t value, int width) {
-    buffer_ |= value << filled_;
-    filled_ += width;
-    if (filled_ >= 32) {
-      *out_++ = static_cast<uint32_t>(buffer_);
-      buffer_ >>= 32;
-      filled_ -= 32;
-    }
-  }
-  // Writes what is left; the next part starts at a fresh word.
-  uint32_t* Flush() {
-    if (filled_ > 0) *out_++ = static_cast<uint32_t>(buffer_);
-    buffer_ = 0;
-    filled_ = 0;
-    return out_;
-  }
-
- private:
-  uint32_t* out_;
-  uint64_t buffer_ = 0;
-  int filled_ = 0;
-};
-
-// Reads fields of up to 32 bits from int32 words, little-endian, within [words, end).
-class BitReader {
- public:
-  BitReader(const uint32_t* words, const uint32_t* end) : in_(words), end_(end) {}
-  uint64_t Get(int width) {
-    if (available_ < width) {
-      buffer_ |= static_cast<uint64_t>(in_ < end_ ? *in_ : 0) << available_;
-      ++in_;
-      available_ += 32;
-    }
-    const uint64_t value = width == 0 ? 0 : buffer_ & ((uint64_t{1} << width) - 1);
-    buffer_ >>= width;
-    available_ -= width;
-    return value;
-  }
-  // The number of 0 bits before the next 1 bit, which is consumed; -1 past the end.
-  int64_t Unary() {
-    int64_t zeros = 0;
-    while (true) {
-      if (available_ == 0) {
-        if (in_ >= end_) return -1;
-        buffer_ = *in_++;
-        available_ = 32;
-      }
-      if (buffer_ != 0) {
-        const int skip = __builtin_ctzll(buffer_);
-        buffer_ >>= skip;
-        buffer_ >>= 1;
-        available_ -= skip + 1;
-        return zeros + skip;
-      }
-      zeros += available_;
-      available_ = 0;
-    }
-  }
-
- private:
-  const uint32_t* in_;
-  const uint32_t* end_;
-  uint64_t buffer_ = 0;
-  int available_ = 0;
-};
 
 struct Layout {
   int value_bits, exponent_bits, mantissa, field;
@@ -243,8 +175,7 @@ class EncodeValuesOp : public OpKernel {
     int64_t place = 0;
     for (int64_t i = 0; i < total; ++i) {
       place += codes[i] >> width;
-      bitmap[place >> 5] |= 1u << (place & 31);
-      ++place;
+      bit_stream::SetBit(bitmap, place++);
     }
   }
 
