@@ -104,13 +104,21 @@ def test_the_rank_by_rank_sum_adds_in_rank_order_not_by_magnitude(monkeypatch, p
     assert total.numpy().tolist() == [1.0, 0.0]
 
 
-def test_rows_are_summed_in_rank_order():
+@pytest.mark.parametrize("rows_known", [True, False])
+@pytest.mark.parametrize("unrolled_up_to", [64, 1])
+def test_rows_are_summed_in_rank_order(monkeypatch, rows_known, unrolled_up_to):
+    """Written out op by op (a known number of rows, up to UNROLLED_RANKS) or as a loop: the
+    same order, so the same bits (1e8 + 1 - 1e8 is 0 in float32, 1e8 - 1e8 + 1 would be 1)."""
+    monkeypatch.setattr(averaging_module, "UNROLLED_RANKS", unrolled_up_to)
     rows = np.array([[1e8, 3.0], [1.0, 0.5], [-1e8, 0.25]], np.float32)
     expected = np.zeros(2, np.float32)
     for row in rows:
         expected = expected + row
-    np.testing.assert_array_equal(averaging_module.sum_rows_in_order(tf.constant(rows)).numpy(),
-                                  expected)
+    assert expected[0] == 0.0
+    shape = [3, 2] if rows_known else [None, 2]
+    summed = tf.function(averaging_module.sum_rows_in_order,
+                         input_signature=[tf.TensorSpec(shape, tf.float32)])
+    np.testing.assert_array_equal(summed(tf.constant(rows)).numpy(), expected)
 
 
 @pytest.mark.parametrize("path", ["tensorflow", "gpu"])

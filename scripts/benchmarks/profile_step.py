@@ -88,7 +88,11 @@ def main(argv=None):
         warmup_steps=0, name="profile")
     optimizer.build(variables)
 
-    @tf.function(jit_compile=False)
+    # exchange="auto": each step runs the function traced for the exchange it chose
+    decorate = (tf.function(jit_compile=False) if plain
+                else sparse_hvd.function(optimizer, jit_compile=False))
+
+    @decorate
     def step(indices):
         x, y = tf.gather(x_all, indices), tf.gather(y_all, indices)
         with tf.GradientTape() as tape:

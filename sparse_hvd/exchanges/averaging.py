@@ -117,10 +117,22 @@ def _sum_one_rank_at_a_time(values, places, per_rank, size) -> tf.Tensor:
     return total
 
 
+UNROLLED_RANKS = 64  # up to this many rows, sum_rows_in_order adds them op by op
+
+
 def sum_rows_in_order(rows) -> tf.Tensor:
-    """The sum of a [ranks, n] tensor's rows, added in rank order (the same bits everywhere)."""
-    return tf.foldl(lambda total, row: total + row, rows,
-                    initializer=tf.zeros(tf.shape(rows)[1:], rows.dtype))
+    """The sum of a [ranks, n] tensor's rows, added in rank order from zero (the same bits
+    everywhere). With a known number of rows up to :data:`UNROLLED_RANKS` the additions are
+    written out: a ``tf.foldl`` (a while loop) took about 0.2-0.4 s of each trace of a step at
+    4 ranks on 2 cores, and ``exchange="auto"`` traces one step per candidate it tries."""
+    count = rows.shape[0]
+    if count is None or count > UNROLLED_RANKS:
+        return tf.foldl(lambda total, row: total + row, rows,
+                        initializer=tf.zeros(tf.shape(rows)[1:], rows.dtype))
+    total = tf.zeros(tf.shape(rows)[1:], rows.dtype)
+    for row in tf.unstack(rows, num=count):
+        total = total + row
+    return total
 
 
 def _owners(counts, rows):

@@ -7,15 +7,27 @@ optimizer routes every variable densely, so nothing is selected and the residual
 1. the gradients: one ``grouped_allreduce`` per dtype (or one allreduce per variable with
    ``grouping="layerwise"``), 16-bit on the wire with ``compression="float16"``;
 2. whether every rank was finite: read from the averages (a rank's NaN or infinity reaches
-   every rank's sum; an average whose entries' sum overflows is skipped too); with
-   embeddings' rows, which travel apart, one tiny allreduce (``sparse_hvd.feedback.nonfinite``).
+   every rank's sum); with embeddings' rows, which travel apart, one tiny allreduce
+   (``sparse_hvd.feedback.nonfinite``).
+
+With the native kernels (a CPU job) the float32/float64 gradients of the grouped exchange are
+summed by Horovod (``op=Sum``) and the native ``SparseHvdDivideChecked`` divides each sum by
+the number of workers and says whether every average is finite, in one pass: Horovod's
+``op=Average`` scales its buffer in a pass of its own and the check then read every average
+again (on the 4.35M MLP at 2 workers, 1.0 and 1.1 ms of a 47 ms step). On a GPU, with 16-bit
+compression or layer by layer, Horovod averages and each average's sum is checked (a sum is
+non-finite iff an entry is, or the sum overflows).
 """
 
 import tensorflow as tf
 
+from .. import kernels
 from ..feedback import nonfinite
 from ..feedback.payload import Payload
-from .base import Exchange, register
+from ..runtime import collectives
+from .base import Exchange, group_positions_by_dtype, register
+
+DIVIDED_NATIVELY = (tf.float32, tf.float64)  # the dtypes SparseHvdDivideChecked takes
 
 
 @register("dense", grouping="grouped")
@@ -28,14 +40,41 @@ class DenseAllreduce(Exchange):
         if payload.sparse.items:
             raise ValueError("exchange='dense' was handed sparse selections: every variable "
                              "must be routed densely with it")
-        dense = self.dense_average(payload.dense.items, payload.dense.keys, step)
-        if payload.local_finite and dense and not payload.rows.items:
+        tensors, keys = payload.dense.items, payload.dense.keys
+        if payload.local_finite and tensors and not payload.rows.items:
             # a rank's NaN or infinity reaches every rank's sum: the averages say it, with no
-            # collective of its own (the same bits on every rank, so the same answer); one
-            # reduction per average, as each rank's own check (``Payload.local_finite``)
+            # collective of its own (the same bits on every rank, so the same answer)
+            divide = self._native_divide(tensors)
+            if divide is not None:
+                return ([],) + self._divided_checked(divide, tensors, step) + ((),)
+            dense = self.dense_average(tensors, keys, step)
             finite = tf.reduce_all([nonfinite.all_finite(a) for a in dense])
             return [], dense, finite, ()
+        dense = self.dense_average(tensors, keys, step)
         return [], dense, self.finite_everywhere(payload, step), ()
+
+    def _native_divide(self, tensors):
+        """The native divide-and-check op where it applies (module doc), else None."""
+        if (self.size == 1 or self.per_layer or self.compression.half is not None
+                or any(t.dtype not in DIVIDED_NATIVELY for t in tensors)):
+            return None
+        return kernels.divide_checked()
+
+    def _divided_checked(self, divide, tensors, step):
+        """``(averages, finite)``: one ``grouped_allreduce(op=Sum)`` per dtype, then each
+        dtype's sums divided and checked by ``divide`` in one pass."""
+        sums = self.per_dtype(
+            lambda group, name, process_set, step: collectives.grouped_allreduce(
+                group, name=name, process_set=process_set, op=collectives.SUM, step=step),
+            list(tensors), f"{self.name}.dense_sum", step)
+        averages = [None] * len(sums)
+        checks = []
+        for dtype, positions in group_positions_by_dtype(sums).items():
+            divided, finite = divide([sums[p] for p in positions], tf.cast(self.size, dtype))
+            checks.append(finite)
+            for position, average in zip(positions, divided):
+                averages[position] = average
+        return averages, tf.reduce_all(checks)
 
 
 @register("dense", grouping="layerwise")

@@ -14,7 +14,9 @@
   in one sequential pass each way, the same words bit for bit);
 * ``encode_positions()`` and ``decode_positions()``: the ``SparseHvdEncodePositions`` and
   ``SparseHvdDecodePositions`` ops (index_codec.cc: ``sparse_hvd.exchanges.index_coding``'s
-  Elias-Fano code, likewise).
+  Elias-Fano code, likewise);
+* ``divide_checked()``: the ``SparseHvdDivideChecked`` op (divide_checked.cc: the dense
+  allreduce's sums divided into averages, and whether all are finite, in one pass).
 
 The library is found, or compiled on first use, under a key of the imported TensorFlow (see
 ``sparse_hvd.kernels.build``: a TensorFlow upgrade leads to a rebuild, never to a stale
@@ -126,3 +128,8 @@ def encode_positions():
 def decode_positions():
     """The native Elias-Fano decoding op, or None."""
     return _op("sparse_hvd_decode_positions")
+
+
+def divide_checked():
+    """The native divide-and-check op of the dense allreduce, or None."""
+    return _op("sparse_hvd_divide_checked")

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
+from sparse_hvd import kernels
 from sparse_hvd.exchanges import create
 from sparse_hvd.selection.sparsifiers import Selection, register_sparsifier, topk
 from conftest import digest, gather
@@ -325,6 +326,40 @@ def test_dense_exchange_applies_the_mean_of_every_ranks_whole_gradient(hvd, grou
     assert all(not np.any(r.numpy()) for r in optimizer.residuals)
     assert {s["route"] for s in optimizer.layer_stats().values()} == {"dense"}
     everyone = gather(hvd, digest([v.numpy() for v in variables]), f"dense.{grouping}.{staleness}")
+    assert len(set(everyone)) == 1, "replicas differ"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dense_exchange_averages_are_the_rounded_quotient_of_the_sums(hvd, monkeypatch, native):
+    """exchange="dense": float32 and float64 averages in one step, by the native
+    divide-and-check (Horovod's sum, then one division) or without it (Horovod's average).
+    With 2 workers the sum is exact in any order, so the update is NumPy's bit for bit."""
+    if native and kernels.divide_checked() is None:
+        pytest.skip("no native kernels in this run")
+    if not native:
+        monkeypatch.setattr(kernels, "divide_checked", lambda: None)
+    rank, size = hvd.rank(), hvd.size()
+
+    def gradients(r):
+        rng = np.random.RandomState(77 + r)
+        return [rng.randn(*BIG).astype("float32"), rng.randn(40, 30).astype("float64")]
+
+    variables = [keras.Variable(np.zeros(BIG, "float32")),
+                 keras.Variable(np.zeros((40, 30), "float64"), dtype="float64")]
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(1.0), exchange="dense", name=f"dense_divided_{native}")
+    optimizer.apply([tf.constant(g) for g in gradients(rank)], variables)
+    every = [gradients(r) for r in range(size)]
+    for j, variable in enumerate(variables):
+        total = every[0][j]
+        for g in every[1:]:
+            total = total + g[j]
+        want = -(total / np.array(size, total.dtype))
+        if size == 2:
+            np.testing.assert_array_equal(variable.numpy(), want)
+        else:
+            np.testing.assert_allclose(variable.numpy(), want, rtol=1e-6)
+    everyone = gather(hvd, digest([v.numpy() for v in variables]), f"dense_divided.{native}")
     assert len(set(everyone)) == 1, "replicas differ"
 
 

@@ -150,23 +150,29 @@ def test_average_variables_is_the_mean_over_ranks(hvd):
         sparse_hvd.average_variables([keras.Variable(np.zeros(2, "int32"), dtype="int32")])
 
 
-def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(hvd):
+@pytest.mark.parametrize("exchange,bad", [(None, np.nan), ("dense", np.nan), ("dense", -np.inf),
+                                          ("allgather", np.inf)])
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(hvd, exchange, bad):
+    """With the default (auto: its first steps run dense), the dense allreduce (the native
+    divide-and-check on a CPU) and the allgather."""
     rank = hvd.rank()
     variable = keras.Variable(np.zeros((50, 40), "float32"))
-    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.5), name="nonfinite_ranks")
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(0.5), exchange=exchange,
+        name=f"nonfinite_ranks_{exchange}_{str(bad).replace('-', 'minus_')}")
     step = tf.function(lambda g: optimizer.apply_gradients([(g, variable)]))
     rng = np.random.RandomState(rank)
     step(tf.constant(rng.randn(50, 40).astype("float32")))
     before = (variable.numpy().copy(), optimizer.residuals[0].numpy().copy())
     grad = rng.randn(50, 40).astype("float32")
     if rank == hvd.size() - 1:
-        grad[1, 2] = np.nan
+        grad[1, 2] = bad
     step(tf.constant(grad))
     np.testing.assert_array_equal(variable.numpy(), before[0])
     np.testing.assert_array_equal(optimizer.residuals[0].numpy(), before[1])
     assert optimizer.communication_stats()["skipped_steps"] == 1
     assert int(optimizer.iterations) == 1
-    assert len(set(gather(hvd, digest([variable.numpy()]), name="nonfinite.digest"))) == 1
+    assert len(set(gather(hvd, digest([variable.numpy()]), name=f"{optimizer.name}.digest"))) == 1
 
 
 def test_share_residuals_makes_them_the_mean_and_resuming_continues_exactly(hvd, tmp_path_factory):
