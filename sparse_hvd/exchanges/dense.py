@@ -56,7 +56,7 @@ class DenseAllreduce(Exchange):
 
     def _native_divide(self, tensors):
         """The native divide-and-check op where it applies (module doc), else None."""
-        if (self.size == 1 or self.per_layer or self.compression.half is not None
+        if (self.size == 1 or self.per_layer or self.compression.enabled
                 or any(t.dtype not in DIVIDED_NATIVELY for t in tensors)):
             return None
         return kernels.divide_checked()
