@@ -161,7 +161,8 @@ def exchange_candidates(exchange, grouping, staleness, policy, compression):
     if grouping not in GROUPINGS:
         raise ValueError(f"`grouping` must be one of {GROUPINGS}, got {grouping!r}")
     names = ((exchange,) if exchange != "auto"
-             else tuple(name for name in available() if grouping in groupings_of(name)))
+             else tuple(name for name in available() if grouping in groupings_of(name)
+                        and exchange_class(name, grouping).auto_candidate))
     # exchange_class names the exchanges and groupings there are
     refusals = {name: _refusal(name, exchange_class(name, grouping), staleness, policy,
                                compression) for name in names}

@@ -17,10 +17,15 @@ from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 
 
 def test_every_exchange_is_registered_with_its_groupings():
-    assert set(available()) == {"dense", "allgather", "compact_allgather", "sparse_allreduce"}
+    assert set(available()) == {"dense", "allgather", "compact_allgather", "sparse_allreduce",
+                                "plain_sparse_allreduce"}
     assert set(groupings_of("allgather")) == {"grouped", "layerwise"}
     assert set(groupings_of("compact_allgather")) == {"grouped"}
     assert set(groupings_of("sparse_allreduce")) == {"grouped", "layerwise"}
+    assert set(groupings_of("plain_sparse_allreduce")) == {"grouped", "layerwise"}
+    for grouping in ("grouped", "layerwise"):  # the same exchange, blocks coded or not
+        assert exchange_class("sparse_allreduce", grouping).coded
+        assert not exchange_class("plain_sparse_allreduce", grouping).coded
     assert exchange_class("sparse_allreduce", "layerwise").per_layer
     assert exchange_class("allgather", "layerwise").per_layer
     assert not exchange_class("allgather", "grouped").per_layer
@@ -48,6 +53,7 @@ def test_unknown_names_and_groupings_are_refused_naming_what_exists():
 
 def test_auto_chooses_among_the_exchanges_whose_capabilities_fit():
     constant = ConstantDensity(0.01)
+    # the plain sparse allreduce is never auto's: the coded one applies the same bits
     assert set(checks.exchange_candidates("auto", "grouped", 0, constant, Compression())) == {
         "allgather", "compact_allgather", "sparse_allreduce", "dense"}
     half = checks.exchange_candidates("auto", "grouped", 0, constant, Compression("float16"))

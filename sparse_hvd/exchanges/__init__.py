@@ -3,20 +3,22 @@
 One module per exchange, each a subclass of :class:`~sparse_hvd.exchanges.base.Exchange`
 registered under the name ``exchange=`` takes and the ``grouping`` it runs:
 
-=======================  ===========  ==============================================
-``exchange``             grouping     module
-=======================  ===========  ==============================================
-``"allgather"``          grouped      ``fused_allgather``: one grouped allgather a step
-``"allgather"``          layerwise    ``layerwise``: an allgather pair per variable
-``"compact_allgather"``  grouped      ``compact_allgather``: indices Elias-Fano coded
-``"sparse_allreduce"``   grouped      ``sparse_allreduce``: regions summed by owners
-``"sparse_allreduce"``   layerwise    ``sparse_allreduce``: the same, one per variable
-``"dense"``              both         ``dense``: Horovod's allreduce of every gradient
-=======================  ===========  ==============================================
+============================  ===========  =========================================
+``exchange``                  grouping     module
+============================  ===========  =========================================
+``"allgather"``               grouped      ``fused_allgather``: one grouped allgather
+``"allgather"``               layerwise    ``layerwise``: an allgather pair per variable
+``"compact_allgather"``       grouped      ``compact_allgather``: indices and values coded
+``"sparse_allreduce"``        grouped      ``sparse_allreduce``: regions summed by owners,
+                                           blocks coded (``sparse_blocks``)
+``"sparse_allreduce"``        layerwise    ``sparse_allreduce``: the same, one per variable
+``"plain_sparse_allreduce"``  both         ``sparse_allreduce``: int32 indices, raw values
+``"dense"``                   both         ``dense``: Horovod's allreduce of every gradient
+============================  ===========  =========================================
 
 ``sparse_hvd.checks`` reads the classes' capabilities (``per_layer``, ``layer_budgets``,
-``compression_capable``, ``staleness``, ``returns_unsent``, ``sends_selections``), never
-their names. To add an exchange: write a module
+``compression_capable``, ``staleness``, ``returns_unsent``, ``sends_selections``,
+``auto_candidate``), never their names. To add an exchange: write a module
 with a subclass of ``Exchange`` that implements ``_average_many`` (and ``traced`` and
 ``_announce`` for the lockstep check; build its header with ``base.header``), declare its
 capabilities, decorate it with ``@register("name", grouping=...)``, and import the module

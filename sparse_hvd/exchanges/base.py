@@ -144,6 +144,7 @@ class Exchange:
     # the registered exchange whose per-step work this one does too, and more, to send fewer
     # bytes: exchange="auto" tries it only where its fewer bytes could pay for that (None: always)
     builds_on = None
+    auto_candidate = True  # exchange="auto" may choose it
     grouping_reason = ""  # why the other grouping is not registered (for the message)
 
     def __init__(self, name: str, process_set=None, grouping="grouped", compression=None):

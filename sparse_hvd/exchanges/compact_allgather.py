@@ -21,8 +21,6 @@ TensorFlow ops on GPU. ``exchange="auto"`` times it against the others on the jo
 only where it is faster.
 """
 
-import math
-
 import tensorflow as tf
 
 from ..feedback.payload import INDEX_BYTES
@@ -41,7 +39,7 @@ class CompactAllgather(FusedAllgather):
     builds_on = "allgather"  # the fused allgather, plus coding and decoding what it sends
 
     def _index_bytes(self, density):
-        return (2 + math.log2(1 / density)) / 8  # index_coding's Elias-Fano bits an index
+        return index_coding.bytes_per_index(density)
 
     def _pack_indices(self, selections, sizes):
         if not selections:
@@ -62,8 +60,7 @@ class CompactAllgather(FusedAllgather):
         return words, ordered
 
     def _value_bytes(self, value_bytes):
-        exponent = 8 if value_bytes == 4 else 5  # float32's, float16's
-        return value_bytes - (exponent - value_coding.EXPONENT_BITS) / 8
+        return value_coding.coded_bytes(value_bytes)
 
     def _wire_values(self, selections, positions):
         """The values of variables ``positions``, one after another, as they travel: in their

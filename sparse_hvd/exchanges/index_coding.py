@@ -24,10 +24,18 @@ On CPU, :func:`encode_in_any_order` and :func:`decode_ranks` run as one native p
 the path on GPU and without the kernels.
 """
 
+import math
+
 import tensorflow as tf
 
 from .. import kernels
 from . import bit_packing
+
+
+def bytes_per_index(density) -> float:
+    """What an index costs in the code when ``density`` of the space is sent: about
+    ``2 + log2(1 / density)`` bits (step 1's low bits plus the bitmap's), in bytes."""
+    return (2 + math.log2(1 / density)) / 8
 
 
 def low_bits(num_positions, space):

@@ -54,13 +54,15 @@ from typing import List, NamedTuple, Sequence
 
 import tensorflow as tf
 
-from ..runtime import collectives, lockstep
-from . import wire
+from ..runtime import collectives, lockstep, startup as runtime
+from .sparse_blocks import CodedBlocks, PlainBlocks
 from .averaging import average_entries
 from .owner_sums import owner_sums
 from .compression import NONE
 from ..feedback.payload import Payload
 from ..selection.sparsifiers import spread_positions
+from . import index_coding, value_coding
+from ..feedback.payload import INDEX_BYTES
 from .base import HEADER_FIELDS, Exchange, checked_headers, header, register
 from .fused_allgather import FusedAllgather
 
@@ -159,12 +161,13 @@ class SparseAllreduce:
         process_set: Horovod process set (the global one by default).
     """
 
-    def __init__(self, name, process_set=None, compression=NONE):
+    def __init__(self, name, process_set=None, compression=NONE, coded=True):
         self.name = name
         self.process_set = process_set
         self.compression = compression
+        self.blocks = (CodedBlocks if coded else PlainBlocks)(compression)
         self.thresholds = None
-        self._layout = None  # (header length, words per value, dense tensors): for announce()
+        self._layout = None  # (header length, dense tensors): for announce()
 
     def build(self, optimizer, routes, size, saved=True):
         """Fix the index space of the sparse routes (step 1) and create the state: the global
@@ -210,14 +213,16 @@ class SparseAllreduce:
         boundaries = tf.convert_to_tensor(self.boundaries)
         levels = len(LEVELS)
 
-        # Step 2: each owner's block, [its entries' global indices | their values as words]
+        # Step 2: each owner's block of the entries in its region (``sparse_blocks``)
         sent = [s.indices + self.offsets[key] for s, key in zip(selections, keys)]
         indices = tf.concat(sent, 0)
         values = tf.concat([s.values for s in selections], 0)
         owners = owners_of(tf.cast(indices, tf.int64), boundaries)
-        blocks = [tf.concat([owned, self.compression.encode(owned_values)], 0)
-                  for owned, owned_values in zip(tf.dynamic_partition(indices, owners, size),
-                                                 tf.dynamic_partition(values, owners, size))]
+        blocks = [self.blocks.scatter_block(owned, owned_values, boundaries[r],
+                                            boundaries[r + 1] - boundaries[r])
+                  for r, (owned, owned_values) in enumerate(zip(
+                      tf.dynamic_partition(indices, owners, size),
+                      tf.dynamic_partition(values, owners, size)))]
         splits = tf.stack([tf.size(block) for block in blocks])
         received, from_each = collectives.alltoall(tf.concat(blocks, 0), splits,
                                         name=f"{self.name}.sparse_allreduce.scatter",
@@ -225,25 +230,30 @@ class SparseAllreduce:
 
         # Steps 3-4: the sums, in rank order (the blocks arrive rank by rank), ascending by
         # index; kept where they reach their variable's threshold; every level counted
-        received_indices, received_values, per_rank = self._unpack_blocks(received, from_each,
-                                                                          dtype)
+        me = runtime.rank(self.process_set)
+        start, length = boundaries[me], boundaries[me + 1] - boundaries[me]
+        received_indices, received_values, per_rank = self.blocks.unpack_scatter(
+            received, tf.ensure_shape(from_each, [size]), dtype, start, length)
         thresholds = tf.gather(tf.convert_to_tensor(self.thresholds), [keys[j] for j in order])
         kept_here, kept_sums, counts = owner_sums(received_indices, received_values, per_rank,
                                                   starts, thresholds, LEVELS)
 
         # Step 5: gather the kept entries, the headers and the dense words
         quantiles = _sampled_quantiles(indices, size, boundaries[1:-1])
-        own = tf.concat([tf.reshape(counts, [-1]), tf.cast(quantiles, tf.int32)], 0)
-        self._layout = (levels * len(keys) + size - 1, len(dense_words))
+        parts, fields = self.blocks.gather_parts(kept_here, kept_sums, start, length)
+        own = tf.concat([tf.reshape(counts, [-1]), tf.cast(quantiles, tf.int32), fields], 0)
+        own_quantiles = levels * len(keys)
+        own_fields = own_quantiles + size - 1
+        self._layout = (own_fields + self.blocks.header_fields, len(dense_words))
         gathered = collectives.grouped_allgather(
-            [header(finite_here, step, rest=own), kept_here, wire.to_words(kept_sums)]
-            + list(dense_words),
+            [header(finite_here, step, rest=own)] + parts + list(dense_words),
             name=f"{self.name}.sparse_allreduce.gather", process_set=self.process_set, step=step)
         gathered, finite, headers = checked_headers(gathered, size)  # headers: the own fields
-        kept = gathered[1]  # ascending: the owners' regions in rank order, each ascending
-        kept_values = wire.from_words(gathered[2], dtype)
+        # ascending: the owners' regions in rank order, each ascending
+        kept, kept_values = self.blocks.unpack_gather(
+            gathered[1:1 + len(parts)], headers[:, own_fields:], boundaries, dtype)
         level_counts = tf.reduce_sum(
-            tf.reshape(headers[:, :levels * len(keys)], [size, len(keys), levels]), 0)
+            tf.reshape(headers[:, :own_quantiles], [size, len(keys), levels]), 0)
 
         # Step 6: per variable (a slice of the ascending kept entries), the next threshold and
         # what is applied: the k largest kept sums (ties included), or all if fewer were kept
@@ -285,28 +295,10 @@ class SparseAllreduce:
             updated = tf.tensor_scatter_nd_update(tf.convert_to_tensor(state), positions,
                                                   tf.stack(values))
             state.assign(tf.where(finite, updated, state))
-        quantiles = tf.cast(headers[:, levels * len(keys):], tf.int64)
+        quantiles = tf.cast(headers[:, own_quantiles:own_fields], tf.int64)
         self.boundaries.assign(tf.concat(
             [[0], tf.reduce_sum(quantiles, 0) // size, [self.total]], 0))
-        return Result(averages, returned, finite, gathered[3:])
-
-    def _unpack_blocks(self, received, from_each, dtype):
-        """Step 3's input: the blocks this owner received (``from_each[r]`` int32 words from
-        rank r, each ``[m indices | their values as words]``) as ``(indices, values, m per
-        rank)``, in rank order. A block of m entries has m + ceil(m / 2) words with 16-bit
-        values (two to a word) and m (1 + w) with values of w words."""
-        from_each = tf.cast(from_each, tf.int32)
-        if self.compression.wire_dtype(dtype) is not None:
-            per_rank = (2 * from_each) // 3
-        else:
-            per_rank = from_each // (1 + wire.words_per_value(dtype))
-        rank_of = tf.repeat(tf.range(tf.size(from_each)), from_each)
-        within = tf.range(tf.size(received)) - tf.gather(tf.cumsum(from_each, exclusive=True),
-                                                         rank_of)
-        is_index = within < tf.gather(per_rank, rank_of)
-        values = self.compression.decode(tf.boolean_mask(received, tf.logical_not(is_index)),
-                                         dtype, per_rank)
-        return tf.boolean_mask(received, is_index), values, per_rank
+        return Result(averages, returned, finite, gathered[1 + len(parts):])
 
     @property
     def traced(self) -> bool:
@@ -331,7 +323,7 @@ class SparseAllreduce:
         first = tf.concat([header(True, step, state, rest=tf.zeros([own_length], tf.int32)),
                            empty], 0)
         gathered = collectives.grouped_allgather(
-            [first, empty, empty] + [empty] * dense,
+            [first] + [empty] * (self.blocks.gathered_parts + dense),
             name=f"{self.name}.sparse_allreduce.gather", process_set=self.process_set)
         return lockstep.check(tf.reshape(gathered[0], [self.size, -1])[:, 1:HEADER_FIELDS])
 
@@ -347,13 +339,23 @@ class SparseAllreduceExchange(FusedAllgather):
     # (measured slower than the allgather's step on this project's machines: issue-12 note)
     builds_on = "allgather"
 
+    coded = True  # its blocks' indices and values coded (``sparse_blocks``)
+
     def wire_bytes_per_entry(self, density, value_bytes):
         """Ok-Topk's lower bound: 2 (N - 1) / N entries a sent entry (regions, then sums)."""
-        return 2 * (self.size - 1) / self.size * (value_bytes + self._index_bytes(density))
+        return 2 * (self.size - 1) / self.size * (self._value_bytes(value_bytes)
+                                                  + self._index_bytes(density))
+
+    def _value_bytes(self, value_bytes):
+        return value_coding.coded_bytes(value_bytes) if self.coded else value_bytes
+
+    def _index_bytes(self, density):
+        return index_coding.bytes_per_index(density) if self.coded else INDEX_BYTES
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.sparse_allreduce = SparseAllreduce(self.name, self.process_set, self.compression)
+        self.sparse_allreduce = SparseAllreduce(self.name, self.process_set, self.compression,
+                                                coded=self.coded)
 
     def build(self, optimizer, routes):
         self.sparse_allreduce.build(optimizer, routes, self.size, saved=self.saves_state)
@@ -394,12 +396,14 @@ class LayerwiseSparseAllreduce(Exchange):
     builds_on = "allgather"
     staleness = False
     returns_unsent = True
+    coded = True
 
     def build(self, optimizer, routes):
         self.parts = {}
         for key, route in enumerate(routes):
             if route.sparse:
-                part = SparseAllreduce(f"{self.name}.{key}", self.process_set, self.compression)
+                part = SparseAllreduce(f"{self.name}.{key}", self.process_set, self.compression,
+                                       coded=self.coded)
                 part.build(optimizer, [route], self.size, saved=self.saves_state)
                 self.parts[key] = part
 
@@ -416,3 +420,21 @@ class LayerwiseSparseAllreduce(Exchange):
         finite = tf.reduce_all(finite) if finite else self.finite_everywhere(payload, step)
         dense = self.dense_average(payload.dense.items, payload.dense.keys, step)
         return averages, dense, finite, returned
+
+
+@register("plain_sparse_allreduce", grouping="grouped")
+class PlainSparseAllreduce(SparseAllreduceExchange):
+    """The sparse allreduce with int32 indices and raw values on the wire (8 bytes an entry
+    with float32 values): the same averages as ``"sparse_allreduce"``, without the coding's
+    CPU work. ``exchange="auto"`` does not try it."""
+
+    coded = False
+    auto_candidate = False
+
+
+@register("plain_sparse_allreduce", grouping="layerwise")
+class PlainLayerwiseSparseAllreduce(LayerwiseSparseAllreduce):
+    """``grouping="layerwise"`` with int32 indices and raw values."""
+
+    coded = False
+    auto_candidate = False

@@ -60,6 +60,15 @@ EXPONENT_BITS = 1.5
 FORMATS = {tf.float32: Format(32, 8), tf.float16: Format(16, 5), tf.bfloat16: Format(16, 8)}
 
 
+def coded_bytes(value_bytes) -> float:
+    """What a float32 (``value_bytes`` 4) or 16-bit value costs coded, about: its exponent's
+    8 or 5 bits replaced by ``EXPONENT_BITS``; a float64 travels as it is."""
+    if value_bytes == 8:
+        return 8
+    exponent = 8 if value_bytes == 4 else 5  # float32's, float16's
+    return value_bytes - (exponent - EXPONENT_BITS) / 8
+
+
 def codable(dtype) -> bool:
     """Whether values of ``dtype`` can be coded here (float64 travels as it is)."""
     return tf.as_dtype(dtype) in FORMATS

@@ -239,3 +239,37 @@ def test_it_composes_with_momentum_correction_warmup_approx_topk_and_dense_fallb
     assert len(set(gather(hvd, digest(weights_of(model)), name="sar_combo.digest"))) == 1
     exchanges = {s["exchange"] for s in optimizer.layer_stats().values()}
     assert exchanges <= {"sparse_allreduce", "dense"}
+
+
+def test_coded_blocks_apply_the_same_bits_as_plain_ones_for_every_kind_of_value(hvd):
+    # float32 (and float16 with compression): the coded blocks' values and indices decode to
+    # the bits sent, so the coded exchange (the default) applies what the plain one applies,
+    # checked against NumPy above, on every rank; its thresholds and regions are the same
+    rank, size = hvd.rank(), hvd.size()
+    special = np.array([0.0, -0.0, 1e-42, -3e-39, 6e4, -2.5, 1e30], np.float32)
+    for compression in ("none", "float16"):
+        runs = []
+        for exchange in ("sparse_allreduce", "plain_sparse_allreduce"):
+            variables = [keras.Variable(np.zeros(s, np.float32)) for s in SHAPES]
+            optimizer = sparse_hvd.SparseDistributedOptimizer(
+                keras.optimizers.SGD(0.5), density=0.05, exchange=exchange,
+                compression=compression, warmup_steps=0, name=f"sar_{exchange}_{compression}")
+            step = tf.function(lambda a, b: optimizer.apply_gradients(
+                [(a, variables[0]), (b, variables[1])]))
+            for t in range(6):
+                grads = [g.astype(np.float32) for g in _gradients(rank, t)]
+                grads[1][:] = 0.0  # a variable whose selection is all zeros
+                grads[0][100:100 + len(special)] = special * (rank + 1) * 1e3
+                step(tf.constant(grads[0].reshape(SHAPES[0])),
+                     tf.constant(grads[1].reshape(SHAPES[1])))
+            state = optimizer._exchange.sparse_allreduce
+            runs.append([v.numpy() for v in variables]
+                        + [r.numpy() for r in optimizer.residuals]
+                        + [state.thresholds.numpy(), state.boundaries.numpy()])
+        coded, plain = runs
+        assert np.count_nonzero(coded[0]) > 0
+        for a, b in zip(coded, plain):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8),
+                                          err_msg=f"compression={compression}")
+        shared = coded[:2] + coded[-2:]  # the weights, thresholds and regions (not residuals)
+        assert len(set(gather(hvd, digest(shared), name=f"sar_coded_{compression}"))) == 1

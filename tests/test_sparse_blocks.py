@@ -1,0 +1,149 @@
+"""The sparse allreduce's blocks (sparse_hvd/exchanges/sparse_blocks.py) in one process: what
+each owner unpacks of the scatter and every rank of the gather is every sent bit, for every
+value format, with empty blocks and empty regions; a coded block's length is the closed form
+of its codes; what a top-k entry costs coded. On the native kernels' path and on the
+TensorFlow ops' (GPU, or no kernels)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from sparse_hvd import kernels
+from sparse_hvd.exchanges import index_coding, value_coding
+from sparse_hvd.exchanges.compression import Compression
+from sparse_hvd.exchanges.sparse_blocks import BLOCK_HEADER, CodedBlocks, PlainBlocks
+
+SPECIAL = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-42, -1e-39, 3e-8, 6e4, 3e38, -1.0, 1.0]
+# (values' dtype, compression): float16 values also as float32 rounded by compression
+FORMATS = [("float32", "none"), ("float64", "none"), ("float16", "none"),
+           ("bfloat16", "none"), ("float32", "float16"), ("float32", "bfloat16")]
+
+
+@pytest.fixture(params=["native", "tensorflow"], autouse=True)
+def path(request, monkeypatch):
+    if request.param == "native" and kernels.encode_values() is None:
+        pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
+    if request.param == "tensorflow":
+        for name in ("encode_values", "decode_values", "encode_positions", "decode_positions"):
+            monkeypatch.setattr(kernels, name, lambda: None)
+    return request.param
+
+
+def _entries(rng, count, start, length, dtype, compression, special=False):
+    """``count`` distinct global indices of ``[start, start + length)`` in random order, and
+    values of ``dtype`` as the payload holds them (rounded by ``compression``)."""
+    indices = start + rng.choice(length, size=count, replace=False)
+    values = rng.standard_normal(count) * 10.0 ** rng.integers(-3, 3)
+    if special and count:
+        values[:min(count, len(SPECIAL))] = SPECIAL[:count]
+    values = tf.cast(tf.constant(values), dtype)
+    half = compression.wire_dtype(dtype)
+    if half is not None:
+        values = tf.cast(tf.cast(values, half), dtype)
+    return tf.constant(indices, tf.int32), values
+
+
+def _bits(values):
+    view = {8: tf.int64, 4: tf.int32, 2: tf.int16}[values.dtype.size]
+    return tf.bitcast(values, view).numpy()
+
+
+def _by_index(indices, values):
+    order = np.argsort(indices, kind="stable")
+    return indices[order], _bits(tf.gather(values, order))
+
+
+@pytest.mark.parametrize("blocks_class", [CodedBlocks, PlainBlocks])
+@pytest.mark.parametrize("dtype_name,compression", FORMATS)
+def test_an_owner_unpacks_every_ranks_entries_bit_for_bit(blocks_class, dtype_name,
+                                                          compression):
+    rng = np.random.default_rng(7)
+    compression = Compression(compression)
+    blocks = blocks_class(compression)
+    start, length = 1000, 5000  # the owner's region
+    counts = [40, 0, 700, 3]  # from each of 4 ranks; rank 1 sends nothing
+    sent = [_entries(rng, m, start, length, dtype_name, compression, special=r == 2)
+            for r, m in enumerate(counts)]
+    words = [blocks.scatter_block(i, v, tf.constant(start, tf.int64),
+                                  tf.constant(length, tf.int64)) for i, v in sent]
+    indices, values, per_rank = blocks.unpack_scatter(
+        tf.concat(words, 0), tf.constant([int(tf.size(w)) for w in words], tf.int32),
+        tf.as_dtype(dtype_name), tf.constant(start, tf.int64), tf.constant(length, tf.int64))
+    np.testing.assert_array_equal(per_rank.numpy(), counts)
+    assert values.dtype == tf.as_dtype(dtype_name) and indices.dtype == tf.int32
+    first = 0
+    for r, (sent_indices, sent_values) in enumerate(sent):
+        got = slice(first, first + counts[r])
+        first += counts[r]
+        expected_indices, expected_bits = _by_index(sent_indices.numpy(), sent_values)
+        got_indices, got_bits = _by_index(indices.numpy()[got], values[got])
+        np.testing.assert_array_equal(got_indices, expected_indices, err_msg=f"rank {r}")
+        np.testing.assert_array_equal(got_bits, expected_bits, err_msg=f"rank {r}")
+
+
+@pytest.mark.parametrize("blocks_class", [CodedBlocks, PlainBlocks])
+@pytest.mark.parametrize("dtype_name", ["float32", "float64"])
+def test_every_rank_unpacks_every_owners_kept_sums_in_index_order(blocks_class, dtype_name):
+    rng = np.random.default_rng(3)
+    blocks = blocks_class(Compression("float16"))  # the sums travel in their own dtype anyway
+    boundaries = [0, 100, 100, 350, 100000]  # rank 1's region is empty
+    kept = [40, 0, 250, 900]  # every entry of rank 2's region
+    parts, fields, expected_indices, expected_values = [], [], [], []
+    for r, m in enumerate(kept):
+        start, length = boundaries[r], boundaries[r + 1] - boundaries[r]
+        indices, values = _entries(rng, m, start, length, dtype_name, Compression("none"),
+                                   special=r == 3)
+        indices = tf.sort(indices)  # an owner's kept sums are ascending
+        own_parts, own_fields = blocks.gather_parts(indices, values, tf.constant(start, tf.int64),
+                                                    tf.constant(length, tf.int64))
+        parts.append(own_parts)
+        fields.append(own_fields)
+        expected_indices.append(indices.numpy())
+        expected_values.append(_bits(values))
+    gathered = [tf.concat(column, 0) for column in zip(*parts)]  # what the allgather hands out
+    assert len(gathered) == blocks.gathered_parts
+    indices, values = blocks.unpack_gather(gathered, tf.stack(fields),
+                                           tf.constant(boundaries, tf.int64), dtype_name)
+    np.testing.assert_array_equal(indices.numpy(), np.concatenate(expected_indices))
+    np.testing.assert_array_equal(_bits(values), np.concatenate(expected_values))
+
+
+def test_a_coded_block_is_its_header_and_the_closed_form_lengths_of_its_codes():
+    rng = np.random.default_rng(0)
+    blocks = CodedBlocks(Compression("none"))
+    for count, length in ((0, 10), (1, 1), (37, 40), (500, 100000)):
+        indices, values = _entries(rng, count, 0, length, "float32", Compression("none"))
+        words = blocks.scatter_block(indices, values, tf.constant(0, tf.int64),
+                                     tf.constant(length, tf.int64))
+        fields = words[:BLOCK_HEADER].numpy()
+        assert fields[0] == count
+        low, bitmap = (int(w) for w in index_coding.encoded_words(count, length))
+        value_words = sum(int(w) for w in value_coding.block_words(
+            tf.constant(count, tf.int64), tf.constant(int(fields[1]), tf.int64),
+            tf.constant(int(fields[2]), tf.int64), value_coding.FORMATS[tf.float32]))
+        assert int(tf.size(words)) == BLOCK_HEADER + low + bitmap + value_words
+
+
+@pytest.mark.parametrize("value_dtype,compression,most", [("float32", "none", 5.0),
+                                                          ("float32", "float16", 3.5)])
+def test_a_top_k_entry_costs_at_most_the_issues_bytes(value_dtype, compression, most):
+    # a 1% top-k of one rank's normal gradient over 4 regions: indices among each region's
+    # entries, values within a few binades of the cut
+    rng = np.random.default_rng(1)
+    compression = Compression(compression)
+    blocks = CodedBlocks(compression)
+    n, k = 400000, 4000
+    gradient = rng.standard_normal(n)
+    chosen = np.argpartition(-np.abs(gradient), k)[:k]
+    values = tf.constant(gradient[chosen], value_dtype)
+    half = compression.wire_dtype(values.dtype)
+    if half is not None:
+        values = tf.cast(tf.cast(values, half), value_dtype)
+    sent = 0
+    for r in range(4):
+        start, length = r * n // 4, n // 4
+        mine = (chosen >= start) & (chosen < start + length)
+        sent += int(tf.size(blocks.scatter_block(
+            tf.constant(chosen[mine], tf.int32), tf.boolean_mask(values, mine),
+            tf.constant(start, tf.int64), tf.constant(length, tf.int64))))
+    assert 4 * sent / k <= most
