@@ -109,9 +109,10 @@ def summarise(points):
                    "step_ms": m["median_step"] * 1e3,
                    "replicas_identical": m.get("replicas_identical")}
             name, _, density = method.partition("@")
+            prefix = "psar_" if name.startswith("psar_") else "sar_"
             # the allgather with the same budget (sar_topk_model against topk_model)
-            allgather = methods.get(f"{name[len('sar_'):]}@{density}")
-            if method.startswith("sar_"):  # issue 21: against Ok-Topk's bound and the allgather
+            allgather = methods.get(f"{name[len(prefix):]}@{density}")
+            if method.startswith(prefix):  # issue 21: against Ok-Topk's bound and the allgather
                 row["x_lower_bound"] = m["wire_received_bytes"] / lower_bound(workers, payload)
                 if allgather:
                     row["x_allgather_wire"] = (m["wire_received_bytes"]

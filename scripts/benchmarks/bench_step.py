@@ -14,7 +14,9 @@ Methods (``--methods``, comma-separated):
   lambda gives about density d (calibrated on the job's own top-k residuals in the warm-up);
   ``threshold_capped@<d>``: a threshold so low that every entry passes and the cap
   (``max_density=d``) decides; ``adaptive@<d>``: LAGS with ``grouping="layerwise"``;
-  ``sar_<sparsifier>@<d>``: the same with ``exchange="sparse_allreduce"``;
+  ``sar_<sparsifier>@<d>``: the same with ``exchange="sparse_allreduce"`` (coded blocks);
+  ``psar_<sparsifier>@<d>``: with ``exchange="plain_sparse_allreduce"`` (int32 indices, raw
+  values);
   ``compact_<sparsifier>@<d>``: with ``exchange="compact_allgather"`` (coded indices);
   ``<sparsifier>_model@<d>``: with one budget for the whole model (``budget="model"``, the
   default of the grouped exchanges). Every sparse row has ``budget="layer"`` unless it says
@@ -172,6 +174,9 @@ def worker(args):
                 sparsifier = name
             if name.startswith("sar_"):
                 exchange, name = "sparse_allreduce", name[len("sar_"):]
+                sparsifier = name
+            if name.startswith("psar_"):
+                exchange, name = "plain_sparse_allreduce", name[len("psar_"):]
                 sparsifier = name
             if name.startswith("compact_"):
                 exchange, name = "compact_allgather", name[len("compact_"):]
