@@ -14,6 +14,7 @@ from typing import Dict, List, Tuple
 import keras
 import tensorflow as tf
 
+from .. import kernels
 from ..runtime import log, startup as runtime
 from ..exchanges.compression import NONE
 from ..selection.sparsifiers import Selection
@@ -83,9 +84,14 @@ def velocity_after_sending(velocity_value, selection: Selection) -> tf.Tensor:
 
 
 def _scatter_add(flat, values, indices):
-    """``flat`` with ``values`` added at the flat ``indices`` (a new tensor)."""
-    return tf.tensor_scatter_nd_add(flat, tf.expand_dims(tf.cast(indices, tf.int64), 1),
-                                    tf.cast(values, flat.dtype))
+    """``flat`` with ``values`` added at the flat ``indices``: on CPU in ``flat``'s own buffer
+    when nothing else holds it (``kernels.add_at``; TensorFlow's scatter copies all of
+    ``flat`` first), else a new tensor."""
+    values = tf.cast(values, flat.dtype)
+    native = kernels.add_at() if flat.dtype in (tf.float32, tf.float64) else None
+    if native is not None:
+        return native(flat, indices, values)
+    return tf.tensor_scatter_nd_add(flat, tf.expand_dims(tf.cast(indices, tf.int64), 1), values)
 
 
 class ErrorFeedback:

@@ -17,6 +17,9 @@
   Elias-Fano code, likewise);
 * ``divide_checked()``: the ``SparseHvdDivideChecked`` op (divide_checked.cc: the dense
   allreduce's sums divided into averages, and whether all are finite, in one pass).
+* ``add_at()``: the ``SparseHvdAddAt`` op (add_at.cc: values added into a flat tensor at
+  indices, in its own buffer when nothing else holds it; the sparse allreduce's unapplied
+  entries going back into the residuals).
 
 The library is found, or compiled on first use, under a key of the imported TensorFlow (see
 ``sparse_hvd.kernels.build``: a TensorFlow upgrade leads to a rebuild, never to a stale
@@ -133,3 +136,8 @@ def decode_positions():
 def divide_checked():
     """The native divide-and-check op of the dense allreduce, or None."""
     return _op("sparse_hvd_divide_checked")
+
+
+def add_at():
+    """The native add-at-indices op of error feedback, or None."""
+    return _op("sparse_hvd_add_at")

@@ -59,11 +59,15 @@ class SynchronousStep:
             opt._counters.record_times(payload, grads)
             with tf.control_dependencies(grads):  # re-measure after this step's traffic
                 opt.density_policy.end_step(self.policy_step())
+            # sparse allreduce: what was sent but not applied goes back to the residuals. Added
+            # here, not in go_ahead: a tensor that enters a conditional is not handed over to
+            # the scatter, which then copies the whole residual (measured: 10.8 ms a step for
+            # the MLP's 4.2M-entry layer at 4 workers), where here it adds in place
+            state_updates = opt._feedback.add_back(payload.sparse.keys, averaged.returned,
+                                                   state_updates)
 
         def go_ahead():
-            # sparse allreduce: what was sent but not applied goes back to the residuals
-            write_state(opt._feedback.add_back(payload.sparse.keys, averaged.returned,
-                                               state_updates), opt)
+            write_state(state_updates, opt)
             opt._apply_inner(grads, variables)
             return tf.constant(True)  # after the writes above (automatic control edges)
 
