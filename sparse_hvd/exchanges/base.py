@@ -108,8 +108,8 @@ class Averaged(NamedTuple):
 
     gradients: list  # the average of each gradient, by its position in the step
     finite: tf.Tensor  # bool: every rank's gradients were finite (the same on every rank)
-    # per sparse selection, the (values, indices) this rank sent that were not applied, for its
-    # residual; empty when everything sent is applied
+    # per sparse selection, the (values, indices) this rank sent, for its residual: the values
+    # not applied (0 where applied); empty when everything sent is applied
     returned: tuple = ()
 
 

@@ -82,7 +82,7 @@ class Result(NamedTuple):
     """One step of the sparse allreduce."""
 
     averages: List[tf.Tensor]  # flat average per selection, in the payload's order
-    returned: List[tuple]  # per selection: (values, indices) this rank sent, not applied
+    returned: List[tuple]  # per selection: (values, indices) this rank sent, 0 where applied
     finite: tf.Tensor  # every rank's gradients were finite
     dense_words: List[tf.Tensor]  # what every rank gathered of the packed dense gradients
 
@@ -278,16 +278,16 @@ class SparseAllreduce:
         for place, j in enumerate(order):
             averages[j] = in_order[place]
 
-        # Step 7: what this rank sent that was not applied goes back
-        returned = []
+        # Step 7: what this rank sent that was not applied goes back (all sent entries at
+        # once; an applied one goes back as 0, which leaves its residual entry as it is)
         last = tf.maximum(tf.size(kept) - 1, 0)
         padded = tf.concat([kept, [-1]], 0)  # never equal to an index: nothing applied at all
-        for selection, global_indices in zip(selections, sent):
-            at = tf.minimum(tf.searchsorted(kept, global_indices, side="left"), last)
-            at = tf.where(tf.size(kept) > 0, at, tf.size(kept))
-            back = tf.not_equal(tf.gather(padded, at), global_indices)
-            returned.append((tf.boolean_mask(selection.values, back),
-                             tf.boolean_mask(selection.indices, back)))
+        at = tf.minimum(tf.searchsorted(kept, indices, side="left"), last)
+        at = tf.where(tf.size(kept) > 0, at, tf.size(kept))
+        back = tf.not_equal(tf.gather(padded, at), indices)
+        owed = tf.where(back, values, tf.zeros_like(values))
+        returned = [(owed_values, selection.indices) for selection, owed_values in zip(
+            selections, tf.split(owed, [tf.size(i) for i in sent], num=len(sent)))]
 
         # Steps 6 and 8: the next thresholds and boundaries, identical on every rank
         positions = [[keys[j]] for j in order]
