@@ -8,8 +8,10 @@ over the whole model, the default, or ``layer``: top-k per variable), so the sel
 those of a run under way, not of a first gradient. Then the words one rank hands to the
 allgather for that step's selections: the values (float32, or 16-bit with ``compression``) as
 they are or coded (``value_coding``), and the indices as int32 (``exchange="allgather"``) or
-Elias-Fano coded (``exchange="compact_allgather"``). Prints bytes per entry and the time to code
-and decode one rank's indices and values (median of 20, one process).
+Elias-Fano coded (``exchange="compact_allgather"``), and the blocks ``exchange=
+"sparse_allreduce"`` sends its owners (``--regions`` equal regions, headers included). Prints
+bytes per entry and the time to code and decode one rank's indices and values (median of 20,
+one process).
 
     .venv/bin/python scripts/benchmarks/bench_index_bytes.py [--models mlp,resnet50]
 """
@@ -96,7 +98,7 @@ def selections_under_way(model_name, density, steps, budget, learning_rate=0.05)
     return selections, sizes
 
 
-def measure(model_name, density, steps, budget, repeats=20):
+def measure(model_name, density, steps, budget, regions=4, repeats=20):
     import tensorflow as tf
 
     from sparse_hvd.exchanges import value_coding
@@ -143,7 +145,36 @@ def measure(model_name, density, steps, budget, repeats=20):
         row[f"entry_bytes_{name}_compact_indices"] = item + row["index_bytes_compact"]
         row[f"entry_bytes_{name}_compact"] = (row[f"value_bytes_{name}_compact"]
                                              + row["index_bytes_compact"])
+        row[f"entry_bytes_{name}_sparse_allreduce"] = sparse_allreduce_bytes(
+            selections, sizes, name, regions) / entries
     return row
+
+
+def sparse_allreduce_bytes(selections, sizes, compression, regions):
+    """Bytes of the scatter blocks ``exchange="sparse_allreduce"`` makes of one rank's
+    ``selections`` with ``regions`` equal regions (headers included)."""
+    import numpy as np
+    import tensorflow as tf
+
+    from sparse_hvd.exchanges.compression import Compression
+    from sparse_hvd.exchanges.sparse_allreduce import even_boundaries
+    from sparse_hvd.exchanges.sparse_blocks import CodedBlocks
+
+    offsets = np.cumsum([0] + list(sizes[:-1]))
+    indices = tf.concat([s.indices + int(o) for s, o in zip(selections, offsets)], 0)
+    values = tf.concat([s.values for s in selections], 0)
+    if compression == "float16":  # as the payload holds them: rounded, saturated
+        values = tf.cast(tf.cast(tf.clip_by_value(values, -65504.0, 65504.0), tf.float16),
+                         values.dtype)
+    blocks = CodedBlocks(Compression("float16" if compression == "float16" else "none"))
+    bounds = even_boundaries(sum(sizes), regions)
+    words = 0
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        mine = (indices >= start) & (indices < end)
+        words += int(tf.size(blocks.scatter_block(
+            tf.boolean_mask(indices, mine), tf.boolean_mask(values, mine),
+            tf.constant(start, tf.int64), tf.constant(end - start, tf.int64))))
+    return 4 * words
 
 
 def main(argv=None):
@@ -153,17 +184,19 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=30,
                         help="steps of error feedback before the measured selection")
     parser.add_argument("--budget", choices=("model", "layer"), default="model")
+    parser.add_argument("--regions", type=int, default=4,
+                        help="workers (regions) of the sparse allreduce's blocks")
     parser.add_argument("--out", default=os.path.join(ROOT, "results", "bench_index_bytes.json"))
     args = parser.parse_args(argv)
     rows = []
     print("| model | density | entries | index bytes int32 / coded | value bytes float32 / "
           "float16 coded | entry bytes float32 int32 / coded indices / all coded | entry bytes "
-          "float16 int32 / coded indices / all coded | index encode / decode ms | float32 "
-          "value encode / decode ms |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "float16 int32 / coded indices / all coded | sparse allreduce blocks float32 / "
+          "float16 | index encode / decode ms | float32 value encode / decode ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for model in args.models.split(","):
         for density in (float(d) for d in args.densities.split(",")):
-            r = measure(model, density, args.steps, args.budget)
+            r = measure(model, density, args.steps, args.budget, args.regions)
             rows.append(r)
             print(f"| {model} | {density} | {r['entries']:,} | {r['index_bytes_plain']:.2f} / "
                   f"{r['index_bytes_compact']:.2f} | {r['value_bytes_float32_compact']:.2f} / "
@@ -173,7 +206,9 @@ def main(argv=None):
                   f"{r['entry_bytes_float32_compact']:.2f} | "
                   f"{r['entry_bytes_float16_plain']:.2f} / "
                   f"{r['entry_bytes_float16_compact_indices']:.2f} / "
-                  f"{r['entry_bytes_float16_compact']:.2f} | {r['encode_ms']:.2f} / "
+                  f"{r['entry_bytes_float16_compact']:.2f} | "
+                  f"{r['entry_bytes_float32_sparse_allreduce']:.2f} / "
+                  f"{r['entry_bytes_float16_sparse_allreduce']:.2f} | {r['encode_ms']:.2f} / "
                   f"{r['decode_ms']:.2f} | {r['value_encode_ms_float32']:.2f} / "
                   f"{r['value_decode_ms_float32']:.2f} |", flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -9,8 +9,10 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
 2. regions: the space is cut into N contiguous regions, one per rank (``boundaries``, the same
    on every rank); each worker sends each region's selected (index, value) pairs to the
    region's owner: ONE ``alltoall`` with splits for all variables together, one block per
-   owner, ``[indices | values as int32 words]`` (with ``compression`` the values are 16-bit,
-   two to a word: 6 bytes an entry instead of 8);
+   owner (``sparse_blocks``: the indices Elias-Fano coded among the region's entries and the
+   values' exponents Rice coded, about 4.2 bytes an entry with float32 values and 2.6 with
+   ``compression``; ``exchange="plain_sparse_allreduce"``: int32 indices and raw values, 8
+   and 6 bytes);
 3. each owner sums what it received, entry by entry in rank order (a sparse reduce-scatter; the
    same additions in the same order as the allgather exchange, so the same bits), 16-bit
    values widened to the gradients' dtype first; the sums stay in that dtype (a sum of 16-bit
@@ -18,10 +20,12 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
 4. global selection: each owner keeps the summed entries whose magnitude reaches their
    variable's global threshold ``theta`` (identical on every rank), about k of the variable's
    entries in all; at the first step theta is 0 and every summed entry is kept;
-5. ONE ``allgather`` of the kept entries, the header per rank (``base.header``: whether its
+5. ONE ``allgather`` of the kept entries (a block of the same code, within the owner's
+   region, the sums in their own dtype), the header per rank (``base.header``: whether its
    gradients were finite, its step and state for ``sparse_hvd.runtime.lockstep``; then per variable
    how many of its summed entries reach theta x each of ``LEVELS`` (1 down to 1/4), and where its
-   own selected indices fall), and the small dense-route gradients (``base.pack_dense``);
+   own selected indices fall, then its block's code fields), and the small dense-route
+   gradients (``base.pack_dense``);
 6. every rank applies the same averages: of the kept sums, those at or above the k-th largest
    (the exact global top-k of this step's sums, ties included) or all of them if fewer than k
    were kept, divided by N; and computes the same next theta per variable
