@@ -100,3 +100,37 @@ def test_one_worker_applies_its_own_selection_as_the_allgather_exchange_does():
         assert [s["exchange"] for s in optimizer.layer_stats().values()] == [exchange]
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("path", ["native", "tensorflow"])
+@pytest.mark.parametrize("needles_ascend", [True, False])
+def test_the_entries_not_applied_are_those_absent_from_the_applied_list(path, needles_ascend,
+                                                                      monkeypatch):
+    from sparse_hvd import kernels
+    from sparse_hvd.exchanges.sparse_allreduce import not_applied
+
+    if path == "native" and kernels.not_in() is None:
+        pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
+    if path == "tensorflow":
+        monkeypatch.setattr(kernels, "not_in", lambda: None)
+    rng = np.random.default_rng(4)
+    sent = np.sort(rng.choice(100000, 5000, replace=False)).astype(np.int32)
+    if not needles_ascend:
+        rng.shuffle(sent)
+    applied = np.sort(np.concatenate([rng.choice(sent, 2000, replace=False),
+                                      rng.choice(100000, 300)])).astype(np.int32)
+    applied = np.unique(applied)
+    for needles, hay in ((sent, applied), (sent, applied[:0]), (sent[:0], applied),
+                         (sent[:1], applied[-1:])):
+        got = not_applied(tf.constant(needles), tf.constant(hay)).numpy()
+        np.testing.assert_array_equal(got, ~np.isin(needles, hay))
+
+
+def test_an_applied_list_out_of_order_is_refused_naming_the_place():
+    from sparse_hvd import kernels
+
+    if kernels.not_in() is None:
+        pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"sorted must ascend: sorted\[1\] = 7, sorted\[2\] = 7"):
+        kernels.not_in()(tf.constant([1, 2]), tf.constant([3, 7, 7]))

@@ -58,6 +58,7 @@ from typing import List, NamedTuple, Sequence
 
 import tensorflow as tf
 
+from .. import kernels
 from ..runtime import collectives, lockstep, startup as runtime
 from .sparse_blocks import CodedBlocks, PlainBlocks
 from .averaging import average_entries
@@ -141,6 +142,19 @@ def next_threshold(theta, lead, kept_magnitudes, level_counts, budget):
     return (tf.where(enough, cut, tf.zeros_like(cut)),
             tf.where(enough, cut * led, lowered),
             tf.where(enough, led, tf.ones_like(lead)))
+
+
+def not_applied(indices, applied):
+    """Which of ``indices`` (int32) are absent from ``applied`` (ascending, distinct): one
+    merge walk on CPU (``kernels.not_in``), else a binary search each."""
+    native = kernels.not_in()
+    if native is not None:
+        return native(indices, applied)
+    last = tf.maximum(tf.size(applied) - 1, 0)
+    padded = tf.concat([applied, [-1]], 0)  # never equal to an index: nothing applied at all
+    at = tf.minimum(tf.searchsorted(applied, indices, side="left"), last)
+    at = tf.where(tf.size(applied) > 0, at, tf.size(applied))
+    return tf.not_equal(tf.gather(padded, at), indices)
 
 
 def _sampled_quantiles(indices, parts, current):
@@ -284,12 +298,7 @@ class SparseAllreduce:
 
         # Step 7: what this rank sent that was not applied goes back (all sent entries at
         # once; an applied one goes back as 0, which leaves its residual entry as it is)
-        last = tf.maximum(tf.size(kept) - 1, 0)
-        padded = tf.concat([kept, [-1]], 0)  # never equal to an index: nothing applied at all
-        at = tf.minimum(tf.searchsorted(kept, indices, side="left"), last)
-        at = tf.where(tf.size(kept) > 0, at, tf.size(kept))
-        back = tf.not_equal(tf.gather(padded, at), indices)
-        owed = tf.where(back, values, tf.zeros_like(values))
+        owed = tf.where(not_applied(indices, kept), values, tf.zeros_like(values))
         returned = [(owed_values, selection.indices) for selection, owed_values in zip(
             selections, tf.split(owed, [tf.size(i) for i in sent], num=len(sent)))]
 

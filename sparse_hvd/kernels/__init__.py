@@ -17,6 +17,8 @@
   Elias-Fano code, likewise);
 * ``divide_checked()``: the ``SparseHvdDivideChecked`` op (divide_checked.cc: the dense
   allreduce's sums divided into averages, and whether all are finite, in one pass).
+* ``not_in()``: the ``SparseHvdNotIn`` op (not_in.cc: which of some indices are absent
+  from an ascending list, by one merge walk; the sparse allreduce's unapplied entries);
 * ``add_at()``: the ``SparseHvdAddAt`` op (add_at.cc: values added into a flat tensor at
   indices, in its own buffer when nothing else holds it; the sparse allreduce's unapplied
   entries going back into the residuals).
@@ -141,3 +143,8 @@ def divide_checked():
 def add_at():
     """The native add-at-indices op of error feedback, or None."""
     return _op("sparse_hvd_add_at")
+
+
+def not_in():
+    """The native membership op of the sparse allreduce, or None."""
+    return _op("sparse_hvd_not_in")
