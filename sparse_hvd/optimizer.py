@@ -98,12 +98,9 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             fastest, timed on its first steps and re-timed every so often, CPU included;
             ``steps.measured``), ``"allgather"`` (every rank gathers every selection, (N - 1) k
             entries received per worker), ``"sparse_allreduce"`` (Ok-Topk/SparCML: owners sum
-            regions and keep a global top-k of the sums, about 2k (N - 1) / N entries per
-            worker, coded in about 4.2 bytes an entry; what was sent and not applied goes back
-            to the residual), ``"compact_allgather"`` (the allgather, coded),
-            ``"plain_sparse_allreduce"`` (uncoded, 8 bytes an entry; never auto's) or
-            ``"dense"`` (Horovod's allreduce of every gradient). Plug-ins:
-            ``sparse_hvd.exchanges``.
+            regions and keep a global top-k of the sums, about 2k (N - 1) / N coded entries
+            per worker; what is not applied goes back to the residual), ``"dense"`` (Horovod's
+            allreduce of every gradient) and more (``sparse_hvd.exchanges``).
         compression: ``"none"`` (default), ``"float16"`` or ``"bfloat16"``: values travel as
             16-bit floats and each rank's rounding error stays in its residual.
         backward_passes_per_step: B >= 1 (Horovod's): B backward passes are added up locally
