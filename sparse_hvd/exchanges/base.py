@@ -33,7 +33,7 @@ from ..runtime import collectives, lockstep, startup as runtime
 from ..feedback import nonfinite
 from .averaging import average_entries, divided, sum_rows_in_order
 from .compression import NONE
-from ..feedback.payload import Payload, entries_in
+from ..feedback.payload import INDEX_BYTES, Payload, entries_in
 from ..selection.sparsifiers import Selection
 
 # Dense-route gradients travel in a grouped exchange's allgather while (workers x their
@@ -153,6 +153,7 @@ class Exchange:
         self.grouping = grouping
         self.compression = NONE if compression is None else compression
         self._announce_function = None
+        self._sent = None  # what the last traced step sent, where it was counted (bytes_sent)
 
     @property
     def method(self) -> str:
@@ -181,6 +182,7 @@ class Exchange:
                         default=-1)
         sizes = [num_elements[key] for key in payload.sparse.keys]
         step = tf.constant(0, tf.int64) if step is None else step
+        self._sent = None
         if self.size == 1:
             sparse = [average_entries(s.indices, s.values, tf.reshape(tf.size(s.indices), [1, 1]),
                                       [0], [n], 1)[0]
@@ -206,10 +208,25 @@ class Exchange:
         return None
 
     def bytes_sent(self, payload: Payload, num_elements: Sequence[int]) -> tf.Tensor:
-        """What this rank sends of ``payload`` (int64 bytes; the statistics' ``bytes_sent``):
-        the payload's own count (values and int32 indices) unless the exchange codes it.
-        ``num_elements``: entries of each variable, by build index."""
-        return payload.bytes_sent
+        """What this rank sends of ``payload`` (int64 bytes; the statistics' ``bytes_sent``),
+        in the step that just averaged it: its selections as the exchange packed them (when it
+        counted them, :meth:`_count_sent`), else the payload's own count (values and int32
+        indices). ``num_elements``: entries of each variable, by build index."""
+        sent = self._sent
+        if sent is None:
+            return payload.bytes_sent
+        if tf.is_symbolic_tensor(sent):  # counted in this trace, not an earlier one
+            return sent if sent.graph is tf.compat.v1.get_default_graph() else payload.bytes_sent
+        return sent if tf.executing_eagerly() else payload.bytes_sent
+
+    def _count_sent(self, payload: Payload, words):
+        """Record what the step sends of ``payload``: its count with the selections' values
+        and int32 indices replaced by the ``words`` (int32) they were packed into."""
+        plain = tf.constant(0, tf.int64)
+        for selection in payload.sparse.items:
+            per_entry = INDEX_BYTES + self.compression.itemsize(selection.values.dtype)
+            plain += tf.size(selection.indices, out_type=tf.int64) * per_entry
+        self._sent = payload.bytes_sent - plain + 4 * tf.cast(words, tf.int64)
 
     # ---- the lockstep check ------------------------------------------------------------------
 

@@ -23,7 +23,6 @@ only where it is faster.
 
 import tensorflow as tf
 
-from ..feedback.payload import INDEX_BYTES
 from . import index_coding, value_coding
 from .base import group_positions_by_dtype, register
 from .fused_allgather import FusedAllgather
@@ -35,6 +34,7 @@ class CompactAllgather(FusedAllgather):
     they are)."""
 
     staleness = False  # the delayed pipeline gathers plain int32 indices on its own thread
+    coded = True
     grouping_reason = "its indices are coded as one set over every variable's entries."
     builds_on = "allgather"  # the fused allgather, plus coding and decoding what it sends
 
@@ -99,24 +99,6 @@ class CompactAllgather(FusedAllgather):
         fields = value_fields[:, start:start + 2 + len(positions)]
         return tf.cast(value_coding.decode(words, tf.gather(counts, positions, axis=1), fields,
                                            wire), dtype)
-
-    def bytes_sent(self, payload, num_elements):
-        """The payload's count with the int32 indices and the values replaced by their codes'
-        words."""
-        if not payload.sparse.items or self.size == 1:
-            return payload.bytes_sent
-        selections = payload.sparse.items
-        entries = tf.add_n([tf.size(s.indices, out_type=tf.int64) for s in selections])
-        space = sum(num_elements[key] for key in payload.sparse.keys)
-        low, bitmap = index_coding.encoded_words(entries, space)
-        sent = payload.bytes_sent - INDEX_BYTES * entries + 4 * (low + bitmap)
-        counts = [tf.size(s.indices, out_type=tf.int64) for s in selections]
-        for positions in group_positions_by_dtype([s.values for s in selections]).values():
-            values = self._wire_values(selections, positions)
-            if value_coding.codable(values.dtype):
-                plain = tf.size(values, out_type=tf.int64) * values.dtype.size
-                sent += 4 * value_coding.coded_words(values, [counts[p] for p in positions]) - plain
-        return sent
 
     def _unpack_indices(self, gathered, counts, sizes):
         if not sizes:

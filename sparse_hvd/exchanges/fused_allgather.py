@@ -36,6 +36,8 @@ from .base import Exchange, checked_headers, group_positions_by_dtype, header, r
 class FusedAllgather(Exchange):
     """Steps 1-6 of the module doc."""
 
+    coded = False  # its indices and values travel coded (a subclass's)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._layout = None  # (header fields, tensors after the header): what _announce sends
@@ -64,6 +66,8 @@ class FusedAllgather(Exchange):
         counts = [tf.size(s.indices, out_type=tf.int32) for s in selections]
         value_groups = group_positions_by_dtype([s.values for s in selections])
         words, value_fields = self._pack_values(selections, counts, value_groups)
+        if self.coded:  # the statistics count the codes' words (else the payload's count)
+            self._count_sent(payload, tf.add_n([tf.size(indices)] + [tf.size(w) for w in words]))
         fields = tf.concat([tf.stack(counts) if counts else tf.zeros([0], tf.int32),
                             tf.cast(value_fields, tf.int32)], 0)
         self._layout = (fields.shape[0], 1 + len(words) + len(dense_words))

@@ -90,6 +90,7 @@ class Result(NamedTuple):
     returned: List[tuple]  # per selection: (values, indices) this rank sent, 0 where applied
     finite: tf.Tensor  # every rank's gradients were finite
     dense_words: List[tf.Tensor]  # what every rank gathered of the packed dense gradients
+    sent_words: tf.Tensor  # int32 words of this rank's blocks of its selections (step 2)
 
 
 def even_boundaries(total: int, parts: int) -> List[int]:
@@ -311,7 +312,7 @@ class SparseAllreduce:
         quantiles = tf.cast(headers[:, own_quantiles:own_fields], tf.int64)
         self.boundaries.assign(tf.concat(
             [[0], tf.reduce_sum(quantiles, 0) // size, [self.total]], 0))
-        return Result(averages, returned, finite, gathered[1 + len(parts):])
+        return Result(averages, returned, finite, gathered[1 + len(parts):], tf.reduce_sum(splits))
 
     @property
     def traced(self) -> bool:
@@ -381,6 +382,8 @@ class SparseAllreduceExchange(FusedAllgather):
         result = self.sparse_allreduce.step(
             payload.sparse.items, payload.sparse.keys, sizes, payload.budgets,
             payload.finite_here(), dense_words, step)
+        if self.coded:
+            self._count_sent(payload, result.sent_words)
         averaged_dense = self.unpack_dense(dense, dense_groups, result.dense_words,
                                            payload.dense.keys, step)
         return result.averages, averaged_dense, result.finite, result.returned

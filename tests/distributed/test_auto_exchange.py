@@ -275,10 +275,11 @@ def test_what_cannot_beat_the_allgather_by_its_bytes_is_not_tried(hvd, monkeypat
     reference = 0.05 * (size - 1) * 8  # the allgather: value and int32 index from each other
     compute = float(np.median(step.computes.numpy()))
     # asked in the plans' order; Elias-Fano codes an index in 2 + log2(1 / density) bits, and
-    # a float32 value is priced at its 24 sign-and-mantissa bits and 1.5 for its exponent
-    expected = {"compact_allgather": 0.05 * (size - 1) * ((24 + 1.5) / 8
-                                                          + (2 + np.log2(20)) / 8),
-                "sparse_allreduce": 0.05 * 2 * (size - 1) / size * 8}
+    # a float32 value is priced at its 24 sign-and-mantissa bits and 1.5 for its exponent;
+    # the sparse allreduce's blocks are coded alike
+    coded_entry = (24 + 1.5) / 8 + (2 + np.log2(20)) / 8
+    expected = {"compact_allgather": 0.05 * (size - 1) * coded_entry,
+                "sparse_allreduce": 0.05 * 2 * (size - 1) / size * coded_entry}
     assert [a[0] for a in asked] == pytest.approx([expected[n] for n in names if n in expected])
     for numbers in asked:
         assert numbers[1:] == pytest.approx((median["allgather"], reference, median["dense"],
@@ -407,11 +408,12 @@ def test_fit_with_the_callback_runs_each_step_traced_for_its_exchange(hvd, monke
 
 def test_a_trial_skips_the_candidates_whose_bytes_cannot_win(hvd, monkeypatch):
     """At 3 workers dense receives 2 x 2/3 x 4 bytes per entry of the model; at the warm-up's
-    50% the allgather would receive 8 and the sparse allreduce 5.3, both over dense's / 1.2
-    (the margin set to 1.2 here, the byte counts are worked out for it; the default's 1.5 is
-    checked by the gate's unit test): the first trial runs only dense and the coded allgather
-    (4.4); the next one, at a quarter, every candidate (nothing is pruned here); every rank
-    decides alike."""
+    50% the allgather would receive 8, over dense's / 1.2 = 4.4 (the margin set to 1.2 here,
+    the byte counts are worked out for it; the default's 1.5 is checked by the gate's unit
+    test), and the coded exchanges less (a value 3.19 bytes, an index 3 bits: the coded
+    allgather 3.6, the sparse allreduce 2.4): the first trial runs dense and those two; the
+    next one, at a quarter, every candidate (nothing is pruned here); every rank decides
+    alike."""
     import sparse_hvd
 
     monkeypatch.setattr(measured, "PRUNE_AFTER", np.inf)
@@ -424,8 +426,8 @@ def test_a_trial_skips_the_candidates_whose_bytes_cannot_win(hvd, monkeypatch):
     steps = second + CANDIDATES * measured.TRIAL_STEPS
     optimizer, weights, _ = train("auto_gate", steps, density=policy)
     first, then = optimizer.exchange_decisions[:2]
-    assert set(first[1]) == {"dense", "compact_allgather"}
-    assert first[0] == 2 * measured.TRIAL_STEPS  # dense's turn and the coded allgather's
+    assert set(first[1]) == {"dense", "compact_allgather", "sparse_allreduce"}
+    assert first[0] == 3 * measured.TRIAL_STEPS  # dense's turn and the coded exchanges
     assert set(then[1]) == NAMES and then[0] == second + CANDIDATES * measured.TRIAL_STEPS - 1
     everyone = gather(hvd, [(d[0], d[2]) for d in optimizer.exchange_decisions],
                       name="auto_gate.decisions")

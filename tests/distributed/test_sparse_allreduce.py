@@ -8,7 +8,8 @@ import tensorflow as tf
 
 import sparse_hvd
 from conftest import digest, gather
-from helpers import classification_data, mlp, numpy_topk_indices, weights_of
+from helpers import (classification_data, coded_value_words, elias_fano_words, mlp,
+                     numpy_topk_indices, raw_bits_of, weights_of)
 
 LEVELS = (1.0, 2 ** -0.03125, 2 ** -0.0625, 2 ** -0.125, 2 ** -0.25, 2 ** -0.5, 0.5, 0.25)
 MAX_LEAD, LEAD_MARGIN = 1.25, 0.99
@@ -273,3 +274,28 @@ def test_coded_blocks_apply_the_same_bits_as_plain_ones_for_every_kind_of_value(
                                           err_msg=f"compression={compression}")
         shared = coded[:2] + coded[-2:]  # the weights, thresholds and regions (not residuals)
         assert len(set(gather(hvd, digest(shared), name=f"sar_coded_{compression}"))) == 1
+
+
+def test_the_statistics_count_the_blocks_as_they_travel(hvd):
+    # communication_stats()["bytes_sent"]: this rank's selection as its scatter blocks, one
+    # per owner of the even regions of the first step: the header's 4 words, the Elias-Fano
+    # code among the region's entries and the values' code (tests/helpers.py, plain integers);
+    # uncoded, 8 bytes an entry
+    rank, size = hvd.rank(), hvd.size()
+    n, k = 3000, 60
+    gradient = np.random.RandomState(rank).randn(n).astype(np.float32)
+    chosen = np.sort(numpy_topk_indices(gradient, k))
+    regions = [n * r // size for r in range(size + 1)]
+    words = 0
+    for start, end in zip(regions[:-1], regions[1:]):
+        mine = chosen[(chosen >= start) & (chosen < end)]
+        words += 4 + elias_fano_words(end - start, len(mine))
+        words += coded_value_words(raw_bits_of(gradient[mine], "float32"), [len(mine)], "float32")
+    for exchange, expected in (("sparse_allreduce", 4 * words),
+                               ("plain_sparse_allreduce", k * 8)):
+        variable = keras.Variable(np.zeros(n, np.float32))
+        optimizer = sparse_hvd.SparseDistributedOptimizer(
+            keras.optimizers.SGD(0.1), density=k / n, exchange=exchange, warmup_steps=0,
+            name=f"sar_stats_{exchange}")
+        tf.function(lambda g: optimizer.apply_gradients([(g, variable)]))(tf.constant(gradient))
+        assert optimizer.communication_stats()["bytes_sent"] == expected, exchange
