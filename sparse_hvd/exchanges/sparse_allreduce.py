@@ -59,17 +59,16 @@ from typing import List, NamedTuple, Sequence
 import tensorflow as tf
 
 from .. import kernels
+from ..feedback.payload import INDEX_BYTES, Payload
 from ..runtime import collectives, lockstep, startup as runtime
-from .sparse_blocks import CodedBlocks, PlainBlocks
-from .averaging import average_entries
-from .owner_sums import owner_sums
-from .compression import NONE
-from ..feedback.payload import Payload
 from ..selection.sparsifiers import spread_positions
 from . import index_coding, value_coding
-from ..feedback.payload import INDEX_BYTES
+from .averaging import average_entries
 from .base import HEADER_FIELDS, Exchange, checked_headers, header, register
+from .compression import NONE
 from .fused_allgather import FusedAllgather
+from .owner_sums import owner_sums
+from .sparse_blocks import CodedBlocks, PlainBlocks
 
 # theta x these: the levels every owner counts (step 5); the first is the kept set itself. Fine
 # steps near 1: a threshold a little too high is lowered a little (the sums' tail is steep:

@@ -249,9 +249,9 @@ class ErrorFeedback:
         """``state_updates`` with ``returned`` (per key: ``(values, flat indices)`` this rank
         sent, each value 0 where the exchange applied it) added into the residuals' new
         values: those positions were zeroed when sent (or hold the rounding error), so each
-        residual gets back exactly what was not applied. Dense ops only, never a scatter into the variable: after a resource
-        scatter TensorFlow keeps a variable in copy-on-read mode for good, and each later dense
-        read copies it (measured on 4.35M entries: a dense update took 2.4x as long ever
+        residual gets back exactly what was not applied. Dense ops only, never a scatter into
+        the variable: after a resource scatter TensorFlow keeps a variable in copy-on-read mode
+        for good, and each later dense read copies it (measured on 4.35M entries: a dense update took 2.4x as long ever
         after). Without error feedback there is no residual and they are dropped, as everything
         unsent is."""
         if not self.enabled or not returned:
