@@ -16,7 +16,9 @@ which ``sparse_hvd.checks`` reads (never the class's name):
 * ``compression``: it can carry 16-bit values (``sparse_hvd.exchanges.compression``);
 * ``staleness``: the delayed pipeline (``sparse_hvd.steps.staleness``) can stand in for it;
 * ``returns_unsent``: it may apply less than was sent, and hands back what goes to the residuals;
-* ``sends_selections``: it moves sparse selections (else every variable is routed densely).
+* ``sends_selections``: it moves sparse selections (else every variable is routed densely);
+* ``auto_candidate``: ``exchange="auto"`` may choose it (not an exchange that only changes
+  how the same averages travel, when another registered one does it better).
 
 The header every grouped exchange sends first (:func:`header`, read by
 :func:`checked_headers`): one int32 row per rank, ``[all finite, lockstep fields, ...]``, the
