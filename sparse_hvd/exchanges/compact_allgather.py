@@ -24,7 +24,7 @@ only where it is faster.
 import tensorflow as tf
 
 from . import index_coding, value_coding
-from .base import group_positions_by_dtype, register
+from .base import register
 from .fused_allgather import FusedAllgather
 
 
