@@ -82,6 +82,29 @@ def test_an_owner_unpacks_every_ranks_entries_bit_for_bit(blocks_class, dtype_na
 
 
 @pytest.mark.parametrize("blocks_class", [CodedBlocks, PlainBlocks])
+def test_a_rank_that_sends_no_words_sent_no_entries(blocks_class):
+    # a rank that is not training announces its state with an empty alltoall (no header
+    # either): the owner unpacks the others' entries and none of its; the step's gather then
+    # stops every rank by the lockstep check
+    rng = np.random.default_rng(5)
+    compression = Compression("none")
+    blocks = blocks_class(compression)
+    start, length = 0, 1000
+    sent = [_entries(rng, m, start, length, "float32", compression) for m in (30, 0, 12)]
+    words = [blocks.scatter_block(i, v, tf.constant(start, tf.int64),
+                                  tf.constant(length, tf.int64)) for i, v in sent]
+    words[1] = tf.zeros([0], tf.int32)
+    indices, values, per_rank = blocks.unpack_scatter(
+        tf.concat(words, 0), tf.constant([int(tf.size(w)) for w in words], tf.int32),
+        tf.float32, tf.constant(start, tf.int64), tf.constant(length, tf.int64))
+    np.testing.assert_array_equal(per_rank.numpy(), [30, 0, 12])
+    expected = np.concatenate([np.sort(sent[0][0].numpy()), np.sort(sent[2][0].numpy())])
+    got = np.concatenate([np.sort(indices.numpy()[:30]), np.sort(indices.numpy()[30:])])
+    np.testing.assert_array_equal(got, expected)
+    assert values.shape == [42]
+
+
+@pytest.mark.parametrize("blocks_class", [CodedBlocks, PlainBlocks])
 @pytest.mark.parametrize("dtype_name", ["float32", "float64"])
 def test_every_rank_unpacks_every_owners_kept_sums_in_index_order(blocks_class, dtype_name):
     rng = np.random.default_rng(3)

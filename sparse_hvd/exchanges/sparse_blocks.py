@@ -117,13 +117,20 @@ class CodedBlocks(PlainBlocks):
 
     def unpack_scatter(self, received, from_each, dtype, start, length):
         """Every rank's block coded among this owner's region: one decoding of the indices
-        (one space) and one of the values, after the words are split out of the blocks."""
+        (one space) and one of the values, after the words are split out of the blocks. A rank
+        that is not training sends no words at all (``SparseAllreduce.announce``): no entries
+        (the step's gather then stops every rank, naming each one's step)."""
         ranks = from_each.shape[0]
-        firsts = tf.cumsum(tf.cast(from_each, tf.int64), exclusive=True)
-        fields = tf.gather(received, firsts[:, None] + tf.range(BLOCK_HEADER, dtype=tf.int64))
+        from_each = tf.cast(from_each, tf.int64)
+        firsts = tf.cumsum(from_each, exclusive=True)
+        sent = from_each > 0
+        # a header of zeros (no entries) for a rank without a block
+        padded = tf.concat([received, tf.zeros([BLOCK_HEADER], received.dtype)], 0)
+        at = tf.where(sent, firsts, tf.size(received, out_type=tf.int64))
+        fields = tf.gather(padded, at[:, None] + tf.range(BLOCK_HEADER, dtype=tf.int64))
         counts = tf.cast(fields[:, 0], tf.int64)
         low, bitmap = index_coding.encoded_words(counts, length)
-        index_starts = firsts + BLOCK_HEADER
+        index_starts = firsts + tf.where(sent, tf.constant(BLOCK_HEADER, tf.int64), 0)
         value_starts = index_starts + low + bitmap
         index_words = tf.gather(received, tf.ragged.range(index_starts, value_starts).flat_values)
         value_ends = value_starts + self._value_words(fields, self._wire_dtype(dtype))
