@@ -113,6 +113,9 @@ class Averaged(NamedTuple):
     # per sparse selection, the (values, indices) this rank sent, for its residual: the values
     # not applied (0 where applied); empty when everything sent is applied
     returned: tuple = ()
+    # int64: what this rank sent of the payload, as the exchange packed it (coded words); None:
+    # the payload's own count (values and int32 indices), the statistics' ``bytes_sent``
+    bytes_sent: tf.Tensor = None
 
 
 def group_positions_by_dtype(tensors):
@@ -155,7 +158,7 @@ class Exchange:
         self.grouping = grouping
         self.compression = NONE if compression is None else compression
         self._announce_function = None
-        self._sent = None  # what the last traced step sent, where it was counted (bytes_sent)
+        self._sent = None  # set by _count_sent during a step, handed on by average()
 
     @property
     def method(self) -> str:
@@ -192,12 +195,13 @@ class Exchange:
             dense, finite, returned = list(payload.dense.items), payload.finite_here(), ()
         else:
             sparse, dense, finite, returned = self._average_many(payload, sizes, step)
+        sent, self._sent = self._sent, None
         rows = self.slices_average(payload.rows.items, payload.rows.keys, step)
         averaged = [None] * count
         for part, results in ((payload.sparse, sparse), (payload.dense, dense), (payload.rows, rows)):
             for position, result in zip(part.positions, results):
                 averaged[position] = result
-        return Averaged(averaged, finite, tuple(returned))
+        return Averaged(averaged, finite, tuple(returned), sent)
 
     def _average_many(self, payload: Payload, sizes, step):
         """``(sparse averages, dense averages, finite, returned)`` with more than one worker."""
@@ -209,21 +213,10 @@ class Exchange:
         known (``exchange="auto"`` then never skips this exchange for its bytes)."""
         return None
 
-    def bytes_sent(self, payload: Payload, num_elements: Sequence[int]) -> tf.Tensor:
-        """What this rank sends of ``payload`` (int64 bytes; the statistics' ``bytes_sent``),
-        in the step that just averaged it: its selections as the exchange packed them (when it
-        counted them, :meth:`_count_sent`), else the payload's own count (values and int32
-        indices). ``num_elements``: entries of each variable, by build index."""
-        sent = self._sent
-        if sent is None:
-            return payload.bytes_sent
-        if tf.is_symbolic_tensor(sent):  # counted in this trace, not an earlier one
-            return sent if sent.graph is tf.compat.v1.get_default_graph() else payload.bytes_sent
-        return sent if tf.executing_eagerly() else payload.bytes_sent
-
     def _count_sent(self, payload: Payload, words):
-        """Record what the step sends of ``payload``: its count with the selections' values
-        and int32 indices replaced by the ``words`` (int32) they were packed into."""
+        """For a coded exchange's ``_average_many``: what the step sends of ``payload`` (its
+        count with the selections' values and int32 indices replaced by the ``words``, int32,
+        they were packed into), which :meth:`average` hands back as ``Averaged.bytes_sent``."""
         plain = tf.constant(0, tf.int64)
         for selection in payload.sparse.items:
             per_entry = INDEX_BYTES + self.compression.itemsize(selection.values.dtype)

@@ -55,7 +55,7 @@ class SynchronousStep:
                 averaged = self.exchange(payload, [g for g, _ in grads_and_vars])  # Step 4
             grads, state_updates = preparation.inner_gradients(opt, payload, averaged.gradients,
                                                                variables)
-            opt._counters.record(payload, opt._exchange.bytes_sent(payload, opt._num_elements()))
+            opt._counters.record(payload, averaged.bytes_sent)
             opt._counters.record_times(payload, grads)
             with tf.control_dependencies(grads):  # re-measure after this step's traffic
                 opt.density_policy.end_step(self.policy_step())
