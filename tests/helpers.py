@@ -1,5 +1,7 @@
 """Small builders shared by the tests: models, data and an independent top-k in NumPy."""
 
+import os
+
 import numpy as np
 import keras
 
@@ -83,3 +85,19 @@ def raw_bits_of(values, dtype_name):
     narrow = tf.cast(tf.constant(values), dtype_name)
     view = tf.int32 if dtype_name == "float32" else tf.uint16
     return [int(b) & 0xFFFFFFFF for b in tf.bitcast(narrow, view).numpy().reshape(-1)]
+
+
+def native_op(getter):
+    """The native op ``getter()`` returns (``sparse_hvd.kernels``): skips the test in a run of
+    the TensorFlow fallback (SPARSE_HVD_NATIVE=0), fails it when the kernels should be there
+    and are not."""
+    import pytest
+
+    from sparse_hvd import kernels
+
+    op = getter()
+    if op is None:
+        if os.environ.get("SPARSE_HVD_NATIVE") == "0":
+            pytest.skip("this run tests the TensorFlow fallback (SPARSE_HVD_NATIVE=0)")
+        pytest.fail(f"the native kernels {kernels.status()[1]}")
+    return op

@@ -2,23 +2,17 @@
 one addition per entry, the input left alone whenever something else still reads it, and
 bad indices refused by name."""
 
-import os
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import native_op
 from sparse_hvd import kernels
 
 
 @pytest.fixture
 def add_at():
-    op = kernels.add_at()
-    if op is None:
-        if os.environ.get("SPARSE_HVD_NATIVE") == "0":
-            pytest.skip("this run tests the TensorFlow fallback (SPARSE_HVD_NATIVE=0)")
-        pytest.fail(f"the native kernels {kernels.status()[1]}")
-    return op
+    return native_op(kernels.add_at)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -1,22 +1,16 @@
 """The dense allreduce's native divide-and-check (kernels/divide_checked.cc) against NumPy."""
 
-import os
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import native_op
 from sparse_hvd import kernels
 
 
 @pytest.fixture
 def divide():
-    op = kernels.divide_checked()
-    if op is None:
-        if os.environ.get("SPARSE_HVD_NATIVE") == "0":
-            pytest.skip("this run tests the TensorFlow fallback (SPARSE_HVD_NATIVE=0)")
-        pytest.fail(f"the native kernels {kernels.status()[1]}")
-    return op
+    return native_op(kernels.divide_checked)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
