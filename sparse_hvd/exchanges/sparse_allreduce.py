@@ -424,7 +424,7 @@ class LayerwiseSparseAllreduce(Exchange):
 
     def _average_many(self, payload: Payload, sizes, step):
         finite_here = payload.finite_here()
-        averages, returned, finite = [], [], []
+        averages, returned, finite, sent_words = [], [], [], []
         for selection, key, n, budget in zip(payload.sparse.items, payload.sparse.keys, sizes,
                                              payload.budgets):
             result = self.parts[key].step([selection], [0], [n], [budget], finite_here,
@@ -432,6 +432,9 @@ class LayerwiseSparseAllreduce(Exchange):
             averages += result.averages
             returned += result.returned
             finite.append(result.finite)
+            sent_words.append(result.sent_words)
+        if self.coded and sent_words:
+            self._count_sent(payload, tf.add_n(sent_words))
         finite = tf.reduce_all(finite) if finite else self.finite_everywhere(payload, step)
         dense = self.dense_average(payload.dense.items, payload.dense.keys, step)
         return averages, dense, finite, returned

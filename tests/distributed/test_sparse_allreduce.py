@@ -4,6 +4,7 @@ import math
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import sparse_hvd
@@ -276,11 +277,12 @@ def test_coded_blocks_apply_the_same_bits_as_plain_ones_for_every_kind_of_value(
         assert len(set(gather(hvd, digest(shared), name=f"sar_coded_{compression}"))) == 1
 
 
-def test_the_statistics_count_the_blocks_as_they_travel(hvd):
+@pytest.mark.parametrize("grouping", ["grouped", "layerwise"])
+def test_the_statistics_count_the_blocks_as_they_travel(hvd, grouping):
     # communication_stats()["bytes_sent"]: this rank's selection as its scatter blocks, one
     # per owner of the even regions of the first step: the header's 4 words, the Elias-Fano
     # code among the region's entries and the values' code (tests/helpers.py, plain integers);
-    # uncoded, 8 bytes an entry
+    # uncoded, 8 bytes an entry. One variable: its own index space in either grouping
     rank, size = hvd.rank(), hvd.size()
     n, k = 3000, 60
     gradient = np.random.RandomState(rank).randn(n).astype(np.float32)
@@ -296,6 +298,6 @@ def test_the_statistics_count_the_blocks_as_they_travel(hvd):
         variable = keras.Variable(np.zeros(n, np.float32))
         optimizer = sparse_hvd.SparseDistributedOptimizer(
             keras.optimizers.SGD(0.1), density=k / n, exchange=exchange, warmup_steps=0,
-            name=f"sar_stats_{exchange}")
+            grouping=grouping, name=f"sar_stats_{exchange}_{grouping}")
         tf.function(lambda g: optimizer.apply_gradients([(g, variable)]))(tf.constant(gradient))
         assert optimizer.communication_stats()["bytes_sent"] == expected, exchange
