@@ -38,9 +38,6 @@ class CompactAllgather(FusedAllgather):
     grouping_reason = "its indices are coded as one set over every variable's entries."
     builds_on = "allgather"  # the fused allgather, plus coding and decoding what it sends
 
-    def _index_bytes(self, density):
-        return index_coding.bytes_per_index(density)
-
     def _pack_indices(self, selections, sizes):
         if not selections:
             return tf.zeros([0], tf.int32), selections
@@ -58,9 +55,6 @@ class CompactAllgather(FusedAllgather):
             ordered.append(selection._replace(indices=tf.gather(selection.indices, own),
                                               values=tf.gather(selection.values, own)))
         return words, ordered
-
-    def _value_bytes(self, value_bytes):
-        return value_coding.coded_bytes(value_bytes)
 
     def _wire_values(self, selections, positions):
         """The values of variables ``positions``, one after another, as they travel: in their

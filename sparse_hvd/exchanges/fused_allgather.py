@@ -27,6 +27,7 @@ after backprop.
 import tensorflow as tf
 
 from ..runtime import collectives, lockstep
+from . import index_coding, value_coding
 from .averaging import average_entries
 from ..feedback.payload import INDEX_BYTES, Payload
 from .base import Exchange, checked_headers, group_positions_by_dtype, header, register
@@ -51,10 +52,12 @@ class FusedAllgather(Exchange):
         return (self.size - 1) * (self._value_bytes(value_bytes) + self._index_bytes(density))
 
     def _value_bytes(self, value_bytes):
-        return value_bytes
+        """What a value costs on the wire: coded (``value_coding``) or as it is."""
+        return value_coding.coded_bytes(value_bytes) if self.coded else value_bytes
 
     def _index_bytes(self, density):
-        return INDEX_BYTES
+        """What an index costs: Elias-Fano coded (``index_coding``) or an int32."""
+        return index_coding.bytes_per_index(density) if self.coded else INDEX_BYTES
 
     def _average_many(self, payload: Payload, sizes, step):
         size = self.size

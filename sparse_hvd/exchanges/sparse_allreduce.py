@@ -59,10 +59,9 @@ from typing import List, NamedTuple, Sequence
 import tensorflow as tf
 
 from .. import kernels
-from ..feedback.payload import INDEX_BYTES, Payload
+from ..feedback.payload import Payload
 from ..runtime import collectives, lockstep, startup as runtime
 from ..selection.sparsifiers import spread_positions
-from . import index_coding, value_coding
 from .averaging import average_entries
 from .base import HEADER_FIELDS, Exchange, checked_headers, header, register
 from .compression import NONE
@@ -358,12 +357,6 @@ class SparseAllreduceExchange(FusedAllgather):
         """Ok-Topk's lower bound: 2 (N - 1) / N entries a sent entry (regions, then sums)."""
         return 2 * (self.size - 1) / self.size * (self._value_bytes(value_bytes)
                                                   + self._index_bytes(density))
-
-    def _value_bytes(self, value_bytes):
-        return value_coding.coded_bytes(value_bytes) if self.coded else value_bytes
-
-    def _index_bytes(self, density):
-        return index_coding.bytes_per_index(density) if self.coded else INDEX_BYTES
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
