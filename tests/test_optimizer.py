@@ -241,3 +241,31 @@ def test_density_one_with_an_embedding_keeps_row_sparse_updates_exactly(name):
         results.append(weights_of(model))
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_wrapper_runs_unconverted_by_autograph_in_a_custom_loop():
+    """In a user's ``tf.function`` (AutoGraph on), the wrapper's step runs as written, as it
+    does under ``model.fit``: none of its functions is converted (a converted function runs as
+    a generated ``tf__<name>``), only the user's own step is."""
+    import inspect
+
+    from sparse_hvd.selection.sparsifiers import topk
+
+    converted = []
+
+    class Recording(sparse_hvd.Sparsifier):
+        def __call__(self, flat, k):
+            converted.append([frame.function for frame in inspect.stack()
+                              if frame.function.startswith("tf__")])
+            return topk(flat, k)
+
+    variable = keras.Variable(np.zeros(SHAPE, "float32"))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(0.1), density=0.1, sparsifier=Recording(), warmup_steps=0)
+
+    @tf.function
+    def train_step(gradient):
+        optimizer.apply([gradient], [variable])
+
+    train_step(tf.ones(SHAPE))  # traced twice: the first trace creates the optimizer's variables
+    assert converted and all(names == ["tf__train_step"] for names in converted), converted
