@@ -7,7 +7,10 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
-from sparse_hvd.exchanges.sparse_allreduce import LEVELS, even_boundaries, next_threshold, owners_of
+from helpers import native_op
+from sparse_hvd import kernels
+from sparse_hvd.exchanges.sparse_allreduce import (LEVELS, even_boundaries, kth_largest,
+                                                   next_thresholds, owners_of)
 
 
 def test_even_boundaries_cover_the_index_space():
@@ -22,10 +25,12 @@ def test_each_index_goes_to_the_region_that_holds_it_and_empty_regions_get_nothi
 
 
 def _threshold(theta, kept, counts, budget, lead=1.0):
-    """(cut, next theta, next lead) as Python floats."""
-    return tuple(float(x) for x in next_threshold(
-        tf.constant(theta, tf.float64), tf.constant(lead, tf.float64),
-        tf.constant(kept, tf.float64), tf.constant(counts, tf.int32), budget))
+    """(cut, next theta, next lead) of one variable as Python floats."""
+    cut, theta, lead = next_thresholds(
+        tf.constant([theta], tf.float64), tf.constant([lead], tf.float64),
+        tf.constant(kept, tf.float64), tf.constant([0, len(kept)], tf.int32),
+        tf.constant([counts], tf.int32), tf.constant([budget]))
+    return float(cut[0]), float(theta[0]), float(lead[0])
 
 
 def test_enough_kept_applies_the_kth_largest_and_leads_by_the_damped_growth():
@@ -49,6 +54,57 @@ def test_too_few_kept_applies_them_all_and_lowers_theta_to_the_level_k_sums_reac
     assert _threshold(8.0, [9.0], [1, 1, 1, 1, 1, 2, 2, 2], 4) == (0.0, 2.0, 1.0)
     # theta 0 keeps every sum: fewer than k exist, it stays 0
     assert _threshold(0.0, [1.0], [1] * 8, 4) == (0.0, 0.0, 1.0)
+
+
+def test_every_variable_at_once_is_each_variable_alone():
+    """Step 6 over several variables (some with too few kept sums, one with none) gives each
+    one what it gives that variable alone."""
+    rng = np.random.RandomState(3)
+    lengths, budgets = [7, 0, 3, 12, 5], [4, 2, 5, 12, 1]
+    thetas, leads = [1.5, 0.0, 2.0, 0.0, 0.7], [1.1, 1.0, 1.0, 1.0, 1.2]
+    counts = rng.randint(0, 20, size=(5, len(LEVELS)))
+    kept = [np.abs(rng.randn(n)) * 3 for n in lengths]
+    alone = [_threshold(*args) for args in zip(thetas, kept, counts.tolist(), budgets, leads)]
+    together = next_thresholds(
+        tf.constant(thetas, tf.float64), tf.constant(leads, tf.float64),
+        tf.constant(np.concatenate(kept), tf.float64),
+        tf.constant(np.cumsum([0] + lengths), tf.int32), tf.constant(counts, tf.int32),
+        tf.constant(budgets))
+    np.testing.assert_array_equal(np.stack([t.numpy() for t in together], 1), alone)
+
+
+def _kth_reference(values, cuts, k):
+    return [np.sort(values[a:b])[::-1][n - 1] if 1 <= n <= b - a else 0.0
+            for a, b, n in zip(cuts[:-1], cuts[1:], k)]
+
+
+@pytest.mark.parametrize("path", ["native", "tensorflow"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_kth_largest_of_each_segment_is_numpys(path, dtype, monkeypatch):
+    """Segments empty, of one entry, with ties, and k of 0, of the length and beyond it."""
+    if path == "native":
+        native_op(kernels.kth_largest)
+    else:
+        monkeypatch.setattr(kernels, "kth_largest", lambda: None)
+    rng = np.random.RandomState(5)
+    values = np.abs(rng.randn(40)).astype(dtype)
+    values[10:14] = 2.5  # ties
+    cuts = [0, 0, 1, 14, 14, 30, 40]
+    k = [1, 1, 4, 1, 16, 0]
+    got = kth_largest(tf.constant(values), tf.constant(cuts, tf.int32), tf.constant(k, tf.int32))
+    np.testing.assert_array_equal(got.numpy(), np.array(_kth_reference(values, cuts, k), dtype))
+    k = [0, 1, 13, 0, 3, 10]
+    got = kth_largest(tf.constant(values), tf.constant(cuts, tf.int32), tf.constant(k, tf.int32))
+    np.testing.assert_array_equal(got.numpy(), np.array(_kth_reference(values, cuts, k), dtype))
+
+
+@pytest.mark.parametrize("cuts,message", [([0, 5, 3], "must not decrease"),
+                                          ([0, 2, 9], r"cuts\[2\] = 9 is not in \[0, 6\]"),
+                                          ([0, 6], "one more entry than k")])
+def test_the_native_kth_largest_refuses_bad_cuts_naming_them(cuts, message):
+    op = native_op(kernels.kth_largest)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        op(tf.zeros([6], tf.float64), tf.constant(cuts, tf.int32), tf.constant([1, 1], tf.int32))
 
 
 def test_staleness_is_refused_naming_both():
@@ -106,7 +162,6 @@ def test_one_worker_applies_its_own_selection_as_the_allgather_exchange_does():
 @pytest.mark.parametrize("needles_ascend", [True, False])
 def test_the_entries_not_applied_are_those_absent_from_the_applied_list(path, needles_ascend,
                                                                       monkeypatch):
-    from sparse_hvd import kernels
     from sparse_hvd.exchanges.sparse_allreduce import not_applied
 
     if path == "native" and kernels.not_in() is None:
@@ -127,8 +182,6 @@ def test_the_entries_not_applied_are_those_absent_from_the_applied_list(path, ne
 
 
 def test_an_applied_list_out_of_order_is_refused_naming_the_place():
-    from sparse_hvd import kernels
-
     if kernels.not_in() is None:
         pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
     with pytest.raises(tf.errors.InvalidArgumentError,

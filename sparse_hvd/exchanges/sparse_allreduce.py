@@ -29,7 +29,7 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
 6. every rank applies the same averages: of the kept sums, those at or above the k-th largest
    (the exact global top-k of this step's sums, ties included) or all of them if fewer than k
    were kept, divided by N; and computes the same next theta per variable
-   (``next_threshold``): the k-th largest kept magnitude times a lead that anticipates the
+   (``next_thresholds``): the k-th largest kept magnitude times a lead that anticipates the
    sums' growth (residuals build up), or, when fewer than k were kept, theta times the largest
    level that k summed entries reached;
 7. error feedback stays exact: an entry this rank sent whose sum was not applied goes back into
@@ -103,12 +103,31 @@ def owners_of(indices, boundaries):
     return tf.cast(tf.searchsorted(inner, indices, side="right"), tf.int32)
 
 
-def next_threshold(theta, lead, kept_magnitudes, level_counts, budget):
-    """Step 6 for one variable: ``(cut, next theta, next lead)``, float64 scalars.
+def kth_largest(magnitudes, cuts, k):
+    """Per segment ``magnitudes[cuts[v]:cuts[v + 1]]``, its ``k[v]``-th largest (0 where
+    ``k[v]`` is not within 1 and its length): one selection each on CPU
+    (``kernels.kth_largest``), else one stable sort of all of them by segment, then by
+    magnitude descending. ``cuts[0]`` is 0 and ``cuts[-1]`` the number of magnitudes."""
+    native = kernels.kth_largest()
+    if native is not None:
+        return native(magnitudes, cuts, k)
+    counts = cuts[1:] - cuts[:-1]
+    segment = tf.repeat(tf.range(tf.size(counts)), counts)
+    descending = tf.argsort(magnitudes, direction="DESCENDING", stable=True)
+    order = tf.gather(descending, tf.argsort(tf.gather(segment, descending), stable=True))
+    ranked = tf.concat([tf.gather(magnitudes, order), tf.zeros([1], magnitudes.dtype)], 0)
+    valid = tf.logical_and(k >= 1, k <= counts)
+    at = tf.where(valid, cuts[:-1] + k - 1, tf.size(magnitudes))  # the padding 0
+    return tf.gather(ranked, at)
 
-    ``kept_magnitudes``: every rank's kept entries (1-D); ``level_counts`` [len(LEVELS)]:
-    summed over the owners; ``budget``: k; ``lead``: the factor by which the next theta
-    anticipates the sums' growth, as last estimated.
+
+def next_thresholds(thetas, leads, magnitudes, cuts, level_counts, budgets):
+    """Step 6 for every variable at once: ``(cut, next theta, next lead)``, float64 [V].
+
+    ``magnitudes``: the kept sums' magnitudes (float64), variable after variable, variable v's
+    from ``cuts[v]`` to ``cuts[v + 1]``; ``level_counts`` [V, len(LEVELS)]: summed over the
+    owners; ``budgets`` [V]: each k (at least 1); ``leads``: the factors by which the next thetas
+    anticipate the sums' growth, as last estimated.
 
     1. The cut: the k-th largest kept magnitude (what is applied is at or above it: the exact
        top-k of this step's sums), or 0 when fewer than k were kept (all of them are applied).
@@ -124,23 +143,19 @@ def next_threshold(theta, lead, kept_magnitudes, level_counts, budget):
        a little too high is lowered a little. The lead returns to 1. With theta 0 (everything
        was kept) theta stays 0.
     """
-    budget = tf.cast(budget, tf.int32)
-    kept = tf.size(kept_magnitudes)
-    take = tf.maximum(tf.minimum(budget, kept), 1)
-    # the k-th largest is the smallest of the k largest (unsorted: no sort of the k)
-    cut = tf.reduce_min(tf.math.top_k(
-        tf.concat([kept_magnitudes, tf.zeros([1], tf.float64)], 0), k=take, sorted=False).values)
-    enough = kept >= budget
-    growth = tf.where(theta > 0, tf.math.divide_no_nan(cut, theta / lead), tf.ones_like(theta))
+    budgets = tf.maximum(tf.cast(budgets, tf.int32), 1)
+    enough = cuts[1:] - cuts[:-1] >= budgets
+    cut = tf.where(enough, kth_largest(magnitudes, cuts, budgets), tf.zeros_like(thetas))
+    growth = tf.where(thetas > 0, tf.math.divide_no_nan(cut, thetas / leads),
+                      tf.ones_like(thetas))
     led = tf.clip_by_value(tf.sqrt(growth), 1.0, MAX_LEAD) * LEAD_MARGIN
-    factors = tf.constant(LEVELS[1:], tf.float64)
-    reached = tf.cast(level_counts[1:], tf.int32) >= budget
-    # the first (largest) level k entries reached, else the lowest level
-    first = tf.argmax(tf.concat([tf.cast(reached, tf.int32), [1]], 0), output_type=tf.int32)
-    lowered = theta * tf.gather(tf.concat([factors, factors[-1:]], 0), first)
-    return (tf.where(enough, cut, tf.zeros_like(cut)),
-            tf.where(enough, cut * led, lowered),
-            tf.where(enough, led, tf.ones_like(lead)))
+    factors = tf.constant(LEVELS[1:] + LEVELS[-1:], tf.float64)
+    reached = tf.cast(level_counts[:, 1:] >= budgets[:, None], tf.int32)
+    # per variable, the first (largest) level k sums reached, else the lowest level
+    first = tf.argmax(tf.concat([reached, tf.ones_like(reached[:, :1])], 1), axis=1,
+                      output_type=tf.int32)
+    lowered = thetas * tf.gather(factors, first)
+    return cut, tf.where(enough, cut * led, lowered), tf.where(enough, led, tf.ones_like(leads))
 
 
 def not_applied(indices, applied):
@@ -272,19 +287,16 @@ class SparseAllreduce:
         level_counts = tf.reduce_sum(
             tf.reshape(headers[:, :own_quantiles], [size, len(keys), levels]), 0)
 
-        # Step 6: per variable (a slice of the ascending kept entries), the next threshold and
-        # what is applied: the k largest kept sums (ties included), or all if fewer were kept
+        # Step 6: for every variable at once (a slice of the ascending kept entries each), the
+        # next threshold and what is applied: the k largest kept sums (ties included), or all
+        # of them if fewer were kept
         cuts = tf.searchsorted(kept, tf.concat([starts, [tf.int32.max]], 0), side="left")
-        leads = tf.gather(tf.convert_to_tensor(self.lead), [keys[j] for j in order])
-        next_theta, next_lead, applied = [], [], []
-        for place, j in enumerate(order):
-            magnitudes = tf.abs(tf.cast(kept_values[cuts[place]:cuts[place + 1]], tf.float64))
-            cut, theta_next, lead_next = next_threshold(
-                thresholds[place], leads[place], magnitudes, level_counts[place], budgets[j])
-            applied.append(magnitudes >= cut)
-            next_theta.append(theta_next)
-            next_lead.append(lead_next)
-        applied = tf.concat(applied, 0)
+        positions = [[keys[j]] for j in order]
+        magnitudes = tf.abs(tf.cast(kept_values, tf.float64))
+        cut, next_theta, next_lead = next_thresholds(
+            thresholds, tf.gather_nd(tf.convert_to_tensor(self.lead), positions), magnitudes,
+            cuts, level_counts, tf.stack([tf.cast(budgets[j], tf.int32) for j in order]))
+        applied = magnitudes >= tf.repeat(cut, cuts[1:] - cuts[:-1])
         kept, kept_values = tf.boolean_mask(kept, applied), tf.boolean_mask(kept_values, applied)
         cuts = tf.searchsorted(kept, tf.concat([starts, [tf.int32.max]], 0), side="left")
         per_variable = tf.reshape(cuts[1:] - cuts[:-1], [1, len(keys)])
@@ -302,10 +314,9 @@ class SparseAllreduce:
             selections, tf.split(owed, [tf.size(i) for i in sent], num=len(sent)))]
 
         # Steps 6 and 8: the next thresholds and boundaries, identical on every rank
-        positions = [[keys[j]] for j in order]
         for state, values in ((self.thresholds, next_theta), (self.lead, next_lead)):
             updated = tf.tensor_scatter_nd_update(tf.convert_to_tensor(state), positions,
-                                                  tf.stack(values))
+                                                  values)
             state.assign(tf.where(finite, updated, state))
         quantiles = tf.cast(headers[:, own_quantiles:own_fields], tf.int64)
         self.boundaries.assign(tf.concat(

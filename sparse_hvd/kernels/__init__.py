@@ -21,7 +21,9 @@
   from an ascending list, by one merge walk; the sparse allreduce's unapplied entries);
 * ``add_at()``: the ``SparseHvdAddAt`` op (add_at.cc: values added into a flat tensor at
   indices, in its own buffer when nothing else holds it; the sparse allreduce's unapplied
-  entries going back into the residuals).
+  entries going back into the residuals);
+* ``kth_largest()``: the ``SparseHvdKthLargest`` op (kth_largest.cc: the k-th largest value
+  of each segment of a flat tensor, by selection; the sparse allreduce's cut per variable).
 
 The library is found, or compiled on first use, under a key of the imported TensorFlow (see
 ``sparse_hvd.kernels.build``: a TensorFlow upgrade leads to a rebuild, never to a stale
@@ -148,3 +150,8 @@ def add_at():
 def not_in():
     """The native membership op of the sparse allreduce, or None."""
     return _op("sparse_hvd_not_in")
+
+
+def kth_largest():
+    """The native k-th-largest-per-segment op of the sparse allreduce, or None."""
+    return _op("sparse_hvd_kth_largest")
