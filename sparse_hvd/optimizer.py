@@ -306,14 +306,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         """One step: steps 1-3 make the payload (nothing written yet), step 4 averages it over
         the workers (and whether every rank was finite), step 5 writes the residuals and applies
         the averages, or skips the step on every rank. The step strategy (``steps``) runs them,
-        every B-th call on the sum of B passes with ``backward_passes_per_step``.
-
-        Never converted by AutoGraph: the library builds its graph with explicit ``tf.cond``
-        and Python control flow over Python values, as it runs under ``model.fit`` (Keras is
-        not converted, so neither is what it calls). Called from a custom loop's
-        ``tf.function``, AutoGraph converted every function of the step instead: at 4 ranks on
-        2 cores the first trace of the wide CNN's step took 18.6 s with the dense exchange
-        (0.9 s without the conversion) and 10-18 s with each sparse one (2.5-3.6 s)."""
+        every B-th call on the sum of B passes. Never converted by AutoGraph (README)."""
         checks.check_not_in_xla()
         grads = list(grads)
         if not grads:  # an empty list, as Keras allows
