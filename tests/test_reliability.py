@@ -25,10 +25,11 @@ def _run_python(code, env=None, timeout=60):
                           text=True, timeout=timeout, env=environment, cwd=ROOT)
 
 
-@pytest.mark.parametrize("traced", [False, True])
-def test_a_wait_longer_than_the_limit_ends_the_process_saying_what_it_waited_for(traced):
+@pytest.mark.parametrize("traced,native", [(False, "1"), (True, "1"), (True, "0")])
+def test_a_wait_longer_than_the_limit_ends_the_process_saying_what_it_waited_for(traced, native):
     """A "collective" that never returns (a sleep), bracketed as sparse_hvd brackets its
-    collectives: eagerly, and as the ops of a traced step."""
+    collectives: eagerly, and as the ops of a traced step (native ops, or numpy_functions
+    without the native kernels)."""
     result = _run_python(f"""
         import time
         import numpy as np
@@ -42,10 +43,18 @@ def test_a_wait_longer_than_the_limit_ends_the_process_saying_what_it_waited_for
 
         run = lambda: watchdog.bracket(never_returns, [tf.constant([1.0])], "test.exchange",
                                        step=tf.constant(7))
-        tf.function(run)() if {traced} else run()
+        if {traced}:
+            step = tf.function(run)
+            kinds = {{op.type for op in step.get_concrete_function().graph.get_operations()}}
+            print("native brackets:", "SparseHvdWatchEnter" in kinds, flush=True)
+            step()
+        else:
+            run()
         print("returned, which it must not")
-    """, env={"SPARSE_HVD_STALL_TIMEOUT": "1.5"})
+    """, env={"SPARSE_HVD_STALL_TIMEOUT": "1.5", "SPARSE_HVD_NATIVE": native})
     assert result.returncode == watchdog.EXIT_STATUS, result.stderr[-3000:]
+    if traced:
+        assert f"native brackets: {native == '1'}" in result.stdout, result.stdout
     assert "returned, which it must not" not in result.stdout
     # how long past the limit depends on the watchdog's polling and the machine's load
     assert re.search(r"has waited [23] s in collective 'test\.exchange' at training step 7 for "
@@ -129,8 +138,8 @@ def test_equal_shards_and_steps_per_epoch_alone():
 
 
 def test_a_steps_collectives_share_one_watched_wait(monkeypatch):
-    """Inside one_wait (a step's exchange) one enter/leave pair serves every collective; each
-    pair is a Python call into the step, about 0.1 ms."""
+    """Inside one_wait (a step's exchange) one enter/leave pair serves every collective, and
+    every wait is left once the step is done."""
     monkeypatch.setattr(watchdog, "_timeout", 300.0)
     x = tf.Variable([1.0, 2.0])
 
@@ -153,4 +162,4 @@ def test_a_steps_collectives_share_one_watched_wait(monkeypatch):
         assert sum("watchdog_enter" in n for n in names) == pairs
         assert sum("watchdog_leave" in n for n in names) == pairs
         assert tf.function(lambda: step(shared))().numpy().tolist() == [4.0, 8.0]
-    assert not watchdog._waits  # every wait left
+    assert watchdog.open_waits() == 0

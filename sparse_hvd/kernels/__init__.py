@@ -23,7 +23,10 @@
   indices, in its own buffer when nothing else holds it; the sparse allreduce's unapplied
   entries going back into the residuals);
 * ``kth_largest()``: the ``SparseHvdKthLargest`` op (kth_largest.cc: the k-th largest value
-  of each segment of a flat tensor, by selection; the sparse allreduce's cut per variable).
+  of each segment of a flat tensor, by selection; the sparse allreduce's cut per variable);
+* ``watch_enter()``, ``watch_leave()`` and ``watch_table()``: the ``SparseHvdWatchEnter`` and
+  ``SparseHvdWatchLeave`` ops and the C functions that read their table (watch.cc: the stall
+  watchdog's brackets around a traced step's collectives).
 
 The library is found, or compiled on first use, under a key of the imported TensorFlow (see
 ``sparse_hvd.kernels.build``: a TensorFlow upgrade leads to a rebuild, never to a stale
@@ -42,9 +45,20 @@ import warnings
 
 from . import build
 
-_loaded = None
-_path = None  # the loaded library's file
-_problem = None  # why the kernels are not in use (None while they are, or before a look)
+
+
+class _State:
+    """What this process knows of the library. Attributes of one object, not module globals
+    that functions rebind: AutoGraph, when it converts a caller's code in a trace, may convert
+    these functions too, and a global it rebinds there was seen to stay unset."""
+
+    loaded = None  # the loaded library; False once a look found none
+    path = None  # the loaded library's file
+    problem = None  # why the kernels are not in use (None while they are, or before a look)
+    table = None  # the library's C functions, through ctypes (``watch_table``)
+
+
+_state = _State()
 
 
 class NativeKernelsUnavailable(RuntimeError):
@@ -62,33 +76,33 @@ def status():
         library = _library()
     except NativeKernelsUnavailable:
         library = None
-    return (_path, None) if library is not None else (None, _problem)
+    return (_state.path, None) if library is not None else (None, _state.problem)
 
 
 def _library():
-    global _loaded, _problem, _path
-    if _loaded is None:
-        _loaded = False
+    state = _state
+    if state.loaded is None:
+        state.loaded = False
         if os.environ.get("SPARSE_HVD_NATIVE", "1") == "0":
-            _problem = "turned off (SPARSE_HVD_NATIVE=0)"
+            state.problem = "turned off (SPARSE_HVD_NATIVE=0)"
             return None
         import tensorflow as tf
 
         if tf.config.list_physical_devices("GPU"):
-            _problem = "a GPU is visible (the TensorFlow path runs on it instead)"
+            state.problem = "a GPU is visible (the TensorFlow path runs on it instead)"
             return None
         try:
-            _path = build.ensure_built()
-            _loaded = tf.load_op_library(_path)
+            path = build.ensure_built()
+            state.loaded, state.path = tf.load_op_library(path), path
         except (build.BuildError, tf.errors.NotFoundError, OSError) as error:
-            _problem = f"cannot be built or loaded: {error}"
+            state.problem = f"cannot be built or loaded: {error}"
             if required():
                 raise NativeKernelsUnavailable(
-                    f"sparse_hvd's native kernels {_problem} (SPARSE_HVD_REQUIRE_NATIVE=1)"
+                    f"sparse_hvd's native kernels {state.problem} (SPARSE_HVD_REQUIRE_NATIVE=1)"
                 ) from error
-            warnings.warn(f"sparse_hvd: the native kernels {_problem}. Using the slower "
+            warnings.warn(f"sparse_hvd: the native kernels {state.problem}. Using the slower "
                           "TensorFlow path (python -m sparse_hvd.doctor says more).", stacklevel=3)
-    return _loaded or None
+    return state.loaded or None
 
 
 def _op(name):
@@ -155,3 +169,30 @@ def not_in():
 def kth_largest():
     """The native k-th-largest-per-segment op of the sparse allreduce, or None."""
     return _op("sparse_hvd_kth_largest")
+
+
+def watch_enter():
+    """The native stall-watchdog enter op, or None."""
+    return _op("sparse_hvd_watch_enter")
+
+
+def watch_leave():
+    """The native stall-watchdog leave op, or None."""
+    return _op("sparse_hvd_watch_leave")
+
+
+def watch_table():
+    """The loaded library through ctypes, for its C functions ``sparse_hvd_oldest_wait`` and
+    ``sparse_hvd_open_waits`` (the table of the watch ops' waits), or None."""
+    if _library() is None:
+        return None
+    if _state.table is None:
+        import ctypes
+
+        library = ctypes.CDLL(_state.path)  # the same file: the same loaded library and table
+        library.sparse_hvd_oldest_wait.argtypes = [ctypes.POINTER(ctypes.c_int64)] * 3
+        library.sparse_hvd_oldest_wait.restype = ctypes.c_int
+        library.sparse_hvd_open_waits.argtypes = []
+        library.sparse_hvd_open_waits.restype = ctypes.c_int64
+        _state.table = library
+    return _state.table

@@ -13,7 +13,9 @@ its own collectives, the same way under every launcher:
    ordered around the collective by control dependencies (:func:`bracket`); eagerly they are a
    context manager (:func:`waiting`). A step's exchange is traced inside :func:`one_wait`: its
    collectives (one per layer with the layer-wise exchange) then share ONE pair, from the
-   first one's inputs to the last one's outputs, since each pair costs about 0.1 ms a step.
+   first one's inputs to the last one's outputs. With the native kernels the traced pair is
+   two native ops instead (``kernels/watch.cc``: a table in C++ the thread reads through
+   ctypes), since each ``numpy_function`` took the GIL and about 0.25 ms of the step.
 2. A daemon thread looks at the oldest wait every ``limit / 10`` seconds (at most every 5 s).
    When it is older than the limit, the thread prints on stderr what this rank waited for, for
    how long, and the usual causes, and ends the process with status 124 (``os._exit``: the
@@ -51,6 +53,7 @@ _tokens = itertools.count(1)
 _timeout = None  # seconds; None: read from the environment when first needed
 _thread = None
 _tracing = threading.local()  # .watch: the StepWatch of the exchange being traced, if any
+_names = {}  # collective name -> its id in the native ops' table (``kernels/watch.cc``)
 
 
 def _parse_timeout(value, what):
@@ -118,6 +121,14 @@ class waiting:
         return False
 
 
+def _native_ops():
+    """``(enter op, leave op)`` of the native kernels, or None (then ``numpy_function``s)."""
+    from .. import kernels
+
+    enter_op, leave_op = kernels.watch_enter(), kernels.watch_leave()
+    return None if enter_op is None or leave_op is None else (enter_op, leave_op)
+
+
 def _enter_op(name, step, after):
     """A traced :func:`enter` that runs once ``after`` (tensors) exist; returns its token."""
     import tensorflow as tf
@@ -126,8 +137,15 @@ def _enter_op(name, step, after):
         return np.int64(enter(name, None if step < 0 else int(step)))
 
     step = tf.constant(-1, tf.int64) if step is None else tf.cast(step, tf.int64)
+    native = _native_ops()
     with tf.control_dependencies(after):
-        return tf.numpy_function(enter_at, [step], tf.int64, stateful=True, name="watchdog_enter")
+        if native is None:
+            return tf.numpy_function(enter_at, [step], tf.int64, stateful=True,
+                                     name="watchdog_enter")
+        with _lock:
+            name_id = _names.setdefault(name, len(_names))
+        _start_thread()  # the ops do not call into Python: the thread must run already
+        return native[0](step, name_id=name_id, name="watchdog_enter")
 
 
 def _leave_op(token, after):
@@ -137,8 +155,13 @@ def _leave_op(token, after):
         leave(token)
         return token
 
+    native = _native_ops()
     with tf.control_dependencies(after):
-        tf.numpy_function(leave_token, [token], tf.int64, stateful=True, name="watchdog_leave")
+        if native is None:
+            tf.numpy_function(leave_token, [token], tf.int64, stateful=True,
+                              name="watchdog_leave")
+        else:
+            native[1](token, name="watchdog_leave")
 
 
 class StepWatch:
@@ -217,9 +240,41 @@ def _start_thread():
             _thread.start()
 
 
+def _native_oldest():
+    """The native table's oldest wait as ``(monotonic start, name, step)``, or None."""
+    from .. import kernels
+
+    table = kernels.watch_table() if _names else None
+    if table is None:
+        return None
+    import ctypes
+
+    age, name_id, step = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
+    if not table.sparse_hvd_oldest_wait(ctypes.byref(age), ctypes.byref(name_id),
+                                        ctypes.byref(step)):
+        return None
+    with _lock:
+        names = {number: name for name, number in _names.items()}
+    return (time.monotonic() - age.value / 1e9, names.get(name_id.value, "?"),
+            None if step.value < 0 else step.value)
+
+
 def _oldest():
     with _lock:
-        return min(_waits.values(), default=None, key=lambda wait: wait[0])
+        oldest = min(_waits.values(), default=None, key=lambda wait: wait[0])
+    native = _native_oldest()
+    return min([wait for wait in (oldest, native) if wait is not None], default=None,
+               key=lambda wait: wait[0])
+
+
+def open_waits() -> int:
+    """How many waits are open (eager and traced): 0 between steps."""
+    from .. import kernels
+
+    table = kernels.watch_table() if _names else None
+    with _lock:
+        count = len(_waits)
+    return count + (table.sparse_hvd_open_waits() if table is not None else 0)
 
 
 def _watch():
