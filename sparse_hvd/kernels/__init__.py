@@ -46,7 +46,6 @@ import warnings
 from . import build
 
 
-
 class _State:
     """What this process knows of the library. Attributes of one object, not module globals
     that functions rebind: AutoGraph, when it converts a caller's code in a trace, may convert
