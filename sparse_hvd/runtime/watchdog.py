@@ -240,11 +240,16 @@ def _start_thread():
             _thread.start()
 
 
-def _native_oldest():
-    """The native table's oldest wait as ``(monotonic start, name, step)``, or None."""
+def _native_table():
+    """The native ops' table (``kernels.watch_table``), or None before any native bracket."""
     from .. import kernels
 
-    table = kernels.watch_table() if _names else None
+    return kernels.watch_table() if _names else None
+
+
+def _native_oldest():
+    """The native table's oldest wait as ``(monotonic start, name, step)``, or None."""
+    table = _native_table()
     if table is None:
         return None
     import ctypes
@@ -269,9 +274,7 @@ def _oldest():
 
 def open_waits() -> int:
     """How many waits are open (eager and traced): 0 between steps."""
-    from .. import kernels
-
-    table = kernels.watch_table() if _names else None
+    table = _native_table()
     with _lock:
         count = len(_waits)
     return count + (table.sparse_hvd_open_waits() if table is not None else 0)
