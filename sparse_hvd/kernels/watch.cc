@@ -50,6 +50,11 @@ int64_t NowNs() {
       .count();
 }
 
+tsl::Status ScalarOutput(tensorflow::shape_inference::InferenceContext* c) {
+  c->set_output(0, c->Scalar());
+  return tsl::OkStatus();
+}
+
 }  // namespace
 
 REGISTER_OP("SparseHvdWatchEnter")
@@ -57,19 +62,13 @@ REGISTER_OP("SparseHvdWatchEnter")
     .Input("step: int64")
     .Output("token: int64")
     .SetIsStateful()
-    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
-      c->set_output(0, c->Scalar());
-      return tsl::OkStatus();
-    });
+    .SetShapeFn(ScalarOutput);
 
 REGISTER_OP("SparseHvdWatchLeave")
     .Input("token: int64")
     .Output("left: int64")
     .SetIsStateful()
-    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
-      c->set_output(0, c->Scalar());
-      return tsl::OkStatus();
-    });
+    .SetShapeFn(ScalarOutput);
 
 class WatchEnterOp : public OpKernel {
  public:
