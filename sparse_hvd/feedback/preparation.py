@@ -28,6 +28,20 @@ def with_tensor_parts(grad):
     return grad
 
 
+def tensor_parts(gradients) -> list:
+    """The tensors that make up ``gradients`` (a list of tensors, ``IndexedSlices`` or None):
+    a row-sparse gradient's values and indices. Not ``tf.nest.flatten(...,
+    expand_composites=True)``: an ``IndexedSlices`` whose ``dense_shape`` is a Python tuple (as
+    Keras makes them) has no type spec to expand."""
+    tensors = []
+    for gradient in gradients:
+        if isinstance(gradient, tf.IndexedSlices):
+            tensors += [gradient.values, gradient.indices]
+        elif gradient is not None:
+            tensors.append(gradient)
+    return tensors
+
+
 def as_rows(grad: tf.IndexedSlices, variable, combine=False) -> tf.IndexedSlices:
     """A row-sparse gradient with values in the variable's dtype; with ``combine``, each row
     once, the sum of its repeats (in the order the rows first appear).

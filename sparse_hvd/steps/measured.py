@@ -12,36 +12,31 @@ Before the first trial the steps run dense (``first_mode``).
 
 1. **Trial.** From step ``trial_start`` on, each candidate worth trying runs ``TRIAL_STEPS``
    steps in turn, dense first. The first of each is not timed (its first run sets up its
-   collectives); the others time the whole step: from the previous step's last write to this
-   one's, so forward and backward passes are in it too (on shared cores a candidate's CPU
-   work slows the other ranks' backprop, which a timer around the exchange alone would not
-   see), as the mean over the ranks, so every rank holds the same numbers. A candidate whose
-   timed step takes over ``ABORT_AFTER`` x the fastest median so far ends its turn there.
-   Not worth trying (``worth_trying``): a sparse candidate whose bytes on the wire alone, at
-   the trial's density, cannot beat dense by ``DENSE_WITHIN``. Dense's steps also time its
-   exchange, from its gradients' existence to its averages', on every rank: the rank that
-   reached the collective last waited only for the transfer, so the step less its time is
-   the step's compute, which no exchange removes (``sparse_can_win``). Where dense's step is
-   within ``DENSE_WITHIN`` of its compute (a fast link, or a model whose compute outweighs
-   its gradients' bytes) no sparse exchange can win: the trial ends with dense's turn, and
-   the sparse candidates are never traced or run (on the character LSTM at 1 Gbit/s their
-   traces and trial steps made the first 20 steps 2x dense's). After dense comes the
-   reference, the exchange the others build on (``Exchange.builds_on``: the coded allgather
-   and the sparse allreduce do the allgather's work and more, to send fewer bytes); at the end
-   of its turn, those that could not become the choice even if their fewer bytes were all
-   they changed (``within_reach``) leave the trial, never traced or run for it (with 4 ranks
-   on 2 cores each trace took 3-6 s: 13 s of a 57 s run on 10 Gbit/s links, where dense won).
+   collectives); the others time the whole step, from the previous step's last write to this
+   one's (on shared cores a candidate's CPU work slows the other ranks' backprop, which a
+   timer around the exchange would not see), as the mean over the ranks, so every rank holds
+   the same numbers. A timed step over ``ABORT_AFTER`` x the fastest median so far ends its
+   candidate's turn. Not worth trying (``worth_trying``): a sparse candidate whose bytes on
+   the wire alone, at the trial's density, cannot beat dense by ``DENSE_WITHIN``. Dense's
+   steps also time its exchange on every rank: the rank that reached the collective last
+   waited only for the transfer, so the step less its time is the compute no exchange
+   removes (``sparse_can_win``); where dense's step is within ``DENSE_WITHIN`` of it, the
+   trial ends with dense's turn and the sparse candidates are never traced or run (on the
+   character LSTM at 1 Gbit/s their traces and trial steps made the first 20 steps 2x
+   dense's). After dense comes the reference (``Exchange.builds_on``: the coded allgather and
+   the sparse allreduce do the allgather's work and more, to send fewer bytes); at the end of
+   its turn, those that could not become the choice even if their fewer bytes were all they
+   changed (``within_reach``) leave the trial untraced (with 4 ranks on 2 cores a trace took
+   3-6 s: 13 s of a 57 s run on 10 Gbit/s links, where dense won).
 2. **Decision**, in the trial's last step, on every rank at once, by one rule on the same
    numbers: the fastest median, except that dense wins unless a sparse exchange's step is
    faster than dense's by more than ``DENSE_WITHIN`` (1.5x): a sparse run needs more steps to
    the same loss (the default's steps ratio: 0.94-1.07 on a CNN, 1.40-1.78 on a character
-   LSTM, ``docs/steps_to_loss.md``), and on shared cores a trial's medians are noisy (in one
-   run dense's ranged 0.18-0.33 s a step over five trials), so a step that is only a little
-   cheaper finishes later. With a margin of 1.2 the LSTM at 4 workers on 1 Gbit/s links,
-   whose sparse step is at best about 1.2x cheaper, reached dense's loss 0.81x as fast as
-   dense (trial noise picked sparse phases); where a sparse exchange pays, on a link slower
-   than the compute, its step is 2.6-4x cheaper (``docs/time_to_loss_previous.md``).
-   Rank 0 logs the times and the choice.
+   LSTM, ``docs/steps_to_loss.md``), and a trial's medians on shared cores are noisy. With a
+   margin of 1.2 the LSTM at 4 workers on 1 Gbit/s links, whose sparse step is at best about
+   1.2x cheaper, reached dense's loss 0.81x as fast as dense; where a sparse exchange pays, on
+   a link slower than the compute, its step is 2.6-4x cheaper
+   (``docs/time_to_loss_previous.md``). Rank 0 logs the times and the choice.
 3. **Re-trials**, since the link and the density can change: during a warm-up, each time the
    density has halved since the last trial (``warmup_trials``: from 10% to 1% a sparse
    exchange often wins long before the warm-up ends, and a short run is mostly warm-up),
@@ -49,16 +44,16 @@ Before the first trial the steps run dense (``first_mode``).
    (on a fast link the sparse exchanges at 25% density, the previous warm-up's start, took
    4-5x dense's step, and four steps of each in every re-trial made a 250-step run 1.7x
    slower than dense), and without what builds on a pruned reference and was not tried
-   with it; at the density policy's first settled step (the warm-up's end), with
-   every candidate worth trying; then every ``RECHECK_STEPS`` steps, the same.
+   with it, and without dense once a sparse exchange beat it (``_dense_beaten``); at the
+   density policy's first settled step (the warm-up's end), with every candidate worth
+   trying but a beaten dense; then every ``RECHECK_STEPS`` steps, every candidate.
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
 exact: the dense candidate sends each sparse-route variable's compensated gradient whole and
-clears its residual (``ErrorFeedback.flush``: the selection with k = every entry), so the
-conservation identity holds across switches; once a dense step has gone ahead, the next dense
-steps skip that pass (the residuals are clear until a sparse step runs). The state of the
-candidates other than the default exchange (the sparse allreduce's thresholds) is not
-checkpointed: the checkpoint format does not depend on which exchanges were candidates, and a
+clears its residual (``ErrorFeedback.flush``), so the conservation identity holds across
+switches; the next dense steps skip that pass (the residuals stay clear until a sparse step
+runs). The state of candidates other than the default exchange (the sparse allreduce's
+thresholds) is not checkpointed: the format does not depend on the candidates, and a
 restored job measures again.
 """
 
@@ -67,6 +62,7 @@ from typing import List
 import numpy as np
 import tensorflow as tf
 
+from ..feedback.preparation import tensor_parts
 from ..runtime import collectives, log, startup as runtime
 from .candidates import Plan, dense_bytes_per_entry, plans_for, warmup_trials  # noqa: F401
 from .strategies import SynchronousStep
@@ -85,10 +81,8 @@ def worth_trying(plans, density, value_bytes) -> List[bool]:
     alone (``Exchange.wire_bytes_per_entry``) are at least dense's over ``1 + DENSE_WITHIN``.
     Such an exchange cannot win: with the step's compute c and dense's transfer t, it would
     need ``m (c + r t) < c + t`` for the margin m = 1 + DENSE_WITHIN, impossible for a ratio
-    r of their bytes at or above 1/m (and its CPU work only adds). Dense's ring allreduce
-    receives ``2 (N - 1) / N`` values per entry. At 8 workers and the previous warm-up's 25%
-    the allgather moved 2x dense's bytes: it ran at 2x dense's step in the first trial of a
-    250-step run."""
+    r of their bytes at or above 1/m (and its CPU work only adds). (At 8 workers and 25%
+    density the allgather moved 2x dense's bytes and ran at 2x dense's step.)"""
     limit = dense_bytes_per_entry(plans[0].exchange.size, value_bytes) / (1 + DENSE_WITHIN)
     keep = []
     for plan in plans:
@@ -142,18 +136,19 @@ def _median(samples):
     return tf.sort(samples, axis=-1)[..., (TRIAL_STEPS - 1) // 2]
 
 
-def _tensors_of(gradients) -> list:
-    """The tensors that make up ``gradients`` (a list of tensors, ``IndexedSlices`` or None):
-    a row-sparse gradient's values and indices. Not ``tf.nest.flatten(...,
-    expand_composites=True)``: an ``IndexedSlices`` whose ``dense_shape`` is a Python tuple (as
-    Keras makes them) has no type spec to expand."""
-    tensors = []
-    for gradient in gradients:
-        if isinstance(gradient, tf.IndexedSlices):
-            tensors += [gradient.values, gradient.indices]
-        elif gradient is not None:
-            tensors.append(gradient)
-    return tensors
+def decision_message(step, names, choice, times, compute, alone) -> str:
+    """Rank 0's line for a decision: the choice, each tried candidate's median step, dense's
+    compute (``compute``) and, when only dense ran (``alone``), why."""
+    why = ""
+    if alone:
+        why = (f"; {compute * 1e3:.1f} ms of dense's step are compute, so no exchange "
+               f"can make it {1 + DENSE_WITHIN:g}x faster: the others were not tried")
+    elif "dense" in times:
+        why = f"; dense's compute {compute * 1e3:.1f}"
+    untried = [name for name in names if name not in times]
+    why += f"; not tried: {', '.join(untried)}" if untried and not alone else ""
+    medians = ", ".join(f"{n} {t * 1e3:.1f}" for n, t in times.items())
+    return f"exchange='auto' at step {step}: {names[choice]} (median ms a step: {medians}{why})"
 
 
 class MeasuredChoiceStep(SynchronousStep):
@@ -228,6 +223,8 @@ class MeasuredChoiceStep(SynchronousStep):
             # measured over PRUNE_AFTER x the fastest in a warm-up trial: out until its last
             self.pruned = tf.Variable(tf.zeros([count], tf.bool), trainable=False,
                                       name="auto_pruned")
+            # dense lost a trial of the warm-up's schedule: out until its re-checks
+            self.dense_beaten = tf.Variable(False, trainable=False, name="auto_dense_beaten")
             # dense first, then the reference, so that what builds on it can be skipped
             leading = [first] + [i for i in [self.reference_index] if i not in (None, first)]
             self.order = tf.constant(leading + [i for i in range(count) if i not in leading],
@@ -426,11 +423,11 @@ class MeasuredChoiceStep(SynchronousStep):
         ``_branch``'s step, in whose trace this runs); with nothing to choose, untimed."""
         if len(self.plans) < 2:
             return super().exchange(payload, gradients)
-        with tf.control_dependencies(_tensors_of(gradients)):
+        with tf.control_dependencies(tensor_parts(gradients)):
             began = tf.timestamp()
         with tf.control_dependencies([began]):
             averaged = super().exchange(payload, gradients)
-        done = _tensors_of(averaged.gradients) + [averaged.finite]
+        done = tensor_parts(averaged.gradients) + [averaged.finite]
         with tf.control_dependencies(done):
             self._exchange_seconds = tf.timestamp() - began
         return averaged
@@ -470,29 +467,34 @@ class MeasuredChoiceStep(SynchronousStep):
             pruned = tf.logical_or(pruned, tf.logical_and(orphaned,
                                                           pruned[self.reference_index]))
         self.pruned.assign(pruned)
+        if self.dense_index is not None:
+            beaten = self._dense_beaten(trying, tf.size(upcoming) > 0)
+            pruned = tf.logical_or(pruned, tf.logical_and(
+                tf.equal(tf.range(len(self.plans)), self.dense_index), beaten))
         # and only those whose bytes can win at the next trial's density (``worth_trying``)
         row = tf.maximum(tf.reduce_sum(tf.cast(self.gate_starts <= following, tf.int32)) - 1, 0)
         self.trial_row.assign(row)
         self.trying.assign(tf.logical_and(tf.logical_not(pruned), self.gates[row]))
 
+    def _dense_beaten(self, trying, warming):
+        """Whether dense sits out the next trial, one of the warm-up's (``warming``): a sparse
+        exchange was chosen over it in this trial or an earlier one of the warm-up (it beat
+        dense by more than ``DENSE_WITHIN``). Dense's step does not depend on the density and
+        a sparse step's does not grow as the warm-up lowers it, so dense cannot win them; the
+        re-checks try it again (the link may have changed). On the wide CNN at 1 Gbit/s dense
+        ran 4 steps of 0.35 s in each of two re-trials, 7x the chosen exchange's step."""
+        lost = tf.logical_and(trying[self.dense_index],
+                              tf.not_equal(self.choice, self.dense_index))
+        beaten = tf.logical_and(tf.logical_or(self.dense_beaten, lost), warming)
+        self.dense_beaten.assign(beaten)
+        return beaten
+
     def _decided(self, seconds, step, names, compute, alone):
         """Step 2 on the host: the choice (the same on every rank: same numbers, one rule),
-        recorded, and logged by rank 0 with dense's compute (``compute``) and, when only dense
-        ran (``alone``), why."""
+        recorded, and logged by rank 0."""
         choice = decide([float(s) for s in seconds], names)
         times = {name: float(s) for name, s in zip(names, seconds) if np.isfinite(s)}
         self.decisions.append((int(step), times, names[choice]))
         if runtime.rank(self.optimizer.process_set) == 0:
-            why = ""
-            if alone:
-                why = (f"; {compute * 1e3:.1f} ms of dense's step are compute, so no exchange "
-                       f"can make it {1 + DENSE_WITHIN:g}x faster: the others were not tried")
-            elif "dense" in times:
-                why = f"; dense's compute {compute * 1e3:.1f}"
-            untried = [name for name in names if name not in times]
-            if untried and not alone:
-                why += f"; not tried: {', '.join(untried)}"
-            log.info("exchange='auto' at step %d: %s (median ms a step: %s%s)", int(step),
-                     names[choice], ", ".join(f"{n} {t * 1e3:.1f}" for n, t in times.items()),
-                     why)
+            log.info("%s", decision_message(int(step), names, choice, times, compute, alone))
         return np.int32(choice)
