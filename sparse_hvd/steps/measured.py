@@ -41,12 +41,11 @@ Before the first trial the steps run dense (``first_mode``).
    density has halved since the last trial (``warmup_trials``: from 10% to 1% a sparse
    exchange often wins long before the warm-up ends, and a short run is mostly warm-up),
    each of them without the candidates measured over ``PRUNE_AFTER`` x a trial's fastest
-   (on a fast link the sparse exchanges at 25% density, the previous warm-up's start, took
-   4-5x dense's step, and four steps of each in every re-trial made a 250-step run 1.7x
-   slower than dense), and without what builds on a pruned reference and was not tried
-   with it, and without dense once a sparse exchange beat it (``_dense_beaten``); at the
-   density policy's first settled step (the warm-up's end), with every candidate worth
-   trying but a beaten dense; then every ``RECHECK_STEPS`` steps, every candidate.
+   (on a fast link the sparse exchanges at 25% density took 4-5x dense's step, and their
+   re-trials made a 250-step run 1.7x slower than dense), without what builds on a pruned
+   reference and was not tried with it, and without dense once a sparse exchange beat it
+   (``_dense_beaten``); at the density policy's first settled step (the warm-up's end), with
+   every candidate worth trying but a beaten dense; then every ``RECHECK_STEPS`` steps, all.
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
 exact: the dense candidate sends each sparse-route variable's compensated gradient whole and
@@ -132,13 +131,13 @@ def decide(seconds, names) -> int:
 
 
 def _median(samples):
-    """The median of a trial's timed samples (the last axis, ``TRIAL_STEPS - 1`` of them)."""
-    return tf.sort(samples, axis=-1)[..., (TRIAL_STEPS - 1) // 2]
+    """The median of a trial's ``TRIAL_STEPS - 1`` timed samples (the last axis)."""
+    rank = TRIAL_STEPS // 2
+    return tf.math.top_k(samples, k=rank).values[..., rank - 1]
 
 
 def decision_message(step, names, choice, times, compute, alone) -> str:
-    """Rank 0's line for a decision: the choice, each tried candidate's median step, dense's
-    compute (``compute``) and, when only dense ran (``alone``), why."""
+    """Rank 0's line for a decision; ``alone``: only dense ran, because of its compute."""
     why = ""
     if alone:
         why = (f"; {compute * 1e3:.1f} ms of dense's step are compute, so no exchange "
@@ -269,12 +268,14 @@ class MeasuredChoiceStep(SynchronousStep):
     def _due(self):
         """This step's place in the schedule: (phase, trial length, in a trial, the trial's
         candidate, the branch due: the candidate in a trial, else the choice)."""
-        trying = tf.boolean_mask(self.order, tf.gather(self.trying, self.order))
-        length = tf.cast(tf.size(trying) * TRIAL_STEPS, tf.int64)
+        trying = tf.cast(tf.gather(self.trying, self.order), tf.int32)
+        length = tf.cast(tf.reduce_sum(trying) * TRIAL_STEPS, tf.int64)
         phase = self.steps - self.trial_start
         in_trial = tf.logical_and(phase >= 0, phase < length)
         turn = tf.math.floordiv(tf.clip_by_value(phase, 0, length - 1), TRIAL_STEPS)
-        candidate = tf.gather(trying, turn)
+        # the turn-th of those trying, in order: where their running count first passes it
+        passed = tf.cast(tf.cumsum(trying) > tf.cast(turn, tf.int32), tf.int32)
+        candidate = tf.gather(self.order, tf.argmax(passed, output_type=tf.int32))
         return phase, length, in_trial, candidate, tf.where(in_trial, candidate, self.choice)
 
     def run(self, grads_and_vars):
@@ -303,12 +304,12 @@ class MeasuredChoiceStep(SynchronousStep):
     def _time(self, elapsed, exchanged, phase, length, candidate):
         """Step 1's timing of one trial step, and step 2 at the trial's end. A candidate whose
         timed step takes over ``ABORT_AFTER`` x the fastest median so far ends its turn there
-        (its step's time stands for all its samples): at the warm-up's high densities a sparse
-        step can take several times dense's, and a trial ran each for ``TRIAL_STEPS`` steps.
-        At the end of dense's turn, a trial no sparse exchange can win ends (step 1)."""
+        (its step's time stands for all its samples: at the warm-up's high densities a sparse
+        step can take several times dense's). After dense's turn, a trial no sparse exchange
+        can win ends (step 1)."""
         opt = self.optimizer
-        # every rank's step and exchange times: every rank records the same numbers (the step's
-        # mean, the step less the shortest exchange) and decides alike
+        # every rank records the same numbers (the step's mean over the ranks, the step less
+        # the shortest exchange) and decides alike
         times = collectives.allgather(tf.reshape(tf.stack([elapsed, exchanged]), [1, 2]),
                                       name=f"{opt._prefix}.auto.step",
                                       process_set=opt.process_set, step=self.steps)
@@ -452,10 +453,9 @@ class MeasuredChoiceStep(SynchronousStep):
         following = tf.cond(tf.size(upcoming) > 0, lambda: upcoming[0],
                             lambda: self.steps + RECHECK_STEPS)
         self.trial_start.assign(following)
-        # within the warm-up only the candidates that can still win: halving the density
-        # halves a sparse step's exchange at most, so one over ``PRUNE_AFTER`` x the fastest
-        # cannot win the next trial (dense's step does not change); the warm-up's last trial
-        # and the later ones forget what was pruned
+        # within the warm-up only those that can still win: halving the density at most
+        # halves a sparse step's exchange, so one over ``PRUNE_AFTER`` x the fastest cannot
+        # win the next trial; the warm-up's last trial and later ones forget the pruning
         slow = tf.logical_and(trying, medians > PRUNE_AFTER * tf.reduce_min(medians))
         pruning = tf.size(upcoming) > 1  # the next trial is in the warm-up, not its last
         pruned = tf.logical_and(tf.logical_or(self.pruned, slow), pruning)
@@ -481,8 +481,8 @@ class MeasuredChoiceStep(SynchronousStep):
         exchange was chosen over it in this trial or an earlier one of the warm-up (it beat
         dense by more than ``DENSE_WITHIN``). Dense's step does not depend on the density and
         a sparse step's does not grow as the warm-up lowers it, so dense cannot win them; the
-        re-checks try it again (the link may have changed). On the wide CNN at 1 Gbit/s dense
-        ran 4 steps of 0.35 s in each of two re-trials, 7x the chosen exchange's step."""
+        re-checks try it again (the link may have changed). On the wide CNN at 1 Gbit/s it ran
+        4 steps of 0.35 s, 7x the chosen exchange's, in each of two re-trials."""
         lost = tf.logical_and(trying[self.dense_index],
                               tf.not_equal(self.choice, self.dense_index))
         beaten = tf.logical_and(tf.logical_or(self.dense_beaten, lost), warming)
