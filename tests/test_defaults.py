@@ -209,6 +209,17 @@ def test_the_sampled_blocks_number_at_least_count_and_cover_every_column(count, 
             assert columns.min() > 0 and columns.max() <= 2 * columns.min()
 
 
+def test_the_strides_of_many_variables_at_once_are_each_variables_own():
+    """``sample_stride`` is elementwise: a vector of counts and lengths gives each pair's
+    scalar stride."""
+    from sparse_hvd.selection import model_budget
+
+    pairs = [(1000, 4_194_304), (65_536, 65_536), (7, 10), (1, 1), (300.5, 2_000), (3, 100)]
+    strides = model_budget.sample_stride(tf.constant([c for c, _ in pairs], tf.float64),
+                                         tf.constant([n for _, n in pairs], tf.int64)).numpy()
+    assert strides.tolist() == [int(model_budget.sample_stride(c, n)) for c, n in pairs]
+
+
 def test_the_model_wide_cut_of_a_small_model_is_exact():
     from sparse_hvd.selection import model_budget
 
