@@ -8,7 +8,10 @@ timed on the job's own steps. A variable, the same on every rank, says which one
 runs: traced once, the step holds every candidate as a branch of one ``tf.switch_case``; with
 ``traced_choice`` (``ExchangeChoiceCallback``, ``sparse_hvd.function``) each step runs a
 function traced for its candidate alone (``traced``), which saves the conditional's cost.
-Before the first trial the steps run dense (``first_mode``).
+Before the first trial the steps run dense (``first_mode``). The trials' bookkeeping (steps
+1-3 below) runs on the host, in one ``numpy_function`` per trial step on the times every rank
+gathered, so every rank keeps the same numbers; as graph operations it was about 500 of every
+traced step's (a third of dense's step on the wide CNN), and each one costs trace time.
 
 1. **Trial.** From step ``trial_start`` on, each candidate worth trying runs ``TRIAL_STEPS``
    steps in turn, dense first. The first of each is not timed (its first run sets up its
@@ -131,9 +134,8 @@ def decide(seconds, names) -> int:
 
 
 def _median(samples):
-    """The median of a trial's ``TRIAL_STEPS - 1`` timed samples (the last axis)."""
-    rank = TRIAL_STEPS // 2
-    return tf.math.top_k(samples, k=rank).values[..., rank - 1]
+    """The median of a trial's ``TRIAL_STEPS - 1`` timed samples (the last axis; NumPy)."""
+    return np.sort(samples, axis=-1)[..., (TRIAL_STEPS - 1) // 2]
 
 
 def decision_message(step, names, choice, times, compute, alone) -> str:
@@ -191,45 +193,37 @@ class MeasuredChoiceStep(SynchronousStep):
         value_bytes = 2 if opt._compression.half is not None else max(
             [route.itemsize for route in routes if route.sparse], default=4)
         self.value_bytes = value_bytes
-        # eager (also when the first step's trace builds the optimizer), and not optimizer
-        # variables: nothing of this is checkpointed
-        with tf.init_scope():
+        with tf.init_scope():  # eager, also when the first step's trace builds the optimizer
             retrials = warmup_trials(policy, settled, count * TRIAL_STEPS)
-            # the candidates worth trying at each trial's density (later ones: the last row's)
+            # the candidates worth trying at each trial's density (later: the last row's)
             starts = [1] + retrials
-            densities = [policy.current_density(0, start) if settled else policy.final_density
-                         for start in starts]
-            gates = [worth_trying(self.plans, density, value_bytes) for density in densities]
-            first = self.first_mode()
+            self.gate_densities = [float(policy.current_density(0, start)) if settled
+                                   else float(policy.final_density) for start in starts]
+        self.gate_starts = np.array(starts, np.int64)
+        self.gates = np.array([worth_trying(self.plans, density, value_bytes)
+                               for density in self.gate_densities], np.bool_)
+        self.warmup_trials = retrials
+        # the trials' own numbers, on the host (the same on every rank), not checkpointed
+        self.trial_row = 0  # the next trial's row in the gates
+        self.samples = np.zeros([count, TRIAL_STEPS - 1])  # each candidate's timed steps
+        self.computes = np.zeros([TRIAL_STEPS - 1])  # dense's less its last arrival's exchange
+        self.best = np.inf  # the fastest median so far in a trial
+        self.pruned = np.zeros([count], np.bool_)  # over PRUNE_AFTER x the fastest: out
+        self.dense_beaten = False  # out of the warm-up's trials (``_dense_beaten``)
+        first = self.first_mode()
+        # what the graph reads: not optimizer variables, so not checkpointed either
+        with tf.init_scope():
             self.choice = tf.Variable(first, dtype=tf.int32, trainable=False, name="auto_choice")
             self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="auto_steps")
             self.trial_start = tf.Variable(1, dtype=tf.int64, trainable=False,
                                            name="auto_trial_start")
-            self.warmup_trials = tf.constant(retrials, tf.int64)
-            self.gate_starts = tf.constant(starts, tf.int64)
-            self.gates = tf.constant(gates, tf.bool)
-            self.gate_densities = tf.constant(densities, tf.float64)  # each trial's density
-            self.trial_row = tf.Variable(0, dtype=tf.int32, trainable=False,
-                                         name="auto_trial_row")  # the next trial's, in those
-            self.samples = tf.Variable(tf.zeros([count, TRIAL_STEPS - 1], tf.float64),
-                                       trainable=False, name="auto_samples")
-            # dense's timed steps less the exchange of the rank that reached it last
-            self.computes = tf.Variable(tf.zeros([TRIAL_STEPS - 1], tf.float64),
-                                        trainable=False, name="auto_dense_compute")
             # which candidates the next trial runs, in the order of ``order``: dense first,
             # so that a sparse candidate far slower than it can end its turn early
-            self.trying = tf.Variable(gates[0], trainable=False, name="auto_trying")
-            # measured over PRUNE_AFTER x the fastest in a warm-up trial: out until its last
-            self.pruned = tf.Variable(tf.zeros([count], tf.bool), trainable=False,
-                                      name="auto_pruned")
-            # dense lost a trial of the warm-up's schedule: out until its re-checks
-            self.dense_beaten = tf.Variable(False, trainable=False, name="auto_dense_beaten")
+            self.trying = tf.Variable(self.gates[0], trainable=False, name="auto_trying")
             # dense first, then the reference, so that what builds on it can be skipped
             leading = [first] + [i for i in [self.reference_index] if i not in (None, first)]
             self.order = tf.constant(leading + [i for i in range(count) if i not in leading],
                                      tf.int32)
-            self.best = tf.Variable(np.inf, dtype=tf.float64, trainable=False,
-                                    name="auto_best_median")  # the fastest so far in a trial
             self.next_branch = tf.Variable(first, dtype=tf.int32, trainable=False,
                                            name="auto_next_branch")
             # the residuals were sent whole by a dense step that went ahead, and no sparse
@@ -281,7 +275,7 @@ class MeasuredChoiceStep(SynchronousStep):
     def run(self, grads_and_vars):
         if len(self.plans) < 2:
             return super().run(grads_and_vars)
-        phase, length, in_trial, candidate, branch = self._due()
+        phase, _, in_trial, candidate, branch = self._due()
         if self.traced is None:
             ended = tf.switch_case(branch, [self._branch(plan, grads_and_vars)
                                             for plan in self.plans])
@@ -296,80 +290,65 @@ class MeasuredChoiceStep(SynchronousStep):
         ended, exchanged = ended
         elapsed = ended - self.last_end  # the whole step: since the previous step's end
         self.last_end.assign(ended)
-        tf.cond(in_trial, lambda: self._time(elapsed, exchanged, phase, length, candidate),
-                lambda: None)
+        tf.cond(in_trial, lambda: self._time(elapsed, exchanged, phase, candidate), lambda: None)
         self.steps.assign_add(1)
         self.next_branch.assign(self._due()[-1])
 
-    def _time(self, elapsed, exchanged, phase, length, candidate):
-        """Step 1's timing of one trial step, and step 2 at the trial's end. A candidate whose
-        timed step takes over ``ABORT_AFTER`` x the fastest median so far ends its turn there
-        (its step's time stands for all its samples: at the warm-up's high densities a sparse
-        step can take several times dense's). After dense's turn, a trial no sparse exchange
-        can win ends (step 1)."""
+    def _time(self, elapsed, exchanged, phase, candidate):
+        """Step 1's timing of one trial step (and step 2 at the trial's end): every rank's
+        step and exchange times gathered, then :meth:`_record` on the host, whose results
+        (the next trial's start, the choice, the candidates trying) the graph writes."""
         opt = self.optimizer
-        # every rank records the same numbers (the step's mean over the ranks, the step less
-        # the shortest exchange) and decides alike
         times = collectives.allgather(tf.reshape(tf.stack([elapsed, exchanged]), [1, 2]),
                                       name=f"{opt._prefix}.auto.step",
                                       process_set=opt.process_set, step=self.steps)
-        elapsed = tf.reduce_mean(times[:, 0])
-        compute = elapsed - tf.reduce_min(times[:, 1])
-        slot = tf.cast(tf.math.floormod(phase, TRIAL_STEPS), tf.int32) - 1
-        last_slot = TRIAL_STEPS - 2
-        timed = slot >= 0
-        aborted = tf.logical_and(tf.logical_and(timed, slot < last_slot),
-                                 elapsed > ABORT_AFTER * self.best)
-        row = self.samples[candidate]
-        row = tf.where(aborted, tf.fill([TRIAL_STEPS - 1], elapsed),
-                       tf.tensor_scatter_nd_update(row, [[tf.maximum(slot, 0)]], [elapsed]))
+        start, choice, trying = tf.numpy_function(
+            self._record, [times, phase, candidate, self.steps, self.trial_start, self.choice,
+                           self.trying], [tf.int64, tf.int32, tf.bool], stateful=True)
+        self.trial_start.assign(tf.reshape(start, []))
+        self.choice.assign(tf.reshape(choice, []))
+        self.trying.assign(tf.reshape(trying, [len(self.plans)]))
 
-        def record():  # not a resource scatter: see ErrorFeedback.add_back
-            self.samples.assign(tf.tensor_scatter_nd_update(self.samples, [[candidate]], [row]))
-
-        tf.cond(timed, record, lambda: None)
-        skipped = tf.where(aborted, last_slot - slot, 0)
-        self.trial_start.assign_sub(tf.cast(skipped, tf.int64))
-        turn_done = tf.logical_and(timed, tf.equal(slot + skipped, last_slot))
-        median = _median(row)
-        self.best.assign(tf.where(turn_done, tf.minimum(self.best, median), self.best))
-        hopeless = tf.constant(False)
+    def _record(self, times, phase, candidate, step, start, choice, trying):
+        """:meth:`_time` on the host. Every rank records the same numbers (the step's mean
+        over the ranks; the step less the shortest exchange, dense's compute) and decides
+        alike. A candidate whose timed step takes over ``ABORT_AFTER`` x the fastest median
+        so far ends its turn there (that time stands for all its samples: at the warm-up's
+        high densities a sparse step can take several times dense's). After dense's turn,
+        a trial no sparse exchange can win ends (step 1); after the reference's, what cannot
+        come within reach leaves it."""
+        elapsed = float(np.mean(times[:, 0]))
+        compute = elapsed - float(np.min(times[:, 1]))
+        slot, last_slot = int(phase) % TRIAL_STEPS - 1, TRIAL_STEPS - 2
+        candidate, trying = int(candidate), np.array(trying, np.bool_)
+        if slot < 0:  # the turn's first step: not timed
+            return np.int64(start), np.int32(choice), trying
+        aborted = slot < last_slot and elapsed > ABORT_AFTER * self.best
+        skipped = last_slot - slot if aborted else 0
+        if skipped:
+            self.samples[candidate, :] = elapsed
+        else:
+            self.samples[candidate, slot] = elapsed
+        start -= skipped
+        turn_done = slot + skipped == last_slot
+        median = _median(self.samples[candidate])
+        if turn_done:
+            self.best = min(self.best, median)
+        hopeless = False
         if self.dense_index is not None:
-            is_dense = tf.equal(candidate, self.dense_index)
-            computes = tf.tensor_scatter_nd_update(self.computes, [[tf.maximum(slot, 0)]],
-                                                   [compute])
-
-            def record_compute():
-                self.computes.assign(computes)
-
-            tf.cond(tf.logical_and(timed, is_dense), record_compute, lambda: None)
-            compute = _median(computes)
-            hopeless = tf.cond(
-                tf.logical_and(turn_done, is_dense),
-                lambda: tf.reshape(tf.numpy_function(
-                    lambda whole, work: np.bool_(not sparse_can_win(float(whole), float(work))),
-                    [median, compute], tf.bool, stateful=False), []),
-                lambda: tf.constant(False))
-            if any(self.bounded):
-                ends_reference = tf.logical_and(
-                    tf.logical_and(turn_done, tf.equal(candidate, self.reference_index)),
-                    self.trying[self.dense_index])
-                tf.cond(ends_reference, lambda: self._skip_beyond_reach(median), lambda: None)
-                length = tf.math.count_nonzero(self.trying) * TRIAL_STEPS
-        trial_done = tf.logical_and(
-            turn_done, tf.equal(phase + tf.cast(skipped, tf.int64), length - 1))
-        tf.cond(tf.logical_or(trial_done, hopeless), lambda: self._decide(hopeless),
-                lambda: None)
-
-    def _skip_beyond_reach(self, reference_seconds):
-        """At the end of the reference's turn (dense's came before it): the candidates that
-        build on the reference and cannot become the choice (``within_reach``) leave this
-        trial, so they are neither traced nor run for it."""
-        dense_seconds = _median(self.samples[self.dense_index])
-        numbers = [reference_seconds, dense_seconds, _median(self.computes),
-                   self.gate_densities[self.trial_row]]
-        keep = tf.numpy_function(self._within_reach, numbers, tf.bool, stateful=False)
-        self.trying.assign(tf.logical_and(self.trying, tf.reshape(keep, [len(self.plans)])))
+            if candidate == self.dense_index:
+                self.computes[slot] = compute
+            compute = _median(self.computes)
+            hopeless = (turn_done and candidate == self.dense_index
+                        and not sparse_can_win(median, compute))
+            if (turn_done and candidate == self.reference_index and any(self.bounded)
+                    and trying[self.dense_index]):
+                trying &= self._within_reach(median, _median(self.samples[self.dense_index]),
+                                             compute, self.gate_densities[self.trial_row])
+        length = int(np.count_nonzero(trying)) * TRIAL_STEPS
+        if (turn_done and int(phase) + skipped == length - 1) or hopeless:
+            start, choice, trying = self._decide(hopeless, int(step), trying)
+        return np.int64(start), np.int32(choice), trying
 
     def _within_reach(self, reference_seconds, dense_seconds, compute, density):
         """``within_reach`` for each plan (host): True for those that do not build on the
@@ -433,68 +412,51 @@ class MeasuredChoiceStep(SynchronousStep):
             self._exchange_seconds = tf.timestamp() - began
         return averaged
 
-    def _decide(self, hopeless):
-        """Step 2 and the next trial's start (step 3); ``hopeless``: the trial ended with
-        dense's turn, which only dense ran."""
-        medians = _median(self.samples)
-        self.best.assign(np.inf)
-        trying = self.trying
-        if self.dense_index is not None:
-            trying = tf.where(hopeless, tf.equal(tf.range(len(self.plans)), self.dense_index),
-                              trying)
-        medians = tf.where(trying, medians, tf.constant(np.inf, tf.float64))
+    def _decide(self, hopeless, step, trying):
+        """Step 2 and the next trial (step 3), on the host: ``(its start, the choice, the
+        candidates it runs)``; ``hopeless``: the trial ended with dense's turn, which only
+        dense ran. The choice is the same on every rank (same numbers, one rule), recorded,
+        and logged by rank 0."""
+        count = len(self.plans)
+        if hopeless:
+            trying = np.arange(count) == self.dense_index
+        medians = np.where(trying, _median(self.samples), np.inf)
+        self.best = np.inf
         names = [plan.name for plan in self.plans]
-        compute = _median(self.computes)
-        choice = tf.numpy_function(
-            lambda seconds, step, work, alone: self._decided(seconds, step, names, work, alone),
-            [medians, self.steps, compute, hopeless], tf.int32, stateful=True)
-        self.choice.assign(tf.reshape(choice, []))
-        upcoming = tf.boolean_mask(self.warmup_trials, self.warmup_trials > self.steps)
-        following = tf.cond(tf.size(upcoming) > 0, lambda: upcoming[0],
-                            lambda: self.steps + RECHECK_STEPS)
-        self.trial_start.assign(following)
+        choice = decide([float(s) for s in medians], names)
+        times = {name: float(s) for name, s in zip(names, medians) if np.isfinite(s)}
+        self.decisions.append((step, times, names[choice]))
+        if runtime.rank(self.optimizer.process_set) == 0:
+            log.info("%s", decision_message(step, names, choice, times,
+                                            _median(self.computes), hopeless))
+        upcoming = [start for start in self.warmup_trials if start > step]
+        following = upcoming[0] if upcoming else step + RECHECK_STEPS
         # within the warm-up only those that can still win: halving the density at most
         # halves a sparse step's exchange, so one over ``PRUNE_AFTER`` x the fastest cannot
         # win the next trial; the warm-up's last trial and later ones forget the pruning
-        slow = tf.logical_and(trying, medians > PRUNE_AFTER * tf.reduce_min(medians))
-        pruning = tf.size(upcoming) > 1  # the next trial is in the warm-up, not its last
-        pruned = tf.logical_and(tf.logical_or(self.pruned, slow), pruning)
+        slow = trying & (medians > PRUNE_AFTER * np.min(medians))
+        pruned = (self.pruned | slow) & (len(upcoming) > 1)
         if any(self.bounded):
             # what builds on a pruned reference and was not tried (``within_reach`` found its
             # bytes short) goes with it: else the next trial would run those alone, and trace
             # them, while the reference they cannot beat by much waits for the warm-up's end
-            orphaned = tf.logical_and(tf.constant(self.bounded), tf.logical_not(trying))
-            pruned = tf.logical_or(pruned, tf.logical_and(orphaned,
-                                                          pruned[self.reference_index]))
-        self.pruned.assign(pruned)
-        if self.dense_index is not None:
-            beaten = self._dense_beaten(trying, tf.size(upcoming) > 0)
-            pruned = tf.logical_or(pruned, tf.logical_and(
-                tf.equal(tf.range(len(self.plans)), self.dense_index), beaten))
+            orphaned = np.array(self.bounded) & ~trying
+            pruned |= orphaned & pruned[self.reference_index]
+        self.pruned = pruned
+        if self.dense_index is not None and self._dense_beaten(
+                trying[self.dense_index] and choice != self.dense_index, bool(upcoming)):
+            pruned = pruned | (np.arange(count) == self.dense_index)
         # and only those whose bytes can win at the next trial's density (``worth_trying``)
-        row = tf.maximum(tf.reduce_sum(tf.cast(self.gate_starts <= following, tf.int32)) - 1, 0)
-        self.trial_row.assign(row)
-        self.trying.assign(tf.logical_and(tf.logical_not(pruned), self.gates[row]))
+        self.trial_row = max(int(np.sum(self.gate_starts <= following)) - 1, 0)
+        return following, choice, ~pruned & self.gates[self.trial_row]
 
-    def _dense_beaten(self, trying, warming):
+    def _dense_beaten(self, lost, warming) -> bool:
         """Whether dense sits out the next trial, one of the warm-up's (``warming``): a sparse
-        exchange was chosen over it in this trial or an earlier one of the warm-up (it beat
-        dense by more than ``DENSE_WITHIN``). Dense's step does not depend on the density and
-        a sparse step's does not grow as the warm-up lowers it, so dense cannot win them; the
-        re-checks try it again (the link may have changed). On the wide CNN at 1 Gbit/s it ran
-        4 steps of 0.35 s, 7x the chosen exchange's, in each of two re-trials."""
-        lost = tf.logical_and(trying[self.dense_index],
-                              tf.not_equal(self.choice, self.dense_index))
-        beaten = tf.logical_and(tf.logical_or(self.dense_beaten, lost), warming)
-        self.dense_beaten.assign(beaten)
-        return beaten
-
-    def _decided(self, seconds, step, names, compute, alone):
-        """Step 2 on the host: the choice (the same on every rank: same numbers, one rule),
-        recorded, and logged by rank 0."""
-        choice = decide([float(s) for s in seconds], names)
-        times = {name: float(s) for name, s in zip(names, seconds) if np.isfinite(s)}
-        self.decisions.append((int(step), times, names[choice]))
-        if runtime.rank(self.optimizer.process_set) == 0:
-            log.info("%s", decision_message(int(step), names, choice, times, compute, alone))
-        return np.int32(choice)
+        exchange was chosen over it in this trial (``lost``) or an earlier one of the warm-up
+        (it beat dense by more than ``DENSE_WITHIN``). Dense's step does not depend on the
+        density and a sparse step's does not grow as the warm-up lowers it, so dense cannot
+        win them; the re-checks try it again (the link may have changed). On the wide CNN at
+        1 Gbit/s it ran 4 steps of 0.35 s, 7x the chosen exchange's, in each of two
+        re-trials."""
+        self.dense_beaten = bool((self.dense_beaten or lost) and warming)
+        return self.dense_beaten

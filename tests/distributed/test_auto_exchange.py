@@ -99,7 +99,7 @@ def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd, per_mo
     names = [p.name for p in step.plans]
     assert names[0] == "allgather" and set(names) == NAMES
     # every candidate was timed in the trial
-    samples = step.samples.numpy()
+    samples = step.samples
     assert samples.shape == (CANDIDATES, measured.TRIAL_STEPS - 1) and np.all(samples > 0)
     assert len(optimizer.exchange_decisions) == 1
     decided_at, times, choice = optimizer.exchange_decisions[0]
@@ -226,7 +226,7 @@ def test_a_candidate_far_slower_than_the_best_ends_its_turn(hvd, monkeypatch):
     decided_at, times, _ = optimizer.exchange_decisions[0]
     assert decided_at == length  # the trial started at step 1
     assert set(times) == NAMES
-    samples = step.samples.numpy()
+    samples = step.samples
     for i, name in enumerate(names):
         if name != "dense":
             assert np.all(samples[i] == samples[i][0]), (name, samples[i])
@@ -257,10 +257,10 @@ def test_a_trial_no_sparse_exchange_can_win_ends_with_dense(hvd, monkeypatch, pe
     step = optimizer._step
     names = [p.name for p in step.plans]
     assert optimizer.exchange_decisions == [
-        (measured.TRIAL_STEPS, {"dense": pytest.approx(np.median(step.samples.numpy()[
+        (measured.TRIAL_STEPS, {"dense": pytest.approx(np.median(step.samples[
             names.index("dense")]))}, "dense")]
     assert len(seen) == 1  # asked once, at the end of dense's turn
-    dense_steps, computes = step.samples.numpy()[names.index("dense")], step.computes.numpy()
+    dense_steps, computes = step.samples[names.index("dense")], step.computes
     assert np.all(computes > 0) and np.all(computes < dense_steps), (computes, dense_steps)
     assert seen[0] == pytest.approx((np.median(dense_steps), np.median(computes)))
     assert all(s[next(iter(s))]["exchange"] == "dense" for s in stats)
@@ -293,7 +293,7 @@ def test_what_cannot_beat_the_allgather_by_its_bytes_is_not_tried(hvd, monkeypat
     optimizer, weights, stats = train(name, steps, per_mode=per_mode)
     step = optimizer._step
     names = [p.name for p in step.plans]
-    samples = step.samples.numpy()
+    samples = step.samples
     median = {n: float(np.median(samples[names.index(n)])) for n in ("dense", "allgather")}
     decided_at, times, choice = optimizer.exchange_decisions[0]
     assert decided_at == 2 * measured.TRIAL_STEPS and len(optimizer.exchange_decisions) == 1
@@ -303,7 +303,7 @@ def test_what_cannot_beat_the_allgather_by_its_bytes_is_not_tried(hvd, monkeypat
     size = hvd.size()
     dense_bytes = 2 * (size - 1) / size * 4
     reference = 0.05 * (size - 1) * 8  # the allgather: value and int32 index from each other
-    compute = float(np.median(step.computes.numpy()))
+    compute = float(np.median(step.computes))
     # asked in the plans' order; Elias-Fano codes an index in 2 + log2(1 / density) bits, and
     # a float32 value is priced at its 24 sign-and-mantissa bits and 1.5 for its exponent;
     # the sparse allreduce's blocks are coded alike
