@@ -136,7 +136,29 @@ def model_wide_sparsifier(opt, prepared, budgets):
         return tf.abs(tf.cast(opt._feedback.compensated_at(index, grad, sample), tf.float32))
 
     sizes = [opt._routes[index].num_elements for index, _ in chosen]
-    return AtOrAbove(model_wide_cut(magnitudes_at, sizes, [budgets[i] for i, _ in chosen]))
+    return AtOrAbove(model_wide_cut(magnitudes_at, sizes, [budgets[i] for i, _ in chosen],
+                                    _native_sample(opt, chosen)))
+
+
+def _native_sample(opt, chosen):
+    """Every variable's sampled ``|gradient + residual|`` by one native op, where it computes
+    what ``compensated_at`` does (float32, error feedback without momentum correction); else
+    None."""
+    from .. import kernels
+    from ..selection.model_budget import BLOCK
+
+    feedback = opt._feedback
+    residuals = [feedback.residuals[index] for index, _ in chosen] if feedback.enabled else []
+    if (feedback.momentum or not feedback.enabled
+            or any(grad.dtype != tf.float32 for _, grad in chosen)
+            or any(tf.as_dtype(residual.dtype) != tf.float32 for residual in residuals)):
+        return None
+    op = kernels.sampled_magnitudes()
+    if op is None:
+        return None
+    return lambda strides: op(gradients=[grad for _, grad in chosen],
+                              residuals=[tf.convert_to_tensor(r) for r in residuals],
+                              strides=strides, block=BLOCK)
 
 
 def inner_gradients(opt, payload, averaged, variables):

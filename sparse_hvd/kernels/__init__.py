@@ -24,6 +24,9 @@
   entries going back into the residuals);
 * ``kth_largest()``: the ``SparseHvdKthLargest`` op (kth_largest.cc: the k-th largest value
   of each segment of a flat tensor, by selection; the sparse allreduce's cut per variable);
+* ``sampled_magnitudes()``: the ``SparseHvdSampledMagnitudes`` op (sampled_magnitudes.cc:
+  ``|gradient + residual|`` at the blocks the model-wide budget samples, for every variable
+  in one op);
 * ``watch_enter()``, ``watch_leave()`` and ``watch_table()``: the ``SparseHvdWatchEnter`` and
   ``SparseHvdWatchLeave`` ops and the C functions that read their table (watch.cc: the stall
   watchdog's brackets around a traced step's collectives).
@@ -168,6 +171,11 @@ def not_in():
 def kth_largest():
     """The native k-th-largest-per-segment op of the sparse allreduce, or None."""
     return _op("sparse_hvd_kth_largest")
+
+
+def sampled_magnitudes():
+    """The native op of the model-wide budget's sampled magnitudes, or None."""
+    return _op("sparse_hvd_sampled_magnitudes")
 
 
 def watch_enter():

@@ -63,27 +63,34 @@ def sampled_blocks(flat, stride):
     return tf.reshape(tf.reshape(flat[:rows * stride], [rows, -1])[:, :BLOCK], [-1])
 
 
-def model_wide_cut(magnitudes_at, sizes, budgets) -> tf.Tensor:
+def model_wide_cut(magnitudes_at, sizes, budgets, sampled_all=None) -> tf.Tensor:
     """The cut for a model whose variables have ``sizes`` entries and per-variable
     ``budgets``: the K-th largest of the sampled magnitudes, K scaled to the sample (K = sum
     of ``budgets``), in float32. ``magnitudes_at(j, sample)`` gives ``|c|`` of variable j at
-    the entries that ``sample`` (a function of a flat tensor; None: every entry) takes. The
-    sample is :data:`SAMPLES` entries, or more where K is so small a share of the model that
-    fewer than :data:`ABOVE` samples would pass the cut; with no more entries than that, every
-    entry is read and the cut is the exact K-th largest."""
+    the entries that ``sample`` (a function of a flat tensor; None: every entry) takes;
+    ``sampled_all(strides)``, where given, those of every variable at once (the native
+    ``SparseHvdSampledMagnitudes``: a stride of 0 takes every entry, S the blocks of
+    :func:`sampled_blocks`). The sample is :data:`SAMPLES` entries, or more where K is so
+    small a share of the model that fewer than :data:`ABOVE` samples would pass the cut; with
+    no more entries than that, every entry is read and the cut is the exact K-th largest."""
     entries = sum(sizes)
     total = tf.minimum(tf.add_n([tf.convert_to_tensor(k, tf.int32) for k in budgets]), entries)
     share = tf.cast(total, tf.float64) / entries
     samples = tf.maximum(tf.cast(SAMPLES, tf.float64), tf.math.ceil(ABOVE / share))
 
     def exact():
+        if sampled_all is not None:
+            return sampled_all(tf.zeros([len(sizes)], tf.int64)), total
         return tf.concat([magnitudes_at(j, None) for j in range(len(sizes))], 0), total
 
     def sampled():
         strides = sample_stride(samples * tf.constant(sizes, tf.float64) / entries,
                                 tf.constant(sizes, tf.int64))
-        drawn = tf.concat([magnitudes_at(j, _blocks_of(strides[j])) for j in range(len(sizes))],
-                          0)
+        if sampled_all is not None:
+            drawn = sampled_all(strides)
+        else:
+            drawn = tf.concat([magnitudes_at(j, _blocks_of(strides[j]))
+                               for j in range(len(sizes))], 0)
         want = tf.cast(tf.math.ceil(share * tf.cast(tf.size(drawn), tf.float64)), tf.int32)
         return drawn, want
 
