@@ -260,8 +260,8 @@ class MeasuredChoiceStep(SynchronousStep):
         return names.index("dense") if "dense" in names else 0
 
     def _due(self):
-        """This step's place in the schedule: (phase, trial length, in a trial, the trial's
-        candidate, the branch due: the candidate in a trial, else the choice)."""
+        """This step's place in the schedule: (phase, in a trial, the trial's candidate, the
+        branch due: the candidate in a trial, else the choice)."""
         trying = tf.cast(tf.gather(self.trying, self.order), tf.int32)
         length = tf.cast(tf.reduce_sum(trying) * TRIAL_STEPS, tf.int64)
         phase = self.steps - self.trial_start
@@ -270,12 +270,12 @@ class MeasuredChoiceStep(SynchronousStep):
         # the turn-th of those trying, in order: where their running count first passes it
         passed = tf.cast(tf.cumsum(trying) > tf.cast(turn, tf.int32), tf.int32)
         candidate = tf.gather(self.order, tf.argmax(passed, output_type=tf.int32))
-        return phase, length, in_trial, candidate, tf.where(in_trial, candidate, self.choice)
+        return phase, in_trial, candidate, tf.where(in_trial, candidate, self.choice)
 
     def run(self, grads_and_vars):
         if len(self.plans) < 2:
             return super().run(grads_and_vars)
-        phase, _, in_trial, candidate, branch = self._due()
+        phase, in_trial, candidate, branch = self._due()
         if self.traced is None:
             ended = tf.switch_case(branch, [self._branch(plan, grads_and_vars)
                                             for plan in self.plans])
