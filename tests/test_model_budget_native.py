@@ -35,16 +35,18 @@ def _reference(grads, residuals, strides):
 
 
 def _native(op, grads, residuals, strides):
+    """The native op's sample of NumPy ``grads`` and ``residuals`` (a tensor)."""
     return op(gradients=[tf.constant(g) for g in grads],
               residuals=[tf.constant(r) for r in residuals],
-              strides=tf.constant(strides, tf.int64), block=model_budget.BLOCK).numpy()
+              strides=tf.cast(strides, tf.int64), block=model_budget.BLOCK)
 
 
 def test_the_native_sample_is_the_tensorflow_ops_bit_for_bit():
     op = native_op(kernels.sampled_magnitudes)
     grads, residuals = _arrays()
     for strides in (STRIDES, [0] * len(SIZES), [16 * 4097] * len(SIZES)):
-        got, want = _native(op, grads, residuals, strides), _reference(grads, residuals, strides)
+        got = _native(op, grads, residuals, strides).numpy()
+        want = _reference(grads, residuals, strides)
         assert got.shape == want.shape, strides
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
@@ -73,9 +75,7 @@ def test_the_model_wide_cut_is_the_same_with_the_native_sample(budget):
         return tf.abs(flat if sample is None else sample(flat))
 
     def sampled_all(strides):
-        return op(gradients=[tf.constant(g) for g in grads],
-                  residuals=[tf.constant(r) for r in residuals], strides=strides,
-                  block=model_budget.BLOCK)
+        return _native(op, grads, residuals, strides)
 
     budgets = [max(1, budget * n // sum(SIZES)) for n in SIZES]
     plain = model_budget.model_wide_cut(magnitudes_at, SIZES, budgets)
