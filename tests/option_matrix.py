@@ -34,7 +34,6 @@ FACTORS = {
 REFUSED = (
     ("staleness", 1, "density", "adaptive"),
     ("staleness", 1, "exchange", "sparse_allreduce"),
-    ("staleness", 1, "exchange", "compact_allgather"),
     ("grouping", "layerwise", "exchange", "compact_allgather"),
 )
 

@@ -101,3 +101,23 @@ def test_the_native_code_refuses_repeated_or_outside_positions_and_wrong_words(m
         index_coding.decode_ranks(words[:-1], tf.constant([[3]]), [0], 100)
     with pytest.raises(tf.errors.InvalidArgumentError, match="within its variables"):
         index_coding.decode_ranks(words, tf.constant([[1, 2]]), [0, 60], 100)  # 50 is not >= 60
+
+
+@pytest.mark.parametrize("n,k", CASES)
+def test_the_host_decoder_reads_the_words_the_step_coded(n, k):
+    """``decode_host`` (NumPy, the delayed pipeline's thread) against the TensorFlow code."""
+    x = _positions(n, k, seed=3)
+    words = index_coding.encode(tf.constant(x, tf.int64), n).numpy()
+    _, low, bitmap = index_coding.host_layout(len(x), n)
+    assert low + bitmap == elias_fano_words(n, len(x))
+    decoded = index_coding.decode_host(words, len(x), n)
+    assert decoded.dtype == np.int64
+    np.testing.assert_array_equal(decoded, x)
+
+
+def test_the_host_decoder_refuses_a_code_of_the_wrong_length():
+    words = index_coding.encode(tf.constant([3, 70, 99], tf.int64), 100).numpy()
+    with pytest.raises(ValueError, match="has 2 words, got 3"):
+        index_coding.decode_host(np.concatenate([words, [0]]).astype(np.int32), 3, 100)
+    with pytest.raises(ValueError, match="set bits"):
+        index_coding.decode_host(words, 2, 100)  # its bitmap holds 3 positions, not 2

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
-from helpers import classification_data, mlp, numpy_topk_split, weights_of
+from helpers import classification_data, elias_fano_words, mlp, numpy_topk_split, weights_of
 
 BIG = (64, 40)  # 2560 entries: sparse route
 SMALL = (30,)  # dense route (below min_elements)
@@ -71,13 +71,15 @@ def _train_and_compare(optimizer, expected, mode, tolerance=0.0):
     return big, small
 
 
+@pytest.mark.parametrize("exchange", ["allgather", "compact_allgather"])
 @pytest.mark.parametrize("mode", ["eager", "function"])
 @pytest.mark.parametrize("tau", [1, 2, 3])
-def test_updates_are_applied_tau_steps_late_as_a_numpy_recomputation(tau, mode):
+def test_updates_are_applied_tau_steps_late_as_a_numpy_recomputation(tau, mode, exchange):
+    """With the compact allgather the indices travel coded: the same bits arrive."""
     steps, density, lr = 9, 0.05, 0.5
     expected, final = _expected_run(tau, steps, density, lr)
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(lr), density=density, staleness=tau)
+        keras.optimizers.SGD(lr), density=density, staleness=tau, exchange=exchange)
     big, small = _train_and_compare(optimizer, expected, mode)
     assert int(optimizer.iterations.numpy()) == steps - tau  # the first tau steps apply nothing
 
@@ -261,8 +263,9 @@ def _float16(values):
     return np.clip(values, -65504, 65504).astype(np.float16).astype(np.float32)
 
 
+@pytest.mark.parametrize("exchange", ["allgather", "compact_allgather"])
 @pytest.mark.parametrize("mode", ["eager", "function"])
-def test_staleness_with_float16_values_as_a_numpy_recomputation(mode):
+def test_staleness_with_float16_values_as_a_numpy_recomputation(mode, exchange):
     """compression="float16" through the delayed pipeline: the sparse values and the dense
     gradient travel rounded to float16, the rounding error stays in each residual, and the
     average is applied tau steps late."""
@@ -289,7 +292,7 @@ def test_staleness_with_float16_values_as_a_numpy_recomputation(mode):
 
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(lr), density=density, staleness=tau, compression="float16",
-        warmup_steps=0)
+        warmup_steps=0, exchange=exchange)
     _train_and_compare(optimizer, expected, mode)
     np.testing.assert_array_equal(optimizer.residuals[0].numpy().ravel(), residual)
     np.testing.assert_array_equal(optimizer.residuals[1].numpy(), small_residual)
@@ -311,3 +314,52 @@ def test_packed_tables_sum_every_ranks_entries_in_rank_order(dtype):
     total = unpack_sum(np.concatenate(tables), n, dtype)
     assert total.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(total, expected)
+
+
+def test_coded_tables_sum_every_ranks_entries_in_rank_order():
+    """Two variables in one index space (the second from entry 300), four "ranks", the first
+    sending nothing: each rank's indices coded by index_coding, its values in their order."""
+    from sparse_hvd.exchanges import index_coding
+    from sparse_hvd.steps.pipeline import pack_coded, unpack_coded_sums
+
+    rng = np.random.RandomState(6)
+    sizes, dtypes = (300, 1000), ("float32", "float64")
+    expected = [np.zeros(n, d) for n, d in zip(sizes, dtypes)]
+    tables = []
+    for counts in ((0, 0), (17, 1000), (300, 3), (5, 0)):
+        values, positions = [], []
+        for j, (n, count, dtype) in enumerate(zip(sizes, counts, dtypes)):
+            indices = np.sort(rng.permutation(n)[:count])
+            values.append((rng.randn(count) * 1e3).astype(dtype))
+            positions.append(indices + sum(sizes[:j]))
+            for i, v in zip(indices, values[-1]):  # an independent rank-order sum
+                expected[j][i] = expected[j][i] + v
+        code = index_coding.encode(tf.constant(np.concatenate(positions), tf.int64), sum(sizes))
+        assert len(code) == elias_fano_words(sum(sizes), sum(counts))
+        tables.append(pack_coded(values, code.numpy()))
+    totals = unpack_coded_sums(np.concatenate(tables), sizes, dtypes, dtypes)
+    for total, want in zip(totals, expected):
+        assert total.dtype == want.dtype
+        np.testing.assert_array_equal(total, want)
+
+
+@pytest.mark.parametrize("compression", ["none", "float16"])
+def test_coded_indices_cut_the_bytes_sent_by_the_closed_form(compression):
+    """``communication_stats()`` counts an Elias-Fano code of k positions among the sparse
+    entries instead of k int32 indices; the values and the dense route are as before."""
+    tau, steps, density = 1, 5, 0.05
+    stats = {}
+    for exchange in ("allgather", "compact_allgather"):
+        optimizer = sparse_hvd.SparseDistributedOptimizer(
+            keras.optimizers.SGD(0.1), density=density, staleness=tau, exchange=exchange,
+            compression=compression, warmup_steps=0)
+        big = keras.Variable(np.ones(BIG, "float32"))
+        small = keras.Variable(np.full(SMALL, 2.0, "float32"))
+        step = tf.function(lambda gb, gs: optimizer.apply_gradients([(gb, big), (gs, small)]))
+        rng = np.random.RandomState(11)
+        for _ in range(steps):
+            step(*[tf.constant(g) for g in _gradients(rng, big.numpy(), small.numpy())])
+        optimizer.apply_pending()
+        stats[exchange] = optimizer.communication_stats()["bytes_sent"]
+    k, n = math.ceil(density * np.prod(BIG)), int(np.prod(BIG))
+    assert stats["allgather"] - stats["compact_allgather"] == steps * (4 * k - 4 * elias_fano_words(n, k))

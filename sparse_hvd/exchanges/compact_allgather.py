@@ -19,6 +19,11 @@ The coding costs CPU work that the saved bytes must pay for: on CPU it runs as n
 (``sparse_hvd/kernels/index_codec.cc``, ``value_codec.cc``; a few nanoseconds an entry), with
 TensorFlow ops on GPU. ``exchange="auto"`` times it against the others on the job and picks it
 only where it is faster.
+
+With ``staleness`` the delayed pipeline (``sparse_hvd.steps.pipeline``) runs the exchange on
+its own thread: the indices are coded in the step as above and decoded there in NumPy
+(``index_coding.decode_host``); the values travel as they are (4 bytes a float32, 2 with
+``compression``), since decoding them on the host would take a NumPy pass per bit field.
 """
 
 import tensorflow as tf
@@ -33,12 +38,14 @@ class CompactAllgather(FusedAllgather):
     """Steps 1-3 of the module doc around the fused allgather (float64 values travel as
     they are)."""
 
-    staleness = False  # the delayed pipeline gathers plain int32 indices on its own thread
+    staleness = True  # the delayed pipeline sends its indices coded too (values as they are)
     coded = True
     grouping_reason = "its indices are coded as one set over every variable's entries."
     builds_on = "allgather"  # the fused allgather, plus coding and decoding what it sends
 
-    def _pack_indices(self, selections, sizes):
+    def pack_indices(self, selections, sizes):
+        """Steps 1-2 for the indices (also the delayed pipeline's, ``steps.staleness``): the
+        code of every selection's positions as one set, and the selections in its order."""
         if not selections:
             return tf.zeros([0], tf.int32), selections
         positions = tf.concat([tf.cast(s.indices, tf.int64) + offset  # step 2

@@ -65,7 +65,7 @@ class FusedAllgather(Exchange):
         dense = list(payload.dense.items)
         dense_groups, dense_words = self.pack_dense(dense)
         # Step 1: pack
-        indices, selections = self._pack_indices(selections, sizes)
+        indices, selections = self.pack_indices(selections, sizes)
         counts = [tf.size(s.indices, out_type=tf.int32) for s in selections]
         value_groups = group_positions_by_dtype([s.values for s in selections])
         words, value_fields = self._pack_values(selections, counts, value_groups)
@@ -99,7 +99,7 @@ class FusedAllgather(Exchange):
                                            payload.dense.keys, step)
         return sparse, averaged_dense, finite, ()
 
-    def _pack_indices(self, selections, sizes):
+    def pack_indices(self, selections, sizes):
         """Every selection's indices as one int32 tensor, and the selections in the order their
         values travel (here: as they are)."""
         indices = tf.concat([s.indices for s in selections] or [tf.zeros([0], tf.int32)], 0)

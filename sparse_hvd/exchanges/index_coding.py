@@ -21,11 +21,13 @@ from them (:func:`encoded_words`).
 
 On CPU, :func:`encode_in_any_order` and :func:`decode_ranks` run as one native pass each
 (``sparse_hvd/kernels/index_codec.cc``, the same words bit for bit); the TensorFlow ops are
-the path on GPU and without the kernels.
+the path on GPU and without the kernels. :func:`decode_host` decodes in NumPy, for code that
+reached the host (the delayed pipeline's thread).
 """
 
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from .. import kernels
@@ -123,3 +125,33 @@ def decode_ranks(words, counts, starts, space):
                                 [counts.shape[0]]),
                         tf.reshape(counts, [-1]))
     return tf.cast(positions - offsets, tf.int32)
+
+
+def host_layout(count: int, space: int):
+    """``(L, low words, bitmap words)`` of the code of ``count`` positions among ``space``, in
+    Python integers (:func:`low_bits` and :func:`encoded_words` for the host)."""
+    if count == 0:
+        return 0, 0, 0
+    shift = max(0, (space // count).bit_length() - 1)  # floor(log2(space / count))
+    return shift, -(-count * shift // 32), -(-(count + (space >> shift) + 1) // 32)
+
+
+def decode_host(words, count: int, space: int):
+    """Step 4 in NumPy, for code that travelled to the host (the delayed pipeline's thread,
+    ``sparse_hvd.steps.pipeline``, which runs no TensorFlow op per step): the ``count``
+    ascending positions (int64) of :func:`encode`'s ``words`` (a little-endian int32 array of
+    exactly the words :func:`host_layout` counts)."""
+    shift, low_words, bitmap_words = host_layout(count, space)
+    if len(words) != low_words + bitmap_words:
+        raise ValueError(f"a code of {count} positions among {space} has "
+                         f"{low_words + bitmap_words} words, got {len(words)}")
+    bits = np.unpackbits(np.ascontiguousarray(words, "<i4").view(np.uint8), bitorder="little")
+    low = np.zeros(count, np.int64)
+    if shift:
+        fields = bits[:count * shift].reshape(count, shift).astype(np.int64)
+        low = fields @ (np.int64(1) << np.arange(shift, dtype=np.int64))
+    places = np.flatnonzero(bits[32 * low_words:])
+    if len(places) != count:
+        raise ValueError(f"a code of {count} positions has {len(places)} set bits in its bitmap")
+    high = places.astype(np.int64) - np.arange(count, dtype=np.int64)
+    return (high << shift) | low

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..runtime import collectives
-from ..exchanges import Exchange
+from ..exchanges import Exchange, index_coding
 
 _POLL_SECONDS = 1.0  # how often a waiting step re-checks that the thread is alive
 
@@ -35,11 +35,14 @@ class PayloadLayout(NamedTuple):
     """Which variables a step's payload carries, and how, in the order of its arrays.
 
     ``sparse``: variable indices sent as (values, indices) pairs; ``dense``: variable indices
-    sent whole (averaged by allreduce). Fixed for one traced step function.
+    sent whole (averaged by allreduce); ``coded``: the sparse pairs are followed by the
+    Elias-Fano code of all their indices (``index_coding``), which travels instead of them.
+    Fixed for one traced step function.
     """
 
     sparse: Tuple[int, ...]
     dense: Tuple[int, ...]
+    coded: bool = False
 
 
 class Delayed(NamedTuple):
@@ -69,6 +72,7 @@ class DelayedExchange:
 
     def __init__(self, exchange: Exchange, num_elements: Sequence[int], dtypes: Sequence):
         self.exchange = exchange
+        self.coded = bool(getattr(exchange, "coded", False))  # indices travel Elias-Fano coded
         self.num_elements = list(num_elements)
         self.dtypes = [np.dtype(d) for d in dtypes]
         # what sparse values travel as: 16-bit with the exchange's compression
@@ -85,8 +89,8 @@ class DelayedExchange:
 
     def submit(self, layout: PayloadLayout, step, finite, *arrays) -> np.int64:
         """Queue step ``step``'s payload: whether this rank's gradients were finite, then for
-        each sparse variable its values and its indices, then each dense variable's flat
-        gradient. Returns at once."""
+        each sparse variable its values and its indices, then (``layout.coded``) the code of
+        all those indices, then each dense variable's flat gradient. Returns at once."""
         step = int(step)
         copies = [np.array(a, copy=True) for a in arrays]  # TensorFlow may reuse its buffers
         with self._lock:
@@ -180,9 +184,11 @@ class DelayedExchange:
 
         1. Each sparse variable's payload becomes one int32 table (:func:`pack`): its entry
            count, the values' bits (16-bit values with ``compression``, two to a word), then
-           the indices. All tables, and the rank's finiteness flag, go to every rank in ONE
-           ``grouped_allgather`` (an eager collective costs at least one Horovod cycle, and they
-           run one after another here).
+           the indices. With ``layout.coded`` all of them make one table instead
+           (:func:`pack_coded`): the counts, the values, then the code of every index, coded
+           in the step (``exchange="compact_allgather"``). All tables, and the rank's
+           finiteness flag, go to every rank in ONE ``grouped_allgather`` (an eager collective
+           costs at least one Horovod cycle, and they run one after another here).
         2. The dense-route gradients are averaged by one ``grouped_allreduce`` per dtype.
         3. Each rank's entries are widened to the variable's dtype and added into a zero vector
            rank by rank (:func:`unpack_sum`);
@@ -200,7 +206,13 @@ class DelayedExchange:
         count = len(layout.sparse)
         averages = [None] * len(self.num_elements)
         own = {index: (arrays[2 * j], arrays[2 * j + 1]) for j, index in enumerate(layout.sparse)}
-        tables = [pack(arrays[2 * j], arrays[2 * j + 1]) for j in range(count)]
+        sizes = [self.num_elements[index] for index in layout.sparse]
+        if layout.coded:
+            tables = [pack_coded(arrays[0:2 * count:2], arrays[2 * count])]
+            dense = arrays[2 * count + 1:]
+        else:
+            tables = [pack(arrays[2 * j], arrays[2 * j + 1]) for j in range(count)]
+            dense = arrays[2 * count:]
         flags = np.array([finite], np.int32)
         if size > 1:
             gathered = collectives.grouped_allgather(
@@ -211,11 +223,15 @@ class DelayedExchange:
         everywhere = bool(np.all(flags))
         if not everywhere:  # nothing of this step is applied; skip the arithmetic
             return Delayed(False, self._zeros_where_none(averages), own if finite else {})
-        for index, table in zip(layout.sparse, tables):
-            total = unpack_sum(table, self.num_elements[index], self.dtypes[index],
-                               self.wire_dtypes[index])
+        if layout.coded:
+            totals = unpack_coded_sums(tables[0], sizes,
+                                       [self.dtypes[i] for i in layout.sparse],
+                                       [self.wire_dtypes[i] for i in layout.sparse])
+        else:
+            totals = [unpack_sum(table, n, self.dtypes[index], self.wire_dtypes[index])
+                      for index, table, n in zip(layout.sparse, tables, sizes)]
+        for index, total in zip(layout.sparse, totals):
             averages[index] = total if size == 1 else total / total.dtype.type(size)
-        dense = arrays[2 * count:]
         if dense:
             averaged = self.exchange.dense_average([tf.constant(a) for a in dense], list(layout.dense))
             for index, average in zip(layout.dense, averaged):
@@ -261,3 +277,46 @@ def unpack_sum(table: np.ndarray, num_elements: int, dtype, wire_dtype=None) -> 
         total[indices] += values.view(wire_dtype).astype(dtype)  # distinct within one rank
         at += 1 + words + m
     return total
+
+
+def pack_coded(values: Sequence[np.ndarray], code: np.ndarray) -> np.ndarray:
+    """One rank's selections of every sparse variable as flat int32 words: ``[the entry count
+    of each, each one's values' bits (padded to a whole word), the code of all their indices
+    as one set of positions]`` (``index_coding``; variable j's positions offset by the entries
+    of the variables before it, each variable's values in its positions' order)."""
+    counts = np.array([len(v) for v in values], np.int32)
+    parts = [counts]
+    for v in values:
+        words = np.zeros(_value_words(len(v), v.dtype), np.int32)
+        words.view(np.uint8)[:v.nbytes] = v.view(np.uint8)
+        parts.append(words)
+    return np.concatenate(parts + [np.asarray(code, np.int32)])
+
+
+def unpack_coded_sums(table: np.ndarray, sizes: Sequence[int], dtypes, wire_dtypes):
+    """Each variable's sum (in its dtype) of the :func:`pack_coded` selections one after
+    another in ``table``, added rank by rank in rank order; ``sizes``: each variable's entries
+    (the code's space is their sum)."""
+    space = int(sum(sizes))
+    offsets = np.cumsum([0] + list(sizes[:-1]))
+    totals = [np.zeros(n, d) for n, d in zip(sizes, dtypes)]
+    at, variables = 0, len(sizes)
+    while at < len(table):
+        counts = [int(c) for c in table[at:at + variables]]
+        at += variables
+        values = []
+        for m, wire in zip(counts, wire_dtypes):
+            words = _value_words(m, wire)
+            values.append(table[at:at + words].view(np.uint8)[:m * np.dtype(wire).itemsize]
+                          .view(wire))
+            at += words
+        _, low_words, bitmap_words = index_coding.host_layout(sum(counts), space)
+        positions = index_coding.decode_host(table[at:at + low_words + bitmap_words],
+                                             sum(counts), space)
+        at += low_words + bitmap_words
+        first = 0
+        for j, m in enumerate(counts):  # the variables' ranges of the space follow in order
+            indices = positions[first:first + m] - offsets[j]
+            totals[j][indices] += values[j].astype(totals[j].dtype)  # distinct within one rank
+            first += m
+    return totals

@@ -31,7 +31,7 @@ import keras
 import tensorflow as tf
 
 from ..exchanges import create as create_exchange
-from ..feedback.payload import Payload
+from ..feedback.payload import INDEX_BYTES, Payload
 from .pipeline import DelayedExchange, PayloadLayout
 
 
@@ -79,25 +79,38 @@ class DelayedUpdates:
         self._shapes = [variable.shape for variable in var_list]
         self._num_elements = [route.num_elements for route in routes]
         self.compression = optimizer._compression
+        # exchange="compact_allgather": its indices travel coded; any other: as int32
+        method = ("compact_allgather" if optimizer._exchange.method == "compact_allgather"
+                  else "allgather")
         self.pipeline = DelayedExchange(
-            create_exchange("allgather", name=f"{name}.delayed", process_set=process_set,
+            create_exchange(method, name=f"{name}.delayed", process_set=process_set,
                             compression=self.compression),
             self._num_elements, [d.as_numpy_dtype for d in self._dtypes],
         )
 
     # ---- in the training step ------------------------------------------------------------------
 
-    def submit(self, step, finite_here, payload: Payload) -> PayloadLayout:
+    def submit(self, step, finite_here, payload: Payload):
         """Step 1 of the module doc: hand ``payload`` (densified rows) and whether this rank's
-        gradients were finite to the pipeline."""
-        layout = PayloadLayout(tuple(payload.sparse.keys), tuple(payload.dense.keys))
-        arrays = [t for s in payload.sparse.items
-                  for t in (self._as_sent(s.values), s.indices)]
+        gradients were finite to the pipeline. Returns the payload's layout and the bytes it
+        sends (None: the payload's own count; less with coded indices)."""
+        selections = payload.sparse.items
+        layout = PayloadLayout(tuple(payload.sparse.keys), tuple(payload.dense.keys),
+                               coded=self.pipeline.coded and bool(selections))
+        code, sent = [], None
+        if layout.coded:  # coded here, with the exchange's own (native) pass; sorted with it
+            sizes = [self._num_elements[index] for index in layout.sparse]
+            words, selections = self.pipeline.exchange.pack_indices(selections, sizes)
+            code = [words]
+            entries = tf.add_n([tf.size(s.indices, out_type=tf.int64) for s in selections])
+            sent = (payload.bytes_sent - INDEX_BYTES * entries
+                    + 4 * tf.size(words, out_type=tf.int64))
+        arrays = [t for s in selections for t in (self._as_sent(s.values), s.indices)] + code
         arrays += [tf.reshape(g, [-1]) for g in payload.dense.items]
         tf.numpy_function(functools.partial(self.pipeline.submit, layout),
                           [step, finite_here] + arrays, tf.int64, stateful=True,
                           name="submit")
-        return layout
+        return layout, sent
 
     def _as_sent(self, values):
         """Sparse values as they travel: 16-bit with ``compression`` (the payload holds values

@@ -141,12 +141,12 @@ class DelayedStep(SynchronousStep):
             if grads_and_vars:
                 payload = preparation.make_payload(opt, grads_and_vars, keep_rows=False)
                 finite_here = payload.finite_here()
-                opt._counters.record(payload)
                 opt._counters.record_times(payload)
                 # this rank's gradients were not finite: write nothing
                 tf.cond(finite_here, lambda: write_state(payload.state_updates, opt),
                         lambda: None)
-                layout = self.delayed.submit(step, finite_here, payload)
+                layout, sent = self.delayed.submit(step, finite_here, payload)
+                opt._counters.record(payload, bytes_sent=sent)
                 opt.density_policy.end_step(step)
             due = self.delayed.take_due(step - self.staleness, layout, opt._counters.record_wait)
 

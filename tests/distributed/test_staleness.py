@@ -25,18 +25,22 @@ def _gradient(rank, step, big, small):
     )
 
 
-@pytest.mark.parametrize("tau,bad_step", [(1, None), (2, None), (1, 2), (2, 3)])
-def test_the_mean_of_every_ranks_topk_is_applied_tau_steps_later(hvd, tau, bad_step):
+@pytest.mark.parametrize("tau,bad_step,exchange", [
+    (1, None, "allgather"), (2, None, "allgather"), (1, 2, "allgather"), (2, 3, "allgather"),
+    (1, None, "compact_allgather"), (2, 3, "compact_allgather")])
+def test_the_mean_of_every_ranks_topk_is_applied_tau_steps_later(hvd, tau, bad_step, exchange):
     """With ``bad_step``, the last rank's gradient is NaN at that step: no rank applies that
-    step, and every other rank gets what it sent back into its residual when it is due."""
+    step, and every other rank gets what it sent back into its residual when it is due. With
+    the compact allgather every rank's indices travel coded and are decoded on every rank."""
     rank, size = hvd.rank(), hvd.size()
     bad_rank = size - 1
     steps, density, lr = 7, 0.05, np.float32(0.25)
-    name = f"stale_agg_{tau}_{bad_step}"
+    name = f"stale_agg_{tau}_{bad_step}_{exchange}"
     big = keras.Variable(np.ones(BIG, "float32"))
     small = keras.Variable(np.full(SMALL, 2.0, "float32"))
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(float(lr)), density=density, staleness=tau, name=name)
+        keras.optimizers.SGD(float(lr)), density=density, staleness=tau, name=name,
+        exchange=exchange)
     step = tf.function(lambda gb, gs: optimizer.apply_gradients([(gb, big), (gs, small)]))
 
     # The same run in NumPy, every rank's part computed here from the shared weights.
