@@ -10,7 +10,8 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
-from helpers import classification_data, elias_fano_words, mlp, numpy_topk_split, weights_of
+from helpers import (classification_data, coded_value_words, elias_fano_words, mlp,
+                     numpy_topk_split, raw_bits_of, weights_of)
 
 BIG = (64, 40)  # 2560 entries: sparse route
 SMALL = (30,)  # dense route (below min_elements)
@@ -317,42 +318,50 @@ def test_packed_tables_sum_every_ranks_entries_in_rank_order(dtype):
 
 
 def test_coded_tables_sum_every_ranks_entries_in_rank_order():
-    """Two variables in one index space (the second from entry 300), four "ranks", the first
-    sending nothing: each rank's indices coded by index_coding, its values in their order."""
-    from sparse_hvd.exchanges import index_coding
+    """Three variables in one index space, four "ranks", the first sending nothing: each
+    rank's indices coded as one set by index_coding, the float32 variables' values (the first
+    and the last) in one value_coding block, the float64 one's as they are."""
+    from sparse_hvd.exchanges import index_coding, value_coding
     from sparse_hvd.steps.pipeline import pack_coded, unpack_coded_sums
 
     rng = np.random.RandomState(6)
-    sizes, dtypes = (300, 1000), ("float32", "float64")
+    sizes, dtypes, groups = (300, 1000, 50), ("float32", "float64", "float32"), ((0, 2), (1,))
     expected = [np.zeros(n, d) for n, d in zip(sizes, dtypes)]
     tables = []
-    for counts in ((0, 0), (17, 1000), (300, 3), (5, 0)):
+    for counts in ((0, 0, 0), (17, 1000, 2), (300, 3, 50), (5, 0, 1)):
         values, positions = [], []
         for j, (n, count, dtype) in enumerate(zip(sizes, counts, dtypes)):
             indices = np.sort(rng.permutation(n)[:count])
             values.append((rng.randn(count) * 1e3).astype(dtype))
+            if count > 1:
+                values[-1][1] = 0.0  # a zero among them (exponent 0)
             positions.append(indices + sum(sizes[:j]))
             for i, v in zip(indices, values[-1]):  # an independent rank-order sum
                 expected[j][i] = expected[j][i] + v
         code = index_coding.encode(tf.constant(np.concatenate(positions), tf.int64), sum(sizes))
         assert len(code) == elias_fano_words(sum(sizes), sum(counts))
-        tables.append(pack_coded(values, code.numpy()))
-    totals = unpack_coded_sums(np.concatenate(tables), sizes, dtypes, dtypes)
+        block = value_coding.encode(tf.constant(np.concatenate([values[0], values[2]])),
+                                    [counts[0], counts[2]])
+        fields = value_coding.header_fields(block).numpy()
+        tables.append(pack_coded(counts, fields, [block.words.numpy(), values[1].view(np.int32)],
+                                 code.numpy()))
+    totals = unpack_coded_sums(np.concatenate(tables), sizes, groups, dtypes, dtypes)
     for total, want in zip(totals, expected):
         assert total.dtype == want.dtype
         np.testing.assert_array_equal(total, want)
 
 
-@pytest.mark.parametrize("compression", ["none", "float16"])
-def test_coded_indices_cut_the_bytes_sent_by_the_closed_form(compression):
-    """``communication_stats()`` counts an Elias-Fano code of k positions among the sparse
-    entries instead of k int32 indices; the values and the dense route are as before."""
-    tau, steps, density = 1, 5, 0.05
+def test_coded_indices_and_values_cut_the_bytes_sent_by_the_closed_form():
+    """``communication_stats()`` counts the codes' words instead of k int32 indices and k
+    float32 values: an Elias-Fano code of k positions among the sparse entries and
+    value_coding's block of the values sent, both recomputed in plain integers from the run
+    re-computed in NumPy; the dense route is counted as before."""
+    tau, steps, density, lr = 1, 5, 0.05, 0.1
     stats = {}
     for exchange in ("allgather", "compact_allgather"):
         optimizer = sparse_hvd.SparseDistributedOptimizer(
-            keras.optimizers.SGD(0.1), density=density, staleness=tau, exchange=exchange,
-            compression=compression, warmup_steps=0)
+            keras.optimizers.SGD(lr), density=density, staleness=tau, exchange=exchange,
+            warmup_steps=0)
         big = keras.Variable(np.ones(BIG, "float32"))
         small = keras.Variable(np.full(SMALL, 2.0, "float32"))
         step = tf.function(lambda gb, gs: optimizer.apply_gradients([(gb, big), (gs, small)]))
@@ -361,5 +370,22 @@ def test_coded_indices_cut_the_bytes_sent_by_the_closed_form(compression):
             step(*[tf.constant(g) for g in _gradients(rng, big.numpy(), small.numpy())])
         optimizer.apply_pending()
         stats[exchange] = optimizer.communication_stats()["bytes_sent"]
-    k, n = math.ceil(density * np.prod(BIG)), int(np.prod(BIG))
-    assert stats["allgather"] - stats["compact_allgather"] == steps * (4 * k - 4 * elias_fano_words(n, k))
+    # the values each step sent, in index order, from the run in NumPy
+    rng = np.random.RandomState(11)
+    big, small = np.ones(BIG, "float32"), np.full(SMALL, 2.0, "float32")
+    residual, k, n = np.zeros(big.size, "float32"), math.ceil(density * big.size), big.size
+    pending, saved = {}, 0
+    for t in range(steps):
+        g_big, g_small = _gradients(rng, big, small)
+        compensated = g_big.ravel() + residual
+        chosen, update, residual = numpy_topk_split(compensated, k)
+        values = compensated[np.sort(chosen)]
+        words = elias_fano_words(n, k) + coded_value_words(raw_bits_of(values, "float32"), [k],
+                                                           "float32")
+        saved += 8 * k - 4 * words
+        pending[t] = (update.reshape(BIG), g_small)
+        if t - tau in pending:
+            u_big, u_small = pending.pop(t - tau)
+            big, small = big - np.float32(lr) * u_big, small - np.float32(lr) * u_small
+    assert stats["allgather"] - stats["compact_allgather"] == saved
+    assert saved > 0.3 * steps * 8 * k  # coded: at most about 5 bytes an entry, not 8

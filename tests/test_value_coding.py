@@ -143,3 +143,26 @@ def test_words_that_do_not_match_their_header_are_refused_by_name(path):
         value_coding.decode(tf.concat([block.words[:-1], tf.zeros([2], tf.int32),
                                        block.words[-1:]], 0),
                             tf.constant([counts]), wrong, tf.float32)
+
+
+@pytest.mark.parametrize("dtype_name", FORMATS)
+def test_the_host_decoder_gives_back_every_bit_of_one_ranks_block(dtype_name):
+    """``decode_host`` (NumPy, the delayed pipeline's thread), each rank's block alone."""
+    for rank, row in enumerate([[5, 0, 30], [0, 0, 0], [400, 3, 12], [1, 1, 1]]):
+        values = _values(row, rank, dtype_name, special=rank == 2)
+        block = value_coding.encode(values, [tf.constant(c) for c in row])
+        fields = value_coding.header_fields(block).numpy()
+        assert value_coding.host_block_words(sum(row), fields[0], fields[1], dtype_name) == (
+            coded_value_words(raw_bits_of(values, dtype_name), row, dtype_name))
+        decoded = value_coding.decode_host(block.words.numpy(), row, fields, dtype_name)
+        assert decoded.dtype == tf.as_dtype(dtype_name).as_numpy_dtype
+        np.testing.assert_array_equal(_bits(tf.constant(decoded)), _bits(values))
+
+
+def test_the_host_decoder_refuses_a_block_of_the_wrong_length():
+    values = _values([40], 0, "float32")
+    block = value_coding.encode(values, [tf.constant(40)])
+    fields = value_coding.header_fields(block).numpy()
+    words = block.words.numpy()
+    with pytest.raises(ValueError, match=f"has {len(words)} words, got {len(words) + 1}"):
+        value_coding.decode_host(np.append(words, 0).astype(np.int32), [40], fields, "float32")

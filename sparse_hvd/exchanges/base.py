@@ -214,14 +214,18 @@ class Exchange:
         return None
 
     def _count_sent(self, payload: Payload, words):
-        """For a coded exchange's ``_average_many``: what the step sends of ``payload`` (its
-        count with the selections' values and int32 indices replaced by the ``words``, int32,
-        they were packed into), which :meth:`average` hands back as ``Averaged.bytes_sent``."""
+        """For a coded exchange's ``_average_many``: :meth:`coded_bytes_sent`, which
+        :meth:`average` hands back as ``Averaged.bytes_sent``."""
+        self._sent = self.coded_bytes_sent(payload, words)
+
+    def coded_bytes_sent(self, payload: Payload, words) -> tf.Tensor:
+        """What a step sends of ``payload``: its count with the selections' values and int32
+        indices replaced by the ``words``, int32, they were coded into."""
         plain = tf.constant(0, tf.int64)
         for selection in payload.sparse.items:
             per_entry = INDEX_BYTES + self.compression.itemsize(selection.values.dtype)
             plain += tf.size(selection.indices, out_type=tf.int64) * per_entry
-        self._sent = payload.bytes_sent - plain + 4 * tf.cast(words, tf.int64)
+        return payload.bytes_sent - plain + 4 * tf.cast(words, tf.int64)
 
     # ---- the lockstep check ------------------------------------------------------------------
 

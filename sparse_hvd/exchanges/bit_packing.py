@@ -2,9 +2,12 @@
 
 Every function is a few vectorised TensorFlow ops (the same on CPU and GPU; the integer sums
 are exact in any order, so the words do not depend on thread timing). Bits are numbered
-little-endian: bit ``b`` of the string is bit ``b % 32`` of word ``b // 32``.
+little-endian: bit ``b`` of the string is bit ``b % 32`` of word ``b // 32``. The ``host_``
+functions read the same words in NumPy (the delayed pipeline's thread runs no TensorFlow op
+per step).
 """
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -65,3 +68,17 @@ def set_bits(words):
     shifted = tf.bitwise.right_shift(tf.expand_dims(as_uint, 1), tf.range(32, dtype=tf.int64))
     return tf.reshape(tf.where(tf.equal(tf.reshape(tf.bitwise.bitwise_and(shifted, 1), [-1]), 1)),
                       [-1])
+
+
+def host_bits(words) -> np.ndarray:
+    """The bit string of int32 ``words`` (NumPy), one uint8 0 or 1 a bit, in bit order."""
+    return np.unpackbits(np.ascontiguousarray(words, "<i4").view(np.uint8), bitorder="little")
+
+
+def host_fields(bits, start: int, count: int, width: int) -> np.ndarray:
+    """``count`` int64 fields of ``width`` bits each, one after another from bit ``start`` of
+    :func:`host_bits`' string: :func:`unpack_fields` in NumPy."""
+    if width == 0 or count == 0:
+        return np.zeros(count, np.int64)
+    matrix = bits[start:start + count * width].reshape(count, width).astype(np.int64)
+    return matrix @ (np.int64(1) << np.arange(width, dtype=np.int64))

@@ -72,7 +72,7 @@ class CompactAllgather(FusedAllgather):
     def _wire_dtype(self, dtype):
         return self.compression.wire_dtype(dtype) or tf.as_dtype(dtype)
 
-    def _pack_values(self, selections, counts, value_groups):
+    def pack_values(self, selections, counts, value_groups):
         """Each float32 or 16-bit group's values coded by ``value_coding``; its header fields
         ``[W, bitmap bits, each variable's base]``. float64 travels as it is, without fields."""
         words, fields = [], []

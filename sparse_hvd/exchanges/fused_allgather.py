@@ -68,7 +68,7 @@ class FusedAllgather(Exchange):
         indices, selections = self.pack_indices(selections, sizes)
         counts = [tf.size(s.indices, out_type=tf.int32) for s in selections]
         value_groups = group_positions_by_dtype([s.values for s in selections])
-        words, value_fields = self._pack_values(selections, counts, value_groups)
+        words, value_fields = self.pack_values(selections, counts, value_groups)
         if self.coded:  # the statistics count the codes' words (else the payload's count)
             self._count_sent(payload, tf.add_n([tf.size(indices)] + [tf.size(w) for w in words]))
         fields = tf.concat([tf.stack(counts) if counts else tf.zeros([0], tf.int32),
@@ -105,7 +105,7 @@ class FusedAllgather(Exchange):
         indices = tf.concat([s.indices for s in selections] or [tf.zeros([0], tf.int32)], 0)
         return indices, selections
 
-    def _pack_values(self, selections, counts, value_groups):
+    def pack_values(self, selections, counts, value_groups):
         """Step 1 for the values: one int32 tensor per dtype group (``value_groups``: {dtype:
         positions}), and the int fields each rank's header carries for them (here: none)."""
         words = [self.compression.encode(tf.concat([selections[p].values for p in positions], 0))
@@ -114,7 +114,7 @@ class FusedAllgather(Exchange):
 
     def _unpack_values(self, words, dtype, value_groups, counts, value_fields):
         """Every rank's values of ``dtype`` (variables ``value_groups[dtype]``), in rank order,
-        from their gathered ``words``; ``value_fields``: [ranks, -1], what :meth:`_pack_values`
+        from their gathered ``words``; ``value_fields``: [ranks, -1], what :meth:`pack_values`
         put in each header."""
         positions = value_groups[dtype]
         return self.compression.decode(words, dtype,

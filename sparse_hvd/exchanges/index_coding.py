@@ -139,17 +139,14 @@ def host_layout(count: int, space: int):
 def decode_host(words, count: int, space: int):
     """Step 4 in NumPy, for code that travelled to the host (the delayed pipeline's thread,
     ``sparse_hvd.steps.pipeline``, which runs no TensorFlow op per step): the ``count``
-    ascending positions (int64) of :func:`encode`'s ``words`` (a little-endian int32 array of
-    exactly the words :func:`host_layout` counts)."""
+    ascending positions (int64) of :func:`encode`'s ``words`` (exactly the words
+    :func:`host_layout` counts)."""
     shift, low_words, bitmap_words = host_layout(count, space)
     if len(words) != low_words + bitmap_words:
         raise ValueError(f"a code of {count} positions among {space} has "
                          f"{low_words + bitmap_words} words, got {len(words)}")
-    bits = np.unpackbits(np.ascontiguousarray(words, "<i4").view(np.uint8), bitorder="little")
-    low = np.zeros(count, np.int64)
-    if shift:
-        fields = bits[:count * shift].reshape(count, shift).astype(np.int64)
-        low = fields @ (np.int64(1) << np.arange(shift, dtype=np.int64))
+    bits = bit_packing.host_bits(words)
+    low = bit_packing.host_fields(bits, 0, count, shift)
     places = np.flatnonzero(bits[32 * low_words:])
     if len(places) != count:
         raise ValueError(f"a code of {count} positions has {len(places)} set bits in its bitmap")

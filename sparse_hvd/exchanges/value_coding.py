@@ -24,12 +24,14 @@ went in (zeros, subnormals, infinities and NaN payloads included).
 
 On CPU both ways run as one native pass each (``sparse_hvd/kernels/value_codec.cc``, the same
 words bit for bit); the TensorFlow ops below are the path on GPU and without the kernels.
+:func:`decode_host` decodes one rank's block in NumPy (the delayed pipeline's thread).
 
 A value then costs ``F + W + 1 + (c >> W)`` bits (F the field's width) against 32 or 16.
 """
 
 from typing import NamedTuple
 
+import numpy as np
 import tensorflow as tf
 
 from .. import kernels
@@ -233,3 +235,34 @@ def decode(words, counts, fields, dtype) -> tf.Tensor:
                               tf.bitwise.left_shift(exponent, form.mantissa)),
         tf.bitwise.bitwise_and(value_fields, (1 << form.mantissa) - 1))
     return _from_raw(raw, form, dtype)
+
+
+def host_block_words(count: int, width: int, unary_bits: int, dtype) -> int:
+    """The int32 words of one rank's block (:func:`block_words`, summed, in integers)."""
+    form = FORMATS[tf.as_dtype(dtype)]
+    return -(-count * form.field // 32) + -(-count * width // 32) + -(-unary_bits // 32)
+
+
+def decode_host(words, counts, fields, dtype) -> np.ndarray:
+    """Step 5 in NumPy for ONE rank's block: its values (``counts[j]`` of variable j) as
+    ``dtype``, from its ``words`` and its :func:`header_fields` ``fields`` (integers)."""
+    form = FORMATS[tf.as_dtype(dtype)]
+    count, width, unary_bits = int(sum(counts)), int(fields[0]), int(fields[1])
+    expected = host_block_words(count, width, unary_bits, dtype)
+    if len(words) != expected:
+        raise ValueError(f"a block of {count} values has {expected} words, got {len(words)}")
+    field_words, low_words = -(-count * form.field // 32), -(-count * width // 32)
+    bits = bit_packing.host_bits(words)
+    value_fields = bit_packing.host_fields(bits, 0, count, form.field)
+    lows = bit_packing.host_fields(bits, 32 * field_words, count, width)
+    places = np.flatnonzero(bits[32 * (field_words + low_words):])
+    if len(places) != count:
+        raise ValueError(f"a block of {count} values has {len(places)} set bits in its bitmap")
+    quotients = np.diff(places.astype(np.int64) - np.arange(count, dtype=np.int64), prepend=0)
+    codes = (quotients << width) | lows
+    bases = np.repeat(np.asarray(fields[2:], np.int64), np.asarray(counts, np.int64))
+    exponent = np.where((codes == 0) & (bases % 2 == 1), 0, codes + (bases >> 1))
+    raw = (((value_fields >> form.mantissa) << (form.bits - 1)) | (exponent << form.mantissa)
+           | (value_fields & ((1 << form.mantissa) - 1)))
+    unsigned = np.uint32 if form.bits == 32 else np.uint16
+    return raw.astype(unsigned).view(tf.as_dtype(dtype).as_numpy_dtype)

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..runtime import collectives
-from ..exchanges import Exchange, index_coding
+from ..exchanges import Exchange, index_coding, value_coding
 
 _POLL_SECONDS = 1.0  # how often a waiting step re-checks that the thread is alive
 
@@ -35,14 +35,17 @@ class PayloadLayout(NamedTuple):
     """Which variables a step's payload carries, and how, in the order of its arrays.
 
     ``sparse``: variable indices sent as (values, indices) pairs; ``dense``: variable indices
-    sent whole (averaged by allreduce); ``coded``: the sparse pairs are followed by the
-    Elias-Fano code of all their indices (``index_coding``), which travels instead of them.
-    Fixed for one traced step function.
+    sent whole (averaged by allreduce); ``coded``: the sparse pairs are followed by what
+    travels instead of them, coded in the step (``exchange="compact_allgather"``): the code of
+    all their indices (``index_coding``), one block of values per group of ``value_groups``
+    (positions in ``sparse`` of one dtype; ``value_coding``, or as they are for float64), and
+    the blocks' header fields. Fixed for one traced step function.
     """
 
     sparse: Tuple[int, ...]
     dense: Tuple[int, ...]
     coded: bool = False
+    value_groups: Tuple[Tuple[int, ...], ...] = ()
 
 
 class Delayed(NamedTuple):
@@ -89,8 +92,8 @@ class DelayedExchange:
 
     def submit(self, layout: PayloadLayout, step, finite, *arrays) -> np.int64:
         """Queue step ``step``'s payload: whether this rank's gradients were finite, then for
-        each sparse variable its values and its indices, then (``layout.coded``) the code of
-        all those indices, then each dense variable's flat gradient. Returns at once."""
+        each sparse variable its values and its indices, then (``layout.coded``) their codes
+        (:class:`PayloadLayout`), then each dense variable's flat gradient. Returns at once."""
         step = int(step)
         copies = [np.array(a, copy=True) for a in arrays]  # TensorFlow may reuse its buffers
         with self._lock:
@@ -185,8 +188,9 @@ class DelayedExchange:
         1. Each sparse variable's payload becomes one int32 table (:func:`pack`): its entry
            count, the values' bits (16-bit values with ``compression``, two to a word), then
            the indices. With ``layout.coded`` all of them make one table instead
-           (:func:`pack_coded`): the counts, the values, then the code of every index, coded
-           in the step (``exchange="compact_allgather"``). All tables, and the rank's
+           (:func:`pack_coded`): the counts, the value blocks' header fields, the value
+           blocks, then the code of every index, all coded in the step
+           (``exchange="compact_allgather"``). All tables, and the rank's
            finiteness flag, go to every rank in ONE ``grouped_allgather`` (an eager collective
            costs at least one Horovod cycle, and they run one after another here).
         2. The dense-route gradients are averaged by one ``grouped_allreduce`` per dtype.
@@ -208,8 +212,11 @@ class DelayedExchange:
         own = {index: (arrays[2 * j], arrays[2 * j + 1]) for j, index in enumerate(layout.sparse)}
         sizes = [self.num_elements[index] for index in layout.sparse]
         if layout.coded:
-            tables = [pack_coded(arrays[0:2 * count:2], arrays[2 * count])]
-            dense = arrays[2 * count + 1:]
+            groups = len(layout.value_groups)
+            counts = [len(arrays[2 * j + 1]) for j in range(count)]
+            code = arrays[2 * count:2 * count + groups + 2]
+            tables = [pack_coded(counts, code[-1], code[1:-1], code[0])]
+            dense = arrays[2 * count + groups + 2:]
         else:
             tables = [pack(arrays[2 * j], arrays[2 * j + 1]) for j in range(count)]
             dense = arrays[2 * count:]
@@ -224,7 +231,7 @@ class DelayedExchange:
         if not everywhere:  # nothing of this step is applied; skip the arithmetic
             return Delayed(False, self._zeros_where_none(averages), own if finite else {})
         if layout.coded:
-            totals = unpack_coded_sums(tables[0], sizes,
+            totals = unpack_coded_sums(tables[0], sizes, layout.value_groups,
                                        [self.dtypes[i] for i in layout.sparse],
                                        [self.wire_dtypes[i] for i in layout.sparse])
         else:
@@ -279,37 +286,45 @@ def unpack_sum(table: np.ndarray, num_elements: int, dtype, wire_dtype=None) -> 
     return total
 
 
-def pack_coded(values: Sequence[np.ndarray], code: np.ndarray) -> np.ndarray:
-    """One rank's selections of every sparse variable as flat int32 words: ``[the entry count
-    of each, each one's values' bits (padded to a whole word), the code of all their indices
-    as one set of positions]`` (``index_coding``; variable j's positions offset by the entries
-    of the variables before it, each variable's values in its positions' order)."""
-    counts = np.array([len(v) for v in values], np.int32)
-    parts = [counts]
-    for v in values:
-        words = np.zeros(_value_words(len(v), v.dtype), np.int32)
-        words.view(np.uint8)[:v.nbytes] = v.view(np.uint8)
-        parts.append(words)
+def pack_coded(counts, fields, value_blocks, code) -> np.ndarray:
+    """One rank's coded selections of every sparse variable as flat int32 words (all made in
+    the step): ``[the entry count of each variable, the value blocks' header fields, each
+    group's block of values, the code of all their indices as one set of positions]``
+    (variable j's positions offset by the entries of the variables before it, its values in
+    its positions' order)."""
+    parts = [np.asarray(counts, np.int32), np.asarray(fields, np.int32)]
+    parts += [np.asarray(block, np.int32) for block in value_blocks]
     return np.concatenate(parts + [np.asarray(code, np.int32)])
 
 
-def unpack_coded_sums(table: np.ndarray, sizes: Sequence[int], dtypes, wire_dtypes):
+def unpack_coded_sums(table, sizes, value_groups, dtypes, wire_dtypes):
     """Each variable's sum (in its dtype) of the :func:`pack_coded` selections one after
     another in ``table``, added rank by rank in rank order; ``sizes``: each variable's entries
-    (the code's space is their sum)."""
-    space = int(sum(sizes))
+    (the code's space is their sum); ``value_groups``: the variables of each value block."""
+    space, variables = int(sum(sizes)), len(sizes)
     offsets = np.cumsum([0] + list(sizes[:-1]))
     totals = [np.zeros(n, d) for n, d in zip(sizes, dtypes)]
-    at, variables = 0, len(sizes)
+    coded = [value_coding.codable(wire_dtypes[group[0]]) for group in value_groups]
+    field_count = sum(2 + len(group) for group, c in zip(value_groups, coded) if c)
+    at = 0
     while at < len(table):
         counts = [int(c) for c in table[at:at + variables]]
-        at += variables
-        values = []
-        for m, wire in zip(counts, wire_dtypes):
-            words = _value_words(m, wire)
-            values.append(table[at:at + words].view(np.uint8)[:m * np.dtype(wire).itemsize]
-                          .view(wire))
+        fields = table[at + variables:at + variables + field_count]
+        at += variables + field_count
+        values, first_field = [None] * variables, 0
+        for group, is_coded in zip(value_groups, coded):
+            wire, group_counts = wire_dtypes[group[0]], [counts[j] for j in group]
+            if is_coded:
+                own = fields[first_field:first_field + 2 + len(group)]
+                first_field += 2 + len(group)
+                words = value_coding.host_block_words(sum(group_counts), own[0], own[1], wire)
+                block = value_coding.decode_host(table[at:at + words], group_counts, own, wire)
+            else:  # float64: as it is
+                words = _value_words(sum(group_counts), wire)
+                block = table[at:at + words].view(wire)
             at += words
+            for j, piece in zip(group, np.split(block, np.cumsum(group_counts)[:-1])):
+                values[j] = piece
         _, low_words, bitmap_words = index_coding.host_layout(sum(counts), space)
         positions = index_coding.decode_host(table[at:at + low_words + bitmap_words],
                                              sum(counts), space)

@@ -31,7 +31,8 @@ import keras
 import tensorflow as tf
 
 from ..exchanges import create as create_exchange
-from ..feedback.payload import INDEX_BYTES, Payload
+from ..exchanges.base import group_positions_by_dtype
+from ..feedback.payload import Payload
 from .pipeline import DelayedExchange, PayloadLayout
 
 
@@ -98,13 +99,16 @@ class DelayedUpdates:
         layout = PayloadLayout(tuple(payload.sparse.keys), tuple(payload.dense.keys),
                                coded=self.pipeline.coded and bool(selections))
         code, sent = [], None
-        if layout.coded:  # coded here, with the exchange's own (native) pass; sorted with it
+        if layout.coded:  # coded here, by the exchange's own (native) passes
+            exchange = self.pipeline.exchange
             sizes = [self._num_elements[index] for index in layout.sparse]
-            words, selections = self.pipeline.exchange.pack_indices(selections, sizes)
-            code = [words]
-            entries = tf.add_n([tf.size(s.indices, out_type=tf.int64) for s in selections])
-            sent = (payload.bytes_sent - INDEX_BYTES * entries
-                    + 4 * tf.size(words, out_type=tf.int64))
+            index_words, selections = exchange.pack_indices(selections, sizes)
+            counts = [tf.size(s.indices, out_type=tf.int32) for s in selections]
+            groups = group_positions_by_dtype([s.values for s in selections])
+            value_words, fields = exchange.pack_values(selections, counts, groups)
+            layout = layout._replace(value_groups=tuple(tuple(p) for p in groups.values()))
+            code = [index_words] + value_words + [tf.cast(fields, tf.int32)]
+            sent = exchange.coded_bytes_sent(payload, tf.add_n([tf.size(w) for w in code[:-1]]))
         arrays = [t for s in selections for t in (self._as_sent(s.values), s.indices)] + code
         arrays += [tf.reshape(g, [-1]) for g in payload.dense.items]
         tf.numpy_function(functools.partial(self.pipeline.submit, layout),
