@@ -176,8 +176,8 @@ def _refusal(name, cls, staleness, policy, compression):
     """Why exchange ``name`` (class ``cls``) cannot run these settings, or None."""
     if staleness and not cls.staleness:
         return (f"exchange={name!r} cannot be combined with `staleness` > 0 (the delayed "
-                "pipeline gathers every rank's selections). Use staleness=0 or "
-                "exchange='allgather'.")
+                "pipeline gathers every rank's selections). Use staleness=0, or "
+                "exchange='allgather' or 'compact_allgather'.")
     if policy.requires_layerwise and not cls.layer_budgets:
         return (f"exchange={name!r} cannot be combined with {type(policy).__name__}, which "
                 "sizes each layer from the time of that layer's own exchange: this exchange "

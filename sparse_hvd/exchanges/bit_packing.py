@@ -70,15 +70,25 @@ def set_bits(words):
                       [-1])
 
 
-def host_bits(words) -> np.ndarray:
-    """The bit string of int32 ``words`` (NumPy), one uint8 0 or 1 a bit, in bit order."""
-    return np.unpackbits(np.ascontiguousarray(words, "<i4").view(np.uint8), bitorder="little")
+def host_readable(words) -> np.ndarray:
+    """int32 ``words`` as uint64 with two zero words after them (NumPy :func:`readable`)."""
+    return np.concatenate([np.asarray(words, "<i4").view("<u4").astype(np.uint64),
+                           np.zeros(2, np.uint64)])
 
 
-def host_fields(bits, start: int, count: int, width: int) -> np.ndarray:
-    """``count`` int64 fields of ``width`` bits each, one after another from bit ``start`` of
-    :func:`host_bits`' string: :func:`unpack_fields` in NumPy."""
+def host_fields(readable, start: int, count: int, width: int) -> np.ndarray:
+    """``count`` int64 fields of ``width`` bits (``< 32``) one after another from bit
+    ``start`` of :func:`host_readable` words: :func:`unpack_fields` in NumPy."""
     if width == 0 or count == 0:
         return np.zeros(count, np.int64)
-    matrix = bits[start:start + count * width].reshape(count, width).astype(np.int64)
-    return matrix @ (np.int64(1) << np.arange(width, dtype=np.int64))
+    starts = np.uint64(start) + np.arange(count, dtype=np.uint64) * np.uint64(width)
+    word = starts >> np.uint64(5)
+    pair = readable[word] | (readable[word + np.uint64(1)] << np.uint64(32))
+    mask = np.uint64((1 << width) - 1)
+    return ((pair >> (starts & np.uint64(31))) & mask).astype(np.int64)
+
+
+def host_set_bits(words) -> np.ndarray:
+    """Where the set bits of int32 ``words`` are, ascending (NumPy :func:`set_bits`)."""
+    bits = np.unpackbits(np.ascontiguousarray(words, "<i4").view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits).astype(np.int64)

@@ -145,10 +145,9 @@ def decode_host(words, count: int, space: int):
     if len(words) != low_words + bitmap_words:
         raise ValueError(f"a code of {count} positions among {space} has "
                          f"{low_words + bitmap_words} words, got {len(words)}")
-    bits = bit_packing.host_bits(words)
-    low = bit_packing.host_fields(bits, 0, count, shift)
-    places = np.flatnonzero(bits[32 * low_words:])
+    low = bit_packing.host_fields(bit_packing.host_readable(words), 0, count, shift)
+    places = bit_packing.host_set_bits(words[low_words:])
     if len(places) != count:
         raise ValueError(f"a code of {count} positions has {len(places)} set bits in its bitmap")
-    high = places.astype(np.int64) - np.arange(count, dtype=np.int64)
+    high = places - np.arange(count, dtype=np.int64)
     return (high << shift) | low

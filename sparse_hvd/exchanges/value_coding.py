@@ -252,13 +252,13 @@ def decode_host(words, counts, fields, dtype) -> np.ndarray:
     if len(words) != expected:
         raise ValueError(f"a block of {count} values has {expected} words, got {len(words)}")
     field_words, low_words = -(-count * form.field // 32), -(-count * width // 32)
-    bits = bit_packing.host_bits(words)
-    value_fields = bit_packing.host_fields(bits, 0, count, form.field)
-    lows = bit_packing.host_fields(bits, 32 * field_words, count, width)
-    places = np.flatnonzero(bits[32 * (field_words + low_words):])
+    readable = bit_packing.host_readable(words)
+    value_fields = bit_packing.host_fields(readable, 0, count, form.field)
+    lows = bit_packing.host_fields(readable, 32 * field_words, count, width)
+    places = bit_packing.host_set_bits(words[field_words + low_words:])
     if len(places) != count:
         raise ValueError(f"a block of {count} values has {len(places)} set bits in its bitmap")
-    quotients = np.diff(places.astype(np.int64) - np.arange(count, dtype=np.int64), prepend=0)
+    quotients = np.diff(places - np.arange(count, dtype=np.int64), prepend=0)
     codes = (quotients << width) | lows
     bases = np.repeat(np.asarray(fields[2:], np.int64), np.asarray(counts, np.int64))
     exponent = np.where((codes == 0) & (bases % 2 == 1), 0, codes + (bases >> 1))
