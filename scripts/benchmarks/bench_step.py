@@ -28,7 +28,8 @@ Methods (``--methods``, comma-separated):
   plain ``tf.function`` (every candidate a branch of one conditional: a custom loop that does
   not use ``sparse_hvd.function``);
 * ``wrapped_dense@<d>``: the wrapper with ``exchange="dense"`` (what the wrapper itself adds to
-  Horovod's allreduce).
+  Horovod's allreduce); ``wrapped_dense_unchecked@<d>``: the same with ``nonfinite="ignore"``
+  (without the non-finite guard's pass over the averages).
 
 For each method: the median step (median over ranks of each rank's median), x floor, x dense,
 bytes this rank handed to the exchange per step, on the emulated cluster (``--rate``) the
@@ -183,8 +184,10 @@ def worker(args):
                 sparsifier = name
             if name in ("auto", "auto_cond"):  # the default: the fastest, one model budget
                 exchange, budget, sparsifier = "auto", "model", "topk"
-            if name == "wrapped_dense":  # the wrapper with exchange="dense": its own overhead
+            nonfinite = "skip"
+            if name in ("wrapped_dense", "wrapped_dense_unchecked"):  # the wrapper's own cost
                 exchange, sparsifier = "dense", "topk"
+                nonfinite = "ignore" if name.endswith("_unchecked") else "skip"
             if name == "threshold":
                 sparsifier = sparse_hvd.Threshold(threshold=thresholds[density], max_density=0.05)
             elif name == "threshold_capped":
@@ -196,7 +199,7 @@ def worker(args):
             # the steady state: no warm-up (its first steps send up to 25% of each layer)
             sparse = sparse_hvd.SparseDistributedOptimizer(
                 inner, density=policy, sparsifier=sparsifier, grouping=grouping, exchange=exchange,
-                warmup_steps=0, budget=budget,
+                warmup_steps=0, budget=budget, nonfinite=nonfinite,
                 name=label or f"bench_{method.replace('@', '_').replace('.', '_')}")
         optimizer = sparse if sparse is not None else inner
         optimizer.build(variables)
