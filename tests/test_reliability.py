@@ -163,3 +163,36 @@ def test_a_steps_collectives_share_one_watched_wait(monkeypatch):
         assert sum("watchdog_leave" in n for n in names) == pairs
         assert tf.function(lambda: step(shared))().numpy().tolist() == [4.0, 8.0]
     assert watchdog.open_waits() == 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_wait_left_open_by_a_failed_step_is_dropped_when_the_step_runs_again(monkeypatch,
+                                                                               native):
+    """A traced step that raises inside its bracketed exchange (a failed collective, the step
+    check's mismatch) never runs its leave bracket; a job that catches the error and trains
+    on must not be ended by that wait: the step's next run replaces it. Waits of other
+    collectives stay."""
+    monkeypatch.setattr(watchdog, "_timeout", 300.0)
+    if not native:
+        monkeypatch.setattr(watchdog, "_native_ops", lambda: None)
+    elif watchdog._native_ops() is None:
+        pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
+    before = watchdog.open_waits()
+
+    def collective(tensors):
+        with tf.control_dependencies([tf.debugging.Assert(tensors[0] > 0.0, ["NaN"])]):
+            return [tensors[0] * 2.0]
+
+    step = tf.function(lambda x: watchdog.bracket(collective, [x], "test.failing", step=tf.constant(5))[0])
+    other = tf.function(lambda x: watchdog.bracket(lambda t: [tf.numpy_function(
+        lambda v: v, [t[0]], tf.float32)], [x], "test.other")[0])
+    assert float(step(tf.constant(1.0))) == 2.0
+    assert watchdog.open_waits() == before
+    for failures in (1, 2):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="NaN"):
+            step(tf.constant(-1.0))
+        assert watchdog.open_waits() == before + 1  # the failed run's wait, and only one
+    assert float(other(tf.constant(3.0))) == 3.0  # another collective neither drops it...
+    assert watchdog.open_waits() == before + 1
+    assert float(step(tf.constant(1.0))) == 2.0  # ...but the step's next run does
+    assert watchdog.open_waits() == before

@@ -6,7 +6,11 @@
 // workers). Here:
 //
 //   1. Enter records (steady-clock time, the collective's name id, the training step) under a
-//      new token in a table of this process and returns the token;
+//      new token in a table of this process and returns the token. A wait of the same name
+//      still in the table is dropped first: it belongs to an earlier run of the same traced
+//      step that ended with an error before its Leave ran (a failed collective, the step
+//      check's mismatch; a rank never waits twice at once for one collective name), and kept
+//      it would end a job that caught the error and went on;
 //   2. Leave removes the token's entry;
 //   3. the watchdog's Python thread asks ``sparse_hvd_oldest_wait`` (a C function, read through
 //      ctypes) for the oldest entry's age, name id and step; the ids index the names the
@@ -17,6 +21,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <iterator>
 #include <map>
 #include <mutex>
 
@@ -81,6 +86,9 @@ class WatchEnterOp : public OpKernel {
     int64_t token;
     {
       std::lock_guard<std::mutex> lock(table_mutex);
+      for (auto it = table.begin(); it != table.end();) {
+        it = it->second.name_id == name_id_ ? table.erase(it) : std::next(it);
+      }
       token = next_token++;
       table[token] = Wait{NowNs(), name_id_, step};
     }

@@ -15,7 +15,10 @@ its own collectives, the same way under every launcher:
    collectives (one per layer with the layer-wise exchange) then share ONE pair, from the
    first one's inputs to the last one's outputs. With the native kernels the traced pair is
    two native ops instead (``kernels/watch.cc``: a table in C++ the thread reads through
-   ctypes), since each ``numpy_function`` took the GIL and about 0.25 ms of the step.
+   ctypes), since each ``numpy_function`` took the GIL and about 0.25 ms of the step. A traced
+   step that ends with an error between its brackets (a collective that failed, the step
+   check's mismatch) leaves its wait open; the step's next run drops it when it enters the
+   same collective again.
 2. A daemon thread looks at the oldest wait every ``limit / 10`` seconds (at most every 5 s).
    When it is older than the limit, the thread prints on stderr what this rank waited for, for
    how long, and the usual causes, and ends the process with status 124 (``os._exit``: the
@@ -91,10 +94,16 @@ def enabled() -> bool:
 
 # ---- the brackets ------------------------------------------------------------------------------
 
-def enter(name, step=None) -> int:
-    """Record that this rank now waits in collective ``name`` (at training step ``step``)."""
+def enter(name, step=None, replacing=False) -> int:
+    """Record that this rank now waits in collective ``name`` (at training step ``step``).
+    ``replacing`` (a traced step's bracket): first drop a wait of the same name, left open by
+    an earlier run of that step which ended with an error between its brackets (as the native
+    ops do, ``kernels/watch.cc``); kept, it would end a job that caught the error and went on."""
     token = next(_tokens)
     with _lock:
+        if replacing:
+            for stale in [t for t, (_, other, _) in _waits.items() if other == name]:
+                del _waits[stale]
         _waits[token] = (time.monotonic(), name, step)
     _start_thread()
     return token
@@ -134,7 +143,7 @@ def _enter_op(name, step, after):
     import tensorflow as tf
 
     def enter_at(step):
-        return np.int64(enter(name, None if step < 0 else int(step)))
+        return np.int64(enter(name, None if step < 0 else int(step), replacing=True))
 
     step = tf.constant(-1, tf.int64) if step is None else tf.cast(step, tf.int64)
     native = _native_ops()
