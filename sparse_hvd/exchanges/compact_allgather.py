@@ -21,9 +21,9 @@ TensorFlow ops on GPU. ``exchange="auto"`` times it against the others on the jo
 only where it is faster.
 
 With ``staleness`` the delayed pipeline (``sparse_hvd.steps.pipeline``) runs the exchange on
-its own thread: the indices are coded in the step as above and decoded there in NumPy
-(``index_coding.decode_host``); the values travel as they are (4 bytes a float32, 2 with
-``compression``), since decoding them on the host would take a NumPy pass per bit field.
+its own thread: the indices and values are coded in the step as above (:meth:`pack_indices`,
+:meth:`pack_values`) and decoded on that thread in NumPy (``index_coding.decode_host``,
+``value_coding.decode_host``), which runs no TensorFlow op per step.
 """
 
 import tensorflow as tf
@@ -38,7 +38,7 @@ class CompactAllgather(FusedAllgather):
     """Steps 1-3 of the module doc around the fused allgather (float64 values travel as
     they are)."""
 
-    staleness = True  # the delayed pipeline sends its indices coded too (values as they are)
+    staleness = True  # the delayed pipeline sends its codes too (module doc)
     coded = True
     grouping_reason = "its indices are coded as one set over every variable's entries."
     builds_on = "allgather"  # the fused allgather, plus coding and decoding what it sends

@@ -15,7 +15,9 @@ Why a thread running Horovod, rather than mpi4py's non-blocking ``Iallgatherv``:
 transport as the rest of the library (MPI, Gloo and NCCL alike, so ``horovodrun --gloo`` works
 too), Horovod's stall detection still ends a job whose peer died, and every rank reduces the
 same gathered bits in the same order.
-The cost is a copy of the payload to host memory and back, and per-step Python in the thread.
+The cost is a copy of the payload to host memory and back, and per-step Python in the thread
+(with ``exchange="compact_allgather"``, decoding every rank's codes there: about 3 ms a rank
+at 43,500 entries, against 0.7 ms to unpack the int32 tables).
 """
 
 import threading
@@ -75,7 +77,7 @@ class DelayedExchange:
 
     def __init__(self, exchange: Exchange, num_elements: Sequence[int], dtypes: Sequence):
         self.exchange = exchange
-        self.coded = bool(getattr(exchange, "coded", False))  # indices travel Elias-Fano coded
+        self.coded = bool(getattr(exchange, "coded", False))  # indices and values coded
         self.num_elements = list(num_elements)
         self.dtypes = [np.dtype(d) for d in dtypes]
         # what sparse values travel as: 16-bit with the exchange's compression
@@ -195,7 +197,7 @@ class DelayedExchange:
            costs at least one Horovod cycle, and they run one after another here).
         2. The dense-route gradients are averaged by one ``grouped_allreduce`` per dtype.
         3. Each rank's entries are widened to the variable's dtype and added into a zero vector
-           rank by rank (:func:`unpack_sum`);
+           rank by rank (:func:`unpack_sum`; :func:`unpack_coded_sums` decodes them first);
            within one rank the indices are distinct, so the order of additions is fixed: the
            same bits on every rank. Then the sum is divided by the number of workers.
 

@@ -80,7 +80,7 @@ class DelayedUpdates:
         self._shapes = [variable.shape for variable in var_list]
         self._num_elements = [route.num_elements for route in routes]
         self.compression = optimizer._compression
-        # exchange="compact_allgather": its indices travel coded; any other: as int32
+        # exchange="compact_allgather": its indices and values travel coded; else as they are
         method = ("compact_allgather" if optimizer._exchange.method == "compact_allgather"
                   else "allgather")
         self.pipeline = DelayedExchange(
@@ -94,7 +94,7 @@ class DelayedUpdates:
     def submit(self, step, finite_here, payload: Payload):
         """Step 1 of the module doc: hand ``payload`` (densified rows) and whether this rank's
         gradients were finite to the pipeline. Returns the payload's layout and the bytes it
-        sends (None: the payload's own count; less with coded indices)."""
+        sends (None: the payload's own count; with codes, what they take)."""
         selections = payload.sparse.items
         layout = PayloadLayout(tuple(payload.sparse.keys), tuple(payload.dense.keys),
                                coded=self.pipeline.coded and bool(selections))
