@@ -46,8 +46,8 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    each of them without the candidates measured over ``PRUNE_AFTER`` x a trial's fastest
    (on a fast link the sparse exchanges at 25% density took 4-5x dense's step, and their
    re-trials made a 250-step run 1.7x slower than dense), without what builds on a pruned
-   reference and was not tried with it, and without dense once a sparse exchange beat it
-   (``_dense_beaten``); at the density policy's first settled step (the warm-up's end), with
+   reference and was not tried with it, and without dense once sparse exchanges beat it in
+   two trials in a row (``_dense_beaten``); at the density policy's first settled step (the warm-up's end), with
    every candidate worth trying but a beaten dense; then every ``RECHECK_STEPS`` steps, all.
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
@@ -76,6 +76,7 @@ PRUNE_AFTER = 2.0  # a warm-up re-trial skips candidates slower than this x the 
 FIRST = -1  # MeasuredChoiceStep.traced: the plan before the first trial
 ABORT_AFTER = 2.0  # a candidate's turn ends at a timed step slower than this x the best so far
 SAVING = 0.05  # a candidate that builds on another is tried only if it could save this share
+BEATEN_TRIALS = 2  # dense sits out the warm-up's later trials after losing this many in a row
 
 
 def worth_trying(plans, density, value_bytes) -> List[bool]:
@@ -209,7 +210,7 @@ class MeasuredChoiceStep(SynchronousStep):
         self.computes = np.zeros([TRIAL_STEPS - 1])  # dense's less its last arrival's exchange
         self.best = np.inf  # the fastest median so far in a trial
         self.pruned = np.zeros([count], np.bool_)  # over PRUNE_AFTER x the fastest: out
-        self.dense_beaten = False  # out of the warm-up's trials (``_dense_beaten``)
+        self.dense_losses = 0  # warm-up trials in a row that dense lost (``_dense_beaten``)
         first = self.first_mode()
         # what the graph reads: not optimizer variables, so not checkpointed either
         with tf.init_scope():
@@ -444,19 +445,26 @@ class MeasuredChoiceStep(SynchronousStep):
             pruned |= orphaned & pruned[self.reference_index]
         self.pruned = pruned
         if self.dense_index is not None and self._dense_beaten(
-                trying[self.dense_index] and choice != self.dense_index, bool(upcoming)):
+                trying[self.dense_index], choice != self.dense_index, bool(upcoming)):
             pruned = pruned | (np.arange(count) == self.dense_index)
         # and only those whose bytes can win at the next trial's density (``worth_trying``)
         self.trial_row = max(int(np.sum(self.gate_starts <= following)) - 1, 0)
         return following, choice, ~pruned & self.gates[self.trial_row]
 
-    def _dense_beaten(self, lost, warming) -> bool:
+    def _dense_beaten(self, ran, lost, warming) -> bool:
         """Whether dense sits out the next trial, one of the warm-up's (``warming``): a sparse
-        exchange was chosen over it in this trial (``lost``) or an earlier one of the warm-up
-        (it beat dense by more than ``DENSE_WITHIN``). Dense's step does not depend on the
-        density and a sparse step's does not grow as the warm-up lowers it, so dense cannot
-        win them; the re-checks try it again (the link may have changed). On the wide CNN at
-        1 Gbit/s it ran 4 steps of 0.35 s, 7x the chosen exchange's, in each of two
-        re-trials."""
-        self.dense_beaten = bool((self.dense_beaten or lost) and warming)
-        return self.dense_beaten
+        exchange was chosen over it (it beat dense by more than ``DENSE_WITHIN``) in
+        ``BEATEN_TRIALS`` of the warm-up's trials in a row in which dense ran (``ran``; this
+        one ``lost`` or not). Dense's step does not depend on the density and a sparse step's
+        does not grow as the warm-up lowers it, so dense cannot win the later ones; the
+        re-checks try it again (the link may have changed). On the wide CNN at 1 Gbit/s it ran
+        4 steps of 0.35 s, 7x the chosen exchange's, in each of two re-trials. Why not after
+        one loss: a trial's dense turn on shared cores can be slow as a whole (the character
+        LSTM at 1 Gbit/s once measured dense's step at 239 ms, 137 ms in every other trial),
+        and that one turn then kept the LSTM sparse for its whole warm-up and run (steps ratio
+        1.38 against 0.99-1.01)."""
+        if ran:
+            self.dense_losses = self.dense_losses + 1 if lost else 0
+        if not warming:
+            self.dense_losses = 0
+        return self.dense_losses >= BEATEN_TRIALS

@@ -137,14 +137,13 @@ def test_a_warmup_is_tried_again_as_its_density_halves(hvd, monkeypatch, prune_a
     decisions = optimizer.exchange_decisions
     first = decisions[0][1]
     within = {n for n, t in first.items() if t <= prune_after * min(first.values())}
-    # dense sits out the warm-up's later trials once a sparse exchange was chosen over it
-    out = set() if decisions[0][2] == "dense" else {"dense"}
-    assert set(first) == NAMES and set(decisions[1][1]) == within - out
+    assert set(first) == NAMES and set(decisions[1][1]) == within
     if prune_after == 1.0:
         assert len(within) == 1 and decisions[1][2] in within
-    if "dense" in decisions[1][1] and decisions[1][2] != "dense":
-        out = {"dense"}
-    assert set(decisions[2][1]) == NAMES - out
+    # dense sits out the warm-up's last trial only if sparse exchanges were chosen over it in
+    # both trials before (its one loss may be a slow turn)
+    beaten = all("dense" in d[1] and d[2] != "dense" for d in decisions[:2])
+    assert set(decisions[2][1]) == NAMES - ({"dense"} if beaten else set())
     lengths = [len(d[1]) * measured.TRIAL_STEPS for d in decisions]
     assert [d[0] for d in decisions] == [start + length - 1
                                          for start, length in zip((1, 33, 80), lengths)]
@@ -154,11 +153,12 @@ def test_a_warmup_is_tried_again_as_its_density_halves(hvd, monkeypatch, prune_a
     _conservation(hvd, optimizer, weights, steps, "none")
 
 
-def test_dense_once_beaten_sits_out_the_warmup_until_the_recheck(hvd, monkeypatch):
-    """A sparse exchange chosen over dense in the first trial (the rule forced to the
-    allgather): dense's step does not depend on the density, so the warm-up's re-trial (step
-    33) and its last trial (80) run the three sparse candidates alone; the re-check after it
-    (``RECHECK_STEPS`` later) tries dense again. Every rank decides alike, and nothing is lost."""
+def test_dense_beaten_twice_sits_out_the_warmup_until_the_recheck(hvd, monkeypatch):
+    """A sparse exchange chosen over dense in the first trial and in the re-trial at step 33
+    (the rule forced to the allgather): dense's step does not depend on the density, so the
+    warm-up's last trial (80) runs the three sparse candidates alone; the re-check after it
+    (``RECHECK_STEPS`` later) tries dense again. One loss is not enough: the re-trial at 33
+    still runs dense. Every rank decides alike, and nothing is lost."""
     import sparse_hvd
 
     monkeypatch.setattr(measured, "PRUNE_AFTER", np.inf)
@@ -170,8 +170,8 @@ def test_dense_once_beaten_sits_out_the_warmup_until_the_recheck(hvd, monkeypatc
     name = "auto_dense_beaten"
     optimizer, weights, _ = train(name, steps, density=sparse_hvd.WarmupDensity(0.01, 0.16, 80))
     decisions = optimizer.exchange_decisions
-    assert [set(d[1]) for d in decisions] == [NAMES, NAMES - {"dense"}, NAMES - {"dense"}, NAMES]
-    assert [d[0] for d in decisions] == [CANDIDATES * turn, 33 + 3 * turn - 1, settled_end,
+    assert [set(d[1]) for d in decisions] == [NAMES, NAMES, NAMES - {"dense"}, NAMES]
+    assert [d[0] for d in decisions] == [CANDIDATES * turn, 33 + CANDIDATES * turn - 1, settled_end,
                                          settled_end + 8 + CANDIDATES * turn - 1]
     assert all(d[2] == "allgather" for d in decisions)
     everyone = gather(hvd, [(d[0], sorted(d[1])) for d in decisions], name=f"{name}.decisions")
