@@ -43,7 +43,7 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
 3. **Re-trials**, since the link and the density can change: during a warm-up, each time the
    density has halved since the last trial (``warmup_trials``: from 10% to 1% a sparse
    exchange often wins long before the warm-up ends, and a short run is mostly warm-up),
-   each of them without the candidates measured over ``PRUNE_AFTER`` x a trial's fastest
+   each of them without the sparse candidates measured over ``PRUNE_AFTER`` x a trial's fastest
    (on a fast link the sparse exchanges at 25% density took 4-5x dense's step, and their
    re-trials made a 250-step run 1.7x slower than dense), without what builds on a pruned
    reference and was not tried with it, and without dense once sparse exchanges beat it in
@@ -436,6 +436,8 @@ class MeasuredChoiceStep(SynchronousStep):
         # halves a sparse step's exchange, so one over ``PRUNE_AFTER`` x the fastest cannot
         # win the next trial; the warm-up's last trial and later ones forget the pruning
         slow = trying & (medians > PRUNE_AFTER * np.min(medians))
+        if self.dense_index is not None:  # dense leaves by ``_dense_beaten`` alone
+            slow[self.dense_index] = False
         pruned = (self.pruned | slow) & (len(upcoming) > 1)
         if any(self.bounded):
             # what builds on a pruned reference and was not tried (``within_reach`` found its

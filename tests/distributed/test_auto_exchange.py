@@ -125,9 +125,9 @@ def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd, per_mo
 def test_a_warmup_is_tried_again_as_its_density_halves(hvd, monkeypatch, prune_after):
     """16% -> 1% over 80 steps halves the density every 20 steps: trials start at step 1, at
     step 33 (the first halving at least two 16-step trials after the first) and at the warm-up's
-    end (80); the one at 33 runs only the candidates within PRUNE_AFTER of the first trial's
-    fastest, the last one every candidate; each decides in its last step, identically on every
-    rank."""
+    end (80); the one at 33 runs dense and the sparse candidates within PRUNE_AFTER of the first
+    trial's fastest, the last one every candidate; each decides in its last step, identically
+    on every rank."""
     import sparse_hvd
 
     monkeypatch.setattr(measured, "PRUNE_AFTER", prune_after)
@@ -137,9 +137,11 @@ def test_a_warmup_is_tried_again_as_its_density_halves(hvd, monkeypatch, prune_a
     decisions = optimizer.exchange_decisions
     first = decisions[0][1]
     within = {n for n, t in first.items() if t <= prune_after * min(first.values())}
-    assert set(first) == NAMES and set(decisions[1][1]) == within
+    # dense is never pruned for being slow (a slow first turn on shared cores would keep it
+    # out of the warm-up), only after two lost trials
+    assert set(first) == NAMES and set(decisions[1][1]) == within | {"dense"}
     if prune_after == 1.0:
-        assert len(within) == 1 and decisions[1][2] in within
+        assert len(within) == 1 and decisions[1][2] in within | {"dense"}
     # dense sits out the warm-up's last trial only if sparse exchanges were chosen over it in
     # both trials before (its one loss may be a slow turn)
     beaten = all("dense" in d[1] and d[2] != "dense" for d in decisions[:2])
@@ -328,9 +330,10 @@ def test_what_builds_on_a_pruned_allgather_is_pruned_with_it(hvd, monkeypatch):
     """The warm-up of the test above, ``within_reach`` always no and ``PRUNE_AFTER`` 1 (only
     the fastest of a trial goes on): the first trial is dense's and the allgather's. If the
     allgather was the slower, what builds on it (untried) is pruned with it and the trial at
-    step 33 is dense's alone; if dense was, the allgather goes on and, with no dense in that
-    trial to price the bytes, so do the others. The warm-up's last trial (80) forgets what
-    was pruned: dense and the allgather again. Every rank decides alike."""
+    step 33 is dense's alone; if dense was, both go on (dense is never pruned for being slow)
+    and, after the allgather's turn there, its untried followers are found out of reach
+    again. The warm-up's last trial (80) forgets what was pruned: dense and the allgather
+    again. Every rank decides alike."""
     import sparse_hvd
 
     monkeypatch.setattr(measured, "PRUNE_AFTER", 1.0)
@@ -344,7 +347,7 @@ def test_what_builds_on_a_pruned_allgather_is_pruned_with_it(hvd, monkeypatch):
     if first["allgather"] > first["dense"]:
         assert set(decisions[1][1]) == {"dense"}
     else:
-        assert set(decisions[1][1]) == NAMES - {"dense"}
+        assert set(decisions[1][1]) == {"dense", "allgather"}
     assert set(decisions[2][1]) == {"dense", "allgather"}
     lengths = [len(d[1]) * measured.TRIAL_STEPS for d in decisions]
     assert [d[0] for d in decisions] == [start + length - 1
