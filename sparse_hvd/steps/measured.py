@@ -43,12 +43,13 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
 3. **Re-trials**, since the link and the density can change: during a warm-up, each time the
    density has halved since the last trial (``warmup_trials``: from 10% to 1% a sparse
    exchange often wins long before the warm-up ends, and a short run is mostly warm-up),
-   each of them without the sparse candidates measured over ``PRUNE_AFTER`` x a trial's fastest
-   (on a fast link the sparse exchanges at 25% density took 4-5x dense's step, and their
+   each of them without the sparse candidates measured over ``PRUNE_AFTER`` x a trial's
+   fastest (on a fast link the sparse exchanges at 25% density took 4-5x dense's step, and their
    re-trials made a 250-step run 1.7x slower than dense), without what builds on a pruned
    reference and was not tried with it, and without dense once sparse exchanges beat it in
-   two trials in a row (``_dense_beaten``); at the density policy's first settled step (the warm-up's end), with
-   every candidate worth trying but a beaten dense; then every ``RECHECK_STEPS`` steps, all.
+   two trials in a row (``_dense_beaten``); at the density policy's first settled step (the
+   warm-up's end), with every candidate worth trying but a beaten dense; then every
+   ``RECHECK_STEPS`` steps, all.
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
 exact: the dense candidate sends each sparse-route variable's compensated gradient whole and
