@@ -158,7 +158,7 @@ class Exchange:
         self.grouping = grouping
         self.compression = NONE if compression is None else compression
         self._announce_function = None
-        self._sent = None  # set by _count_sent during a step, handed on by average()
+        self._sent = None  # bytes a coded step sends (_count_sent), handed on by average()
 
     @property
     def method(self) -> str:

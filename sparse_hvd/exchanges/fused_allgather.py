@@ -24,6 +24,8 @@ after backprop.
    collective.
 """
 
+from typing import NamedTuple, Optional
+
 import tensorflow as tf
 
 from ..runtime import collectives, lockstep
@@ -31,6 +33,18 @@ from . import index_coding, value_coding
 from .averaging import average_entries
 from ..feedback.payload import INDEX_BYTES, Payload
 from .base import Exchange, checked_headers, group_positions_by_dtype, header, register
+
+
+class PackedSelections(NamedTuple):
+    """A payload's selections as :meth:`FusedAllgather.pack_selections` packs them."""
+
+    indices: tf.Tensor  # every selection's indices as one int32 tensor (or their code)
+    selections: list  # the selections in the order their values travel
+    counts: list  # int32 entries per selection
+    value_groups: dict  # {dtype: positions in ``selections``}
+    words: list  # one int32 tensor of values per group
+    fields: tf.Tensor  # the int header fields the values need (coded: per group)
+    sent: Optional[tf.Tensor]  # bytes sent, where codes change the payload's count; else None
 
 
 @register("allgather", grouping="grouped")
@@ -65,12 +79,11 @@ class FusedAllgather(Exchange):
         dense = list(payload.dense.items)
         dense_groups, dense_words = self.pack_dense(dense)
         # Step 1: pack
-        indices, selections = self.pack_indices(selections, sizes)
-        counts = [tf.size(s.indices, out_type=tf.int32) for s in selections]
-        value_groups = group_positions_by_dtype([s.values for s in selections])
-        words, value_fields = self.pack_values(selections, counts, value_groups)
-        if self.coded:  # the statistics count the codes' words (else the payload's count)
-            self._count_sent(payload, tf.add_n([tf.size(indices)] + [tf.size(w) for w in words]))
+        packed = self.pack_selections(payload, sizes)
+        indices, selections, counts = packed.indices, packed.selections, packed.counts
+        value_groups, words, value_fields = packed.value_groups, packed.words, packed.fields
+        if packed.sent is not None:  # the statistics count the codes' words
+            self._sent = packed.sent
         fields = tf.concat([tf.stack(counts) if counts else tf.zeros([0], tf.int32),
                             tf.cast(value_fields, tf.int32)], 0)
         self._layout = (fields.shape[0], 1 + len(words) + len(dense_words))
@@ -98,6 +111,19 @@ class FusedAllgather(Exchange):
         averaged_dense = self.unpack_dense(dense, dense_groups, gathered_dense,
                                            payload.dense.keys, step)
         return sparse, averaged_dense, finite, ()
+
+    def pack_selections(self, payload: Payload, sizes) -> PackedSelections:
+        """Step 1 for the sparse route (also the delayed pipeline's, ``steps.staleness``):
+        ``payload``'s selections (``sizes``: their variables' sizes) as they travel."""
+        indices, selections = self.pack_indices(payload.sparse.items, sizes)
+        counts = [tf.size(s.indices, out_type=tf.int32) for s in selections]
+        value_groups = group_positions_by_dtype([s.values for s in selections])
+        words, fields = self.pack_values(selections, counts, value_groups)
+        sent = None
+        if self.coded and selections:
+            sent = self.coded_bytes_sent(payload,
+                                         tf.add_n([tf.size(indices)] + [tf.size(w) for w in words]))
+        return PackedSelections(indices, selections, counts, value_groups, words, fields, sent)
 
     def pack_indices(self, selections, sizes):
         """Every selection's indices as one int32 tensor, and the selections in the order their

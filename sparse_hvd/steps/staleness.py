@@ -31,7 +31,6 @@ import keras
 import tensorflow as tf
 
 from ..exchanges import create as create_exchange
-from ..exchanges.base import group_positions_by_dtype
 from ..feedback.payload import Payload
 from .pipeline import DelayedExchange, PayloadLayout
 
@@ -100,15 +99,12 @@ class DelayedUpdates:
                                coded=self.pipeline.coded and bool(selections))
         code, sent = [], None
         if layout.coded:  # coded here, by the exchange's own (native) passes
-            exchange = self.pipeline.exchange
             sizes = [self._num_elements[index] for index in layout.sparse]
-            index_words, selections = exchange.pack_indices(selections, sizes)
-            counts = [tf.size(s.indices, out_type=tf.int32) for s in selections]
-            groups = group_positions_by_dtype([s.values for s in selections])
-            value_words, fields = exchange.pack_values(selections, counts, groups)
-            layout = layout._replace(value_groups=tuple(tuple(p) for p in groups.values()))
-            code = [index_words] + value_words + [tf.cast(fields, tf.int32)]
-            sent = exchange.coded_bytes_sent(payload, tf.add_n([tf.size(w) for w in code[:-1]]))
+            packed = self.pipeline.exchange.pack_selections(payload, sizes)
+            selections, sent = packed.selections, packed.sent
+            layout = layout._replace(
+                value_groups=tuple(tuple(p) for p in packed.value_groups.values()))
+            code = [packed.indices] + packed.words + [tf.cast(packed.fields, tf.int32)]
         arrays = [t for s in selections for t in (self._as_sent(s.values), s.indices)] + code
         arrays += [tf.reshape(g, [-1]) for g in payload.dense.items]
         tf.numpy_function(functools.partial(self.pipeline.submit, layout),
