@@ -34,7 +34,6 @@ FACTORS = {
 REFUSED = (
     ("staleness", 1, "density", "adaptive"),
     ("staleness", 1, "exchange", "sparse_allreduce"),
-    ("grouping", "layerwise", "exchange", "compact_allgather"),
 )
 
 

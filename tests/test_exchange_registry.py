@@ -20,7 +20,7 @@ def test_every_exchange_is_registered_with_its_groupings():
     assert set(available()) == {"dense", "allgather", "compact_allgather", "sparse_allreduce",
                                 "plain_sparse_allreduce"}
     assert set(groupings_of("allgather")) == {"grouped", "layerwise"}
-    assert set(groupings_of("compact_allgather")) == {"grouped"}
+    assert set(groupings_of("compact_allgather")) == {"grouped", "layerwise"}
     assert set(groupings_of("sparse_allreduce")) == {"grouped", "layerwise"}
     assert set(groupings_of("plain_sparse_allreduce")) == {"grouped", "layerwise"}
     for grouping in ("grouped", "layerwise"):  # the same exchange, blocks coded or not
@@ -28,6 +28,8 @@ def test_every_exchange_is_registered_with_its_groupings():
         assert not exchange_class("plain_sparse_allreduce", grouping).coded
     assert exchange_class("sparse_allreduce", "layerwise").per_layer
     assert exchange_class("allgather", "layerwise").per_layer
+    assert exchange_class("compact_allgather", "layerwise").per_layer
+    assert exchange_class("compact_allgather", "layerwise").coded
     assert not exchange_class("allgather", "grouped").per_layer
     made = create("sparse_allreduce", name="t", compression=None)
     assert made.method == "sparse_allreduce" and made.returns_unsent
@@ -62,7 +64,7 @@ def test_auto_chooses_among_the_exchanges_whose_capabilities_fit():
         "allgather", "compact_allgather", "dense"}  # staleness: what the pipeline can run
     assert set(checks.exchange_candidates("auto", "layerwise", 0, AdaptiveDensity(),
                                       Compression())) == {
-        "allgather", "sparse_allreduce", "dense"}  # the compact allgather is grouped only
+        "allgather", "compact_allgather", "sparse_allreduce", "dense"}
 
 
 def test_auto_takes_the_fastest_and_dense_unless_a_sparse_exchange_clearly_wins():

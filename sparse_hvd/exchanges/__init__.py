@@ -9,6 +9,7 @@ registered under the name ``exchange=`` takes and the ``grouping`` it runs:
 ``"allgather"``               grouped      ``fused_allgather``: one grouped allgather
 ``"allgather"``               layerwise    ``layerwise``: an allgather pair per variable
 ``"compact_allgather"``       grouped      ``compact_allgather``: indices and values coded
+``"compact_allgather"``       layerwise    ``layerwise``: the same, one per variable
 ``"sparse_allreduce"``        grouped      ``sparse_allreduce``: regions summed by owners,
                                            blocks coded (``sparse_blocks``)
 ``"sparse_allreduce"``        layerwise    ``sparse_allreduce``: the same, one per variable

@@ -40,7 +40,6 @@ class CompactAllgather(FusedAllgather):
 
     staleness = True  # the delayed pipeline sends its codes too (module doc)
     coded = True
-    grouping_reason = "its indices are coded as one set over every variable's entries."
     builds_on = "allgather"  # the fused allgather, plus coding and decoding what it sends
 
     def pack_indices(self, selections, sizes):

@@ -15,10 +15,21 @@ control dependencies do not chain them in program order.
 
 No lockstep header: the collectives are per variable, so a rank whose steps differ is caught
 by the stall watchdog instead.
+
+``exchange="compact_allgather"`` with this grouping (:class:`LayerwiseCompactAllgather`): the
+same per-variable collectives, each variable's selection coded on its own (its indices
+Elias-Fano coded among its own entries, its values as ``value_coding`` codes them) and
+gathered with a header (this rank's "finite" flag, its step, the counts and the codes' fields)
+by ONE allgather per variable, named by its key: steps 1-6 of the grouped exchanges' module
+doc (``fused_allgather``, ``compact_allgather``) with one variable each, so the lockstep check
+runs in every variable's collective and the "finite" flags need no collective of their own.
 """
 
-from ..feedback.payload import Payload
+import tensorflow as tf
+
+from ..feedback.payload import INDEX_BYTES, Part, Payload
 from .base import Exchange, register
+from .compact_allgather import CompactAllgather
 
 
 @register("allgather", grouping="layerwise")
@@ -31,3 +42,48 @@ class LayerwiseAllgather(Exchange):
         sparse = self.sparse_average(payload.sparse.items, sizes, payload.sparse.keys, step)
         dense = self.dense_average(payload.dense.items, payload.dense.keys, step)
         return sparse, dense, self.finite_everywhere(payload, step), ()
+
+
+@register("compact_allgather", grouping="layerwise")
+class LayerwiseCompactAllgather(CompactAllgather):
+    """A :class:`CompactAllgather` of its own for each sparse variable (module doc): every
+    collective depends on one variable's gradient only. With ``staleness`` the delayed
+    pipeline codes every variable as one set, as with the grouped exchange (it gathers on its
+    own thread, one collective for everything)."""
+
+    per_layer = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._parts = {}  # build index -> the variable's own CompactAllgather
+
+    def _part(self, key):
+        if key not in self._parts:
+            self._parts[key] = CompactAllgather(f"{self.name}.{key}", self.process_set,
+                                                compression=self.compression)
+        return self._parts[key]
+
+    def _average_many(self, payload: Payload, sizes, step):
+        local_finite = (payload.finite_here(),) if payload.local_finite else ()
+        averages, finite, coded_words = [], [], []
+        for selection, key, n in zip(payload.sparse.items, payload.sparse.keys, sizes):
+            plain = tf.size(selection.indices, out_type=tf.int64) * (
+                INDEX_BYTES + self.compression.itemsize(selection.values.dtype))
+            alone = Payload(sparse=Part((0,), (key,), (selection,)), dense=Part(), rows=Part(),
+                            state_updates=(), local_finite=local_finite, gradients=(),
+                            sent_per_variable=(), dense_bytes=0, bytes_sent=plain,
+                            capped=tf.constant(0, tf.int64))
+            part = self._part(key)
+            average, _, part_finite, _ = part._average_many(alone, [n], step)
+            averages += average
+            finite.append(part_finite)
+            coded_words.append(part._sent // 4)  # ``alone`` sent its selection only: its words
+        if coded_words:
+            self._count_sent(payload, tf.add_n(coded_words))
+        finite = tf.reduce_all(finite) if finite else self.finite_everywhere(payload, step)
+        dense = self.dense_average(payload.dense.items, payload.dense.keys, step)
+        return averages, dense, finite, ()
+
+    @property
+    def traced(self) -> bool:
+        return False  # each variable's collective checks the lockstep fields itself

@@ -16,10 +16,12 @@ HALF = {"float16": np.float16, "bfloat16": tf.bfloat16.as_numpy_dtype}
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("grouping,exchange", [("grouped", "allgather"),
                                                ("grouped", "compact_allgather"),
-                                               ("layerwise", "allgather")])
+                                               ("layerwise", "allgather"),
+                                               ("layerwise", "compact_allgather")])
 def test_every_rank_applies_the_average_of_the_rounded_selections(hvd, name, grouping, exchange):
-    """With the compact allgather the 16-bit values and the indices travel coded: the same
-    bits arrive, and the bytes counted are the codes' words (closed forms in helpers.py)."""
+    """With the compact allgather (either grouping) the 16-bit values and the indices travel
+    coded: the same bits arrive, and the bytes counted are the codes' words (closed forms in
+    helpers.py)."""
     rank, size = hvd.rank(), hvd.size()
     rng = np.random.RandomState(7 + rank)
     big, small = rng.randn(61, 33).astype("float32"), rng.randn(29).astype("float32")  # k odd
