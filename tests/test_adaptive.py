@@ -60,14 +60,14 @@ def test_budget_scales_the_payload_down():
     np.testing.assert_allclose(d, [0.1 * 4000 / payload] * 2 + [1.0] + [0.1 * 4000 / payload])
 
 
-def _model_and_optimizer(policy, grouping="layerwise"):
+def _model_and_optimizer(policy, grouping="layerwise", **options):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
         keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10),
     ])
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(0.05), density=policy, grouping=grouping)
+        keras.optimizers.SGD(0.05), density=policy, grouping=grouping, **options)
     model.compile(optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=False)
     return model, optimizer
@@ -94,6 +94,31 @@ def test_the_policy_measures_the_step_and_re_decides_at_refresh():
         if stats["route"] == "sparse":
             assert stats["last_sent"] == math.ceil(float(np.float32(density)) * stats["elements"])
             assert stats["target_density"] == pytest.approx(density)
+
+
+@pytest.mark.parametrize("exchange,compression", [("allgather", None), ("allgather", "float16"),
+                                                  ("compact_allgather", None),
+                                                  ("compact_allgather", "float16")])
+def test_the_policy_prices_an_entry_as_its_exchange_sends_it(exchange, compression):
+    """The payload a window can hide is divided by what an entry costs on the wire: a value
+    and an int32 index (4 + 4 bytes, 2 + 4 with float16), or coded: the exponent's 8 (float16:
+    5) bits down to value_coding's estimate, the index about 2 + log2(1 / density) bits."""
+    from sparse_hvd.exchanges.value_coding import EXPONENT_BITS
+
+    policy = AdaptiveDensity(0.01)
+    model, optimizer = _model_and_optimizer(policy, exchange=exchange, compression=compression)
+    optimizer.build(model.trainable_variables)
+    value = 2 if compression else 4
+    if exchange == "allgather":
+        expected = value + 4
+    else:
+        exponent = 5 if compression else 8
+        expected = value - (exponent - EXPONENT_BITS) / 8 + (2 + math.log2(100)) / 8
+    sparse = [v["route"] == "sparse" for v in optimizer.layer_stats().values()]
+    costs = [c for c, s in zip(policy._bytes_per_entry, sparse) if s]
+    assert costs and all(c == pytest.approx(expected) for c in costs)
+    if exchange == "compact_allgather":
+        assert expected < 0.6 * (value + 4)  # about twice the entries in the same window
 
 
 def test_adaptive_density_keeps_the_error_feedback_invariant():

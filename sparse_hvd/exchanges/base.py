@@ -207,6 +207,12 @@ class Exchange:
         """``(sparse averages, dense averages, finite, returned)`` with more than one worker."""
         raise NotImplementedError
 
+    def sent_bytes_per_entry(self, density: float, value_bytes: int) -> float:
+        """Bytes one entry this rank sends takes on the wire at ``density`` with
+        ``value_bytes``-byte values: its value and its int32 index (a coded exchange's codes
+        instead). ``AdaptiveDensity`` sizes its layers' payloads by it."""
+        return value_bytes + INDEX_BYTES
+
     def wire_bytes_per_entry(self, density: float, value_bytes: int):
         """Bytes a worker receives per entry each rank sends, with every rank sending a share
         ``density`` of the entries as ``value_bytes``-byte values, or None where that is not

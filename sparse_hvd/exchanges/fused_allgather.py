@@ -35,6 +35,14 @@ from ..feedback.payload import INDEX_BYTES, Payload
 from .base import Exchange, checked_headers, group_positions_by_dtype, header, register
 
 
+def entry_bytes(coded: bool, density: float, value_bytes: int) -> float:
+    """What one sent entry costs on the wire: its value coded (``value_coding``) or as it is,
+    and its index Elias-Fano coded at ``density`` (``index_coding``) or an int32."""
+    if not coded:
+        return value_bytes + INDEX_BYTES
+    return value_coding.coded_bytes(value_bytes) + index_coding.bytes_per_index(density)
+
+
 class PackedSelections(NamedTuple):
     """A payload's selections as :meth:`FusedAllgather.pack_selections` packs them."""
 
@@ -61,17 +69,12 @@ class FusedAllgather(Exchange):
     def traced(self) -> bool:
         return self._layout is not None
 
+    def sent_bytes_per_entry(self, density, value_bytes):
+        return entry_bytes(self.coded, density, value_bytes)
+
     def wire_bytes_per_entry(self, density, value_bytes):
-        """Every other rank's entries: value and int32 index."""
-        return (self.size - 1) * (self._value_bytes(value_bytes) + self._index_bytes(density))
-
-    def _value_bytes(self, value_bytes):
-        """What a value costs on the wire: coded (``value_coding``) or as it is."""
-        return value_coding.coded_bytes(value_bytes) if self.coded else value_bytes
-
-    def _index_bytes(self, density):
-        """What an index costs: Elias-Fano coded (``index_coding``) or an int32."""
-        return index_coding.bytes_per_index(density) if self.coded else INDEX_BYTES
+        """Every other rank's entries, each as :meth:`sent_bytes_per_entry` says."""
+        return (self.size - 1) * self.sent_bytes_per_entry(density, value_bytes)
 
     def _average_many(self, payload: Payload, sizes, step):
         size = self.size

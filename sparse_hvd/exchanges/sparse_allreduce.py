@@ -65,7 +65,7 @@ from ..selection.sparsifiers import spread_positions
 from .averaging import average_entries
 from .base import HEADER_FIELDS, Exchange, checked_headers, header, register
 from .compression import NONE
-from .fused_allgather import FusedAllgather
+from .fused_allgather import FusedAllgather, entry_bytes
 from .owner_sums import owner_sums
 from .sparse_blocks import CodedBlocks, PlainBlocks
 
@@ -366,8 +366,7 @@ class SparseAllreduceExchange(FusedAllgather):
 
     def wire_bytes_per_entry(self, density, value_bytes):
         """Ok-Topk's lower bound: 2 (N - 1) / N entries a sent entry (regions, then sums)."""
-        return 2 * (self.size - 1) / self.size * (self._value_bytes(value_bytes)
-                                                  + self._index_bytes(density))
+        return 2 * (self.size - 1) / self.size * self.sent_bytes_per_entry(density, value_bytes)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -416,6 +415,9 @@ class LayerwiseSparseAllreduce(Exchange):
     staleness = False
     returns_unsent = True
     coded = True
+
+    def sent_bytes_per_entry(self, density, value_bytes):
+        return entry_bytes(self.coded, density, value_bytes)
 
     def build(self, optimizer, routes):
         self.parts = {}

@@ -26,7 +26,6 @@ import tensorflow as tf
 
 from ..runtime import collectives, startup as runtime
 from .density import DensityPolicy, elements_to_send, register_density_policy, validate_density
-from ..feedback.payload import INDEX_BYTES
 
 DEFAULT_PROBE_BYTES = (4096, 65536, 524288, 2097152)  # for the probe functions called alone
 
@@ -205,7 +204,11 @@ class AdaptiveDensity(DensityPolicy):
         self._name = f"sparse_hvd.{optimizer.name}.lags"
         self._process_set = optimizer.process_set
         self._num_elements = [r.num_elements for r in routes]
-        self._bytes_per_entry = [r.itemsize + INDEX_BYTES for r in routes]
+        # what an entry of this exchange takes on the wire (coded exchanges: about half of a
+        # value and an int32 index), at the density the policy aims at
+        exchange = optimizer._exchange  # exchange="auto": the allgather it starts from
+        self._bytes_per_entry = [exchange.sent_bytes_per_entry(self.final_density, r.itemsize)
+                                 for r in routes]
         self._sparse = [r.sparse for r in routes]
         self._probe_sizes = self.probe_bytes or probe_sizes_for(
             [elements_to_send(n, self.final_density) * b
