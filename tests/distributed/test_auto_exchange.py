@@ -27,7 +27,7 @@ def whole_turns(monkeypatch):
 
 
 def train(name, steps, momentum_correction=0.0, compression="none", density=0.05,
-          per_mode=False):
+          per_mode=False, grouping="grouped"):
     """``steps`` steps of exchange="auto" on this rank's gradients (tests/option_matrix.py), in
     a ``tf.function`` or (``per_mode``) a ``sparse_hvd.function``; returns the optimizer, the
     weights and the layer statistics after each step."""
@@ -38,7 +38,8 @@ def train(name, steps, momentum_correction=0.0, compression="none", density=0.05
 
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(1.0), density=density, warmup_steps=0, exchange="auto",
-        momentum_correction=momentum_correction, compression=compression, name=name)
+        momentum_correction=momentum_correction, compression=compression, grouping=grouping,
+        name=name)
     big = keras.Variable(np.zeros(BIG, "float32"))
     small = keras.Variable(np.zeros(SMALL, "float32"))
 
@@ -182,19 +183,21 @@ def test_dense_beaten_twice_sits_out_the_warmup_until_the_recheck(hvd, monkeypat
     _conservation(hvd, optimizer, weights, steps, "none")
 
 
-@pytest.mark.parametrize("forced,compression,momentum", [
-    ("compact_allgather", "float16", 0.0), ("dense", "none", 0.9)])
+@pytest.mark.parametrize("forced,compression,momentum,grouping", [
+    ("compact_allgather", "float16", 0.0, "grouped"), ("dense", "none", 0.9, "grouped"),
+    ("compact_allgather", "none", 0.0, "layerwise")])
 def test_the_chosen_exchange_runs_after_the_trial(hvd, monkeypatch, forced, compression,
-                                                  momentum):
+                                                  momentum, grouping):
     """With the decision rule forced, the steps after the trial run that exchange (the layer
     statistics say so; dense sends every entry), replicas stay identical, and nothing is lost
     across the switches (16-bit values; momentum correction, whose dense steps send the whole
-    velocity plus residual and clear both)."""
+    velocity plus residual and clear both; the layer-wise coded allgather)."""
     if hvd.gloo_enabled() and not os.environ.get("SPARSE_HVD_FULL_SUITE"):
         pytest.skip("the MPI job runs these (the suite's time budget)")
     monkeypatch.setattr(measured, "decide", lambda seconds, names: names.index(forced))
-    name = f"auto_forced_{forced}"
-    optimizer, weights, stats = train(name, STEPS, momentum, compression)
+    name = f"auto_forced_{forced}_{grouping}"
+    optimizer, weights, stats = train(name, STEPS, momentum, compression, grouping=grouping)
+    assert optimizer._step.current_exchange().per_layer == (grouping == "layerwise")
     assert optimizer.exchange_decisions[0][2] == forced
     big = stats[-1][next(iter(stats[-1]))]
     assert big["exchange"] == forced
