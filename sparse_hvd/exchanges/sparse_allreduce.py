@@ -296,8 +296,12 @@ class SparseAllreduce:
         cut, next_theta, next_lead = next_thresholds(
             thresholds, tf.gather_nd(tf.convert_to_tensor(self.lead), positions), magnitudes,
             cuts, level_counts, tf.stack([tf.cast(budgets[j], tf.int32) for j in order]))
-        applied = magnitudes >= tf.repeat(cut, cuts[1:] - cuts[:-1])
-        kept, kept_values = tf.boolean_mask(kept, applied), tf.boolean_mask(kept_values, applied)
+        # each kept entry's variable: how many of the variables' ends it is at or past (two
+        # ops, where tf.repeat of the cuts and tf.boolean_mask traced about 100)
+        variable_of = tf.searchsorted(cuts[1:], tf.range(tf.size(magnitudes), dtype=cuts.dtype),
+                                      side="right")
+        applied = tf.reshape(tf.where(magnitudes >= tf.gather(cut, variable_of)), [-1])
+        kept, kept_values = tf.gather(kept, applied), tf.gather(kept_values, applied)
         cuts = tf.searchsorted(kept, tf.concat([starts, [tf.int32.max]], 0), side="left")
         per_variable = tf.reshape(cuts[1:] - cuts[:-1], [1, len(keys)])
         local = kept - tf.gather(starts, tf.searchsorted(starts, kept, side="right") - 1)
