@@ -91,6 +91,14 @@ class Result(NamedTuple):
     sent_words: tf.Tensor  # int32 words of this rank's blocks of its selections (step 2)
 
 
+def sorted_search(sorted_sequence, values, side):
+    """``tf.searchsorted`` of 1-D tensors (int32 positions) as the one op it wraps: the
+    wrapper's reshapes for N-D inputs traced about 20 operations a call, six calls a step."""
+    search = tf.raw_ops.LowerBound if side == "left" else tf.raw_ops.UpperBound
+    return search(sorted_inputs=sorted_sequence[tf.newaxis], values=values[tf.newaxis],
+                  out_type=tf.int32)[0]
+
+
 def even_boundaries(total: int, parts: int) -> List[int]:
     """``parts + 1`` cut points of [0, total) into regions of (nearly) equal length."""
     return [total * j // parts for j in range(parts + 1)]
@@ -100,7 +108,7 @@ def owners_of(indices, boundaries):
     """The region (rank) of each global index: ``boundaries[r] <= i < boundaries[r + 1]``.
     Empty regions (equal cut points) own nothing."""
     inner = boundaries[1:-1]
-    return tf.cast(tf.searchsorted(inner, indices, side="right"), tf.int32)
+    return sorted_search(inner, indices, "right")
 
 
 def kth_largest(magnitudes, cuts, k):
@@ -166,7 +174,7 @@ def not_applied(indices, applied):
         return native(indices, applied)
     last = tf.maximum(tf.size(applied) - 1, 0)
     padded = tf.concat([applied, [-1]], 0)  # never equal to an index: nothing applied at all
-    at = tf.minimum(tf.searchsorted(applied, indices, side="left"), last)
+    at = tf.minimum(sorted_search(applied, indices, "left"), last)
     at = tf.where(tf.size(applied) > 0, at, tf.size(applied))
     return tf.not_equal(tf.gather(padded, at), indices)
 
@@ -290,21 +298,20 @@ class SparseAllreduce:
         # Step 6: for every variable at once (a slice of the ascending kept entries each), the
         # next threshold and what is applied: the k largest kept sums (ties included), or all
         # of them if fewer were kept
-        cuts = tf.searchsorted(kept, tf.concat([starts, [tf.int32.max]], 0), side="left")
+        cuts = sorted_search(kept, tf.concat([starts, [tf.int32.max]], 0), "left")
         positions = [[keys[j]] for j in order]
         magnitudes = tf.abs(tf.cast(kept_values, tf.float64))
         cut, next_theta, next_lead = next_thresholds(
             thresholds, tf.gather_nd(tf.convert_to_tensor(self.lead), positions), magnitudes,
             cuts, level_counts, tf.stack([tf.cast(budgets[j], tf.int32) for j in order]))
-        # each kept entry's variable: how many of the variables' ends it is at or past (two
+        # each kept entry's variable: how many of the variables' ends it is at or past (a few
         # ops, where tf.repeat of the cuts and tf.boolean_mask traced about 100)
-        variable_of = tf.searchsorted(cuts[1:], tf.range(tf.size(magnitudes), dtype=cuts.dtype),
-                                      side="right")
+        variable_of = sorted_search(cuts[1:], tf.range(tf.size(magnitudes)), "right")
         applied = tf.reshape(tf.where(magnitudes >= tf.gather(cut, variable_of)), [-1])
         kept, kept_values = tf.gather(kept, applied), tf.gather(kept_values, applied)
-        cuts = tf.searchsorted(kept, tf.concat([starts, [tf.int32.max]], 0), side="left")
+        cuts = sorted_search(kept, tf.concat([starts, [tf.int32.max]], 0), "left")
         per_variable = tf.reshape(cuts[1:] - cuts[:-1], [1, len(keys)])
-        local = kept - tf.gather(starts, tf.searchsorted(starts, kept, side="right") - 1)
+        local = kept - tf.gather(starts, sorted_search(starts, kept, "right") - 1)
         in_order = average_entries(local, kept_values, per_variable, range(len(keys)),
                                    [sizes[j] for j in order], size)
         averages = [None] * len(keys)
