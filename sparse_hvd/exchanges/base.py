@@ -34,6 +34,7 @@ import tensorflow as tf
 from ..runtime import collectives, lockstep, startup as runtime
 from ..feedback import nonfinite
 from .averaging import average_entries, divided, sum_rows_in_order
+from . import index_coding, value_coding
 from .compression import NONE
 from ..feedback.payload import INDEX_BYTES, Payload, entries_in
 from ..selection.sparsifiers import Selection
@@ -150,6 +151,7 @@ class Exchange:
     # bytes: exchange="auto" tries it only where its fewer bytes could pay for that (None: always)
     builds_on = None
     auto_candidate = True  # exchange="auto" may choose it
+    coded = False  # its indices and values travel coded (index_coding, value_coding)
     grouping_reason = ""  # why the other grouping is not registered (for the message)
 
     def __init__(self, name: str, process_set=None, grouping="grouped", compression=None):
@@ -209,9 +211,12 @@ class Exchange:
 
     def sent_bytes_per_entry(self, density: float, value_bytes: int) -> float:
         """Bytes one entry this rank sends takes on the wire at ``density`` with
-        ``value_bytes``-byte values: its value and its int32 index (a coded exchange's codes
-        instead). ``AdaptiveDensity`` sizes its layers' payloads by it."""
-        return value_bytes + INDEX_BYTES
+        ``value_bytes``-byte values: its value and its int32 index, or with ``coded`` the
+        value's code and the index's Elias-Fano code at that density. ``AdaptiveDensity``
+        sizes its layers' payloads by it."""
+        if not self.coded:
+            return value_bytes + INDEX_BYTES
+        return value_coding.coded_bytes(value_bytes) + index_coding.bytes_per_index(density)
 
     def wire_bytes_per_entry(self, density: float, value_bytes: int):
         """Bytes a worker receives per entry each rank sends, with every rank sending a share

@@ -29,18 +29,9 @@ from typing import NamedTuple, Optional
 import tensorflow as tf
 
 from ..runtime import collectives, lockstep
-from . import index_coding, value_coding
 from .averaging import average_entries
-from ..feedback.payload import INDEX_BYTES, Payload
+from ..feedback.payload import Payload
 from .base import Exchange, checked_headers, group_positions_by_dtype, header, register
-
-
-def entry_bytes(coded: bool, density: float, value_bytes: int) -> float:
-    """What one sent entry costs on the wire: its value coded (``value_coding``) or as it is,
-    and its index Elias-Fano coded at ``density`` (``index_coding``) or an int32."""
-    if not coded:
-        return value_bytes + INDEX_BYTES
-    return value_coding.coded_bytes(value_bytes) + index_coding.bytes_per_index(density)
 
 
 class PackedSelections(NamedTuple):
@@ -59,7 +50,6 @@ class PackedSelections(NamedTuple):
 class FusedAllgather(Exchange):
     """Steps 1-6 of the module doc."""
 
-    coded = False  # its indices and values travel coded (a subclass's)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -68,9 +58,6 @@ class FusedAllgather(Exchange):
     @property
     def traced(self) -> bool:
         return self._layout is not None
-
-    def sent_bytes_per_entry(self, density, value_bytes):
-        return entry_bytes(self.coded, density, value_bytes)
 
     def wire_bytes_per_entry(self, density, value_bytes):
         """Every other rank's entries, each as :meth:`sent_bytes_per_entry` says."""

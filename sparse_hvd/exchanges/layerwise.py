@@ -27,7 +27,7 @@ runs in every variable's collective and the "finite" flags need no collective of
 
 import tensorflow as tf
 
-from ..feedback.payload import INDEX_BYTES, Part, Payload
+from ..feedback.payload import Part, Payload
 from .base import Exchange, register
 from .compact_allgather import CompactAllgather
 
@@ -65,21 +65,21 @@ class LayerwiseCompactAllgather(CompactAllgather):
 
     def _average_many(self, payload: Payload, sizes, step):
         local_finite = (payload.finite_here(),) if payload.local_finite else ()
-        averages, finite, coded_words = [], [], []
+        nothing = tf.constant(0, tf.int64)
+        averages, finite, changes = [], [], []
         for selection, key, n in zip(payload.sparse.items, payload.sparse.keys, sizes):
-            plain = tf.size(selection.indices, out_type=tf.int64) * (
-                INDEX_BYTES + self.compression.itemsize(selection.values.dtype))
+            # counted from 0 bytes, a part's count is what its codes change of the payload's
             alone = Payload(sparse=Part((0,), (key,), (selection,)), dense=Part(), rows=Part(),
                             state_updates=(), local_finite=local_finite, gradients=(),
-                            sent_per_variable=(), dense_bytes=0, bytes_sent=plain,
-                            capped=tf.constant(0, tf.int64))
+                            sent_per_variable=(), dense_bytes=0, bytes_sent=nothing,
+                            capped=nothing)
             part = self._part(key)
             average, _, part_finite, _ = part._average_many(alone, [n], step)
             averages += average
             finite.append(part_finite)
-            coded_words.append(part._sent // 4)  # ``alone`` sent its selection only: its words
-        if coded_words:
-            self._count_sent(payload, tf.add_n(coded_words))
+            changes.append(part._sent)
+        if changes:
+            self._sent = payload.bytes_sent + tf.add_n(changes)
         finite = tf.reduce_all(finite) if finite else self.finite_everywhere(payload, step)
         dense = self.dense_average(payload.dense.items, payload.dense.keys, step)
         return averages, dense, finite, ()

@@ -65,7 +65,7 @@ from ..selection.sparsifiers import spread_positions
 from .averaging import average_entries
 from .base import HEADER_FIELDS, Exchange, checked_headers, header, register
 from .compression import NONE
-from .fused_allgather import FusedAllgather, entry_bytes
+from .fused_allgather import FusedAllgather
 from .owner_sums import owner_sums
 from .sparse_blocks import CodedBlocks, PlainBlocks
 
@@ -426,9 +426,6 @@ class LayerwiseSparseAllreduce(Exchange):
     staleness = False
     returns_unsent = True
     coded = True
-
-    def sent_bytes_per_entry(self, density, value_bytes):
-        return entry_bytes(self.coded, density, value_bytes)
 
     def build(self, optimizer, routes):
         self.parts = {}
