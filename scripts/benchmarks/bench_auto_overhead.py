@@ -54,7 +54,7 @@ def main(argv=None):
 
     sparse_hvd.init()
     rank = sparse_hvd.rank()
-    measured.decide = lambda seconds, names: names.index(args.choice)
+    measured.decide = lambda seconds, names, margin: names.index(args.choice)
     if args.try_all:
         measured.within_reach = lambda *numbers: True
     rng = np.random.default_rng(rank)

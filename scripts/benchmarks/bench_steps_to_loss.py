@@ -113,6 +113,9 @@ METHODS = {
     "default_margin_1.2": ("the defaults with auto's previous dense margin: a sparse step must "
                            "be 1.2x faster than dense's, not 1.5x (DENSE_WITHIN = 0.2)",
                            {"density": 0.01, "dense_within": 0.2}),
+    "default_whole_margin": ("the defaults with auto's previous rule: the warm-up's trials "
+                             "ask the whole 1.5x margin too (NOISE_WITHIN = DENSE_WITHIN)",
+                             {"density": 0.01, "noise_within": 0.5}),
     "per_layer": ("the warm-up with a budget per layer (budget='layer': the previous default)",
                   {"density": 0.01, "budget": "layer"}),
     "per_layer_0.001": ("the previous default at 0.1%", {"density": 0.001, "budget": "layer"}),
@@ -208,7 +211,8 @@ def options_for(workload, method, steps):
         return {"inner": inner, "wrapper": None}
     wrapper = json.loads(json.dumps(wrapper))
     inner.update(wrapper.pop("inner", {}))
-    dense_within = wrapper.pop("dense_within", None)
+    margins = {key: wrapper.pop(key) for key in ("dense_within", "noise_within")
+               if key in wrapper}
     density = wrapper.get("density")
     if isinstance(density, dict):
         config = density["config"]
@@ -216,8 +220,8 @@ def options_for(workload, method, steps):
             if key in config:
                 config[key] = resolve_steps(config[key], steps)
     options = {"inner": inner, "wrapper": {"name": f"sparse_{method.replace('.', '_')}", **wrapper}}
-    if dense_within is not None:
-        options["dense_within"] = dense_within  # auto's margin (steps.measured.DENSE_WITHIN)
+    # auto's margins (steps.measured.DENSE_WITHIN, NOISE_WITHIN)
+    options.update(margins)
     return options
 
 

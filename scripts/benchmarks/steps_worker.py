@@ -96,10 +96,12 @@ def main(argv=None):
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     rank, size = sparse_hvd.rank(), sparse_hvd.size()
     options = json.loads(args.options)
-    if "dense_within" in options:  # auto's dense margin, read at each decision
-        import sparse_hvd.steps.measured
+    import sparse_hvd.steps.measured
 
+    if "dense_within" in options:  # auto's dense margin, read when the optimizer is built
         sparse_hvd.steps.measured.DENSE_WITHIN = options["dense_within"]
+    if "noise_within" in options:  # the smallest margin a warm-up's trial asks
+        sparse_hvd.steps.measured.NOISE_WITHIN = options["noise_within"]
     workload = WORKLOADS[args.workload]
     data = workload.load(rank, size)
 

@@ -39,7 +39,11 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    margin of 1.2 the LSTM at 4 workers on 1 Gbit/s links, whose sparse step is at best about
    1.2x cheaper, reached dense's loss 0.81x as fast as dense; where a sparse exchange pays, on
    a link slower than the compute, its step is 2.6-4x cheaper
-   (``docs/time_to_loss_previous.md``). Rank 0 logs the times and the choice.
+   (``docs/time_to_loss_previous.md``). A warm-up's trials ask less (``dense_margin``: the
+   margin shrinks with the square root of the settled density over the trial's, to 1.15x at
+   the least), since their steps run at a density where a sparse step loses fewer steps; the
+   trial at the warm-up's end and the re-checks ask the whole margin. Rank 0 logs the times,
+   the margin and the choice.
 3. **Re-trials**, since the link and the density can change: during a warm-up, each time the
    density has halved since the last trial (``warmup_trials``: from 10% to 1% a sparse
    exchange often wins long before the warm-up ends, and a short run is mostly warm-up),
@@ -60,6 +64,7 @@ thresholds) is not checkpointed: the format does not depend on the candidates, a
 restored job measures again.
 """
 
+import math
 from typing import List
 
 import numpy as np
@@ -69,6 +74,8 @@ from ..feedback.preparation import tensor_parts
 from ..runtime import collectives, log, startup as runtime
 from .candidates import Plan, dense_bytes_per_entry, plans_for, warmup_trials  # noqa: F401
 from .strategies import SynchronousStep
+from .trial_rules import (SAVING, decide, decision_message, median_of_samples,  # noqa: F401
+                          sparse_can_win, within_reach, worth_trying)
 
 TRIAL_STEPS = 4  # steps each candidate runs in a trial; the first is not timed
 RECHECK_STEPS = 1000  # a new trial this many steps after a decision
@@ -76,82 +83,28 @@ DENSE_WITHIN = 0.5  # dense wins unless a sparse exchange's step is faster by mo
 PRUNE_AFTER = 2.0  # a warm-up re-trial skips candidates slower than this x the fastest
 FIRST = -1  # MeasuredChoiceStep.traced: the plan before the first trial
 ABORT_AFTER = 2.0  # a candidate's turn ends at a timed step slower than this x the best so far
-SAVING = 0.05  # a candidate that builds on another is tried only if it could save this share
 BEATEN_TRIALS = 2  # dense sits out the warm-up's later trials after losing this many in a row
+NOISE_WITHIN = 0.15  # the smallest margin: a trial's medians on shared cores vary about this much
 
 
-def worth_trying(plans, density, value_bytes) -> List[bool]:
-    """Which plans a trial at ``density`` runs: not a sparse exchange whose bytes on the wire
-    alone (``Exchange.wire_bytes_per_entry``) are at least dense's over ``1 + DENSE_WITHIN``.
-    Such an exchange cannot win: with the step's compute c and dense's transfer t, it would
-    need ``m (c + r t) < c + t`` for the margin m = 1 + DENSE_WITHIN, impossible for a ratio
-    r of their bytes at or above 1/m (and its CPU work only adds). (At 8 workers and 25%
-    density the allgather moved 2x dense's bytes and ran at 2x dense's step.)"""
-    limit = dense_bytes_per_entry(plans[0].exchange.size, value_bytes) / (1 + DENSE_WITHIN)
-    keep = []
-    for plan in plans:
-        per_entry = plan.exchange.wire_bytes_per_entry(density, value_bytes)  # dense: None
-        keep.append(per_entry is None or density * per_entry < limit)
-    return keep if any(keep) else [True] * len(plans)
+def dense_margin(density, settled_density) -> float:
+    """How much faster than dense's a sparse step must be to run, decided at a trial whose
+    density is ``density`` in a run that settles at ``settled_density`` (step 2).
 
-
-def sparse_can_win(step_seconds, compute_seconds) -> bool:
-    """Whether some exchange could make dense's step (``step_seconds``, of which
-    ``compute_seconds`` are not its exchange) faster by more than ``DENSE_WITHIN``: at best a
-    sparse step costs the compute alone."""
-    return step_seconds > (1 + DENSE_WITHIN) * compute_seconds
-
-
-def within_reach(candidate_bytes, reference_seconds, reference_bytes, dense_seconds,
-                 dense_compute, dense_bytes) -> bool:
-    """Whether a candidate that builds on the reference exchange (``Exchange.builds_on``: its
-    work and more, to send ``candidate_bytes`` per entry of the model instead of
-    ``reference_bytes``) could become the choice, from the trial's medians so far: the
-    reference's step, and dense's step, compute and bytes per entry.
-
-    1. Its step is at least the reference's less what its fewer bytes save on the link,
-       priced at dense's exchange time per byte (``dense_seconds - dense_compute`` over
-       ``dense_bytes``: an over-estimate of the link's cost per byte, since dense's exchange
-       also holds its fixed costs, so the bound errs towards trying).
-    2. It could become the choice only if that bound beats dense by more than
-       ``DENSE_WITHIN`` and the reference by more than ``SAVING``.
-
-    None for a byte count: not known, so within reach."""
-    if None in (candidate_bytes, reference_bytes) or dense_bytes <= 0:
-        return True
-    price = max(dense_seconds - dense_compute, 0.0) / dense_bytes
-    lower = reference_seconds - max(reference_bytes - candidate_bytes, 0.0) * price
-    return (lower * (1 + DENSE_WITHIN) < dense_seconds
-            and lower * (1 + SAVING) < reference_seconds)
-
-
-def decide(seconds, names) -> int:
-    """Step 2: the index of the chosen candidate given each one's time (seconds)."""
-    fastest = min(range(len(names)), key=lambda i: (seconds[i], names[i]))
-    if "dense" in names:
-        dense = names.index("dense")
-        if seconds[dense] <= seconds[fastest] * (1 + DENSE_WITHIN):
-            return dense
-    return fastest
-
-
-def _median(samples):
-    """The median of a trial's ``TRIAL_STEPS - 1`` timed samples (the last axis; NumPy)."""
-    return np.sort(samples, axis=-1)[..., (TRIAL_STEPS - 1) // 2]
-
-
-def decision_message(step, names, choice, times, compute, alone) -> str:
-    """Rank 0's line for a decision; ``alone``: only dense ran, because of its compute."""
-    why = ""
-    if alone:
-        why = (f"; {compute * 1e3:.1f} ms of dense's step are compute, so no exchange "
-               f"can make it {1 + DENSE_WITHIN:g}x faster: the others were not tried")
-    elif "dense" in times:
-        why = f"; dense's compute {compute * 1e3:.1f}"
-    untried = [name for name in names if name not in times]
-    why += f"; not tried: {', '.join(untried)}" if untried and not alone else ""
-    medians = ", ".join(f"{n} {t * 1e3:.1f}" for n, t in times.items())
-    return f"exchange='auto' at step {step}: {names[choice]} (median ms a step: {medians}{why})"
+    ``DENSE_WITHIN`` prices the extra steps a sparse run needs at its settled density. A
+    warm-up trial decides the steps until the next one, all at a higher density, where error
+    feedback holds each entry back for fewer steps and a sparse step loses less per step:
+    whole runs at 5% needed 1.04x dense's steps on the CNN (1.26x at 1%) and 1.26x on the
+    character LSTM (at 1% it never reached dense's loss; ``docs/steps_to_loss_ablations.md``).
+    So the margin shrinks with the square root of the densities' ratio (slower than those
+    measurements, erring towards dense), down to ``NOISE_WITHIN``, below which a trial's
+    noise would decide. The settled density and the later re-checks keep the whole margin.
+    (On the wide CNN at 8 workers and 1 Gbit/s the allgather's step at 4.6% was 1.40-1.45x
+    faster than dense's, and the whole margin ran those 60 steps dense.)"""
+    if density <= settled_density or settled_density <= 0:
+        return DENSE_WITHIN
+    scaled = DENSE_WITHIN * math.sqrt(settled_density / density)
+    return min(DENSE_WITHIN, max(NOISE_WITHIN, scaled))
 
 
 class MeasuredChoiceStep(SynchronousStep):
@@ -201,9 +154,13 @@ class MeasuredChoiceStep(SynchronousStep):
             starts = [1] + retrials
             self.gate_densities = [float(policy.current_density(0, start)) if settled
                                    else float(policy.final_density) for start in starts]
+            # each trial's margin over dense (its density's ``dense_margin``)
+            self.gate_margins = [dense_margin(density, float(policy.final_density))
+                                 for density in self.gate_densities]
         self.gate_starts = np.array(starts, np.int64)
-        self.gates = np.array([worth_trying(self.plans, density, value_bytes)
-                               for density in self.gate_densities], np.bool_)
+        self.gates = np.array([worth_trying(self.plans, density, value_bytes, margin)
+                               for density, margin in zip(self.gate_densities,
+                                                          self.gate_margins)], np.bool_)
         self.warmup_trials = retrials
         # the trials' own numbers, on the host (the same on every rank), not checkpointed
         self.trial_row = 0  # the next trial's row in the gates
@@ -333,28 +290,30 @@ class MeasuredChoiceStep(SynchronousStep):
             self.samples[candidate, slot] = elapsed
         start -= skipped
         turn_done = slot + skipped == last_slot
-        median = _median(self.samples[candidate])
+        median = median_of_samples(self.samples[candidate])
         if turn_done:
             self.best = min(self.best, median)
         hopeless = False
         if self.dense_index is not None:
             if candidate == self.dense_index:
                 self.computes[slot] = compute
-            compute = _median(self.computes)
+            compute = median_of_samples(self.computes)
+            margin = self.gate_margins[self.trial_row]
             hopeless = (turn_done and candidate == self.dense_index
-                        and not sparse_can_win(median, compute))
+                        and not sparse_can_win(median, compute, margin))
             if (turn_done and candidate == self.reference_index and any(self.bounded)
                     and trying[self.dense_index]):
-                trying &= self._within_reach(median, _median(self.samples[self.dense_index]),
-                                             compute, self.gate_densities[self.trial_row])
+                dense = median_of_samples(self.samples[self.dense_index])
+                trying &= self._within_reach(median, dense, compute,
+                                             self.gate_densities[self.trial_row], margin)
         length = int(np.count_nonzero(trying)) * TRIAL_STEPS
         if (turn_done and int(phase) + skipped == length - 1) or hopeless:
             start, choice, trying = self._decide(hopeless, int(step), trying)
         return np.int64(start), np.int32(choice), trying
 
-    def _within_reach(self, reference_seconds, dense_seconds, compute, density):
-        """``within_reach`` for each plan (host): True for those that do not build on the
-        reference."""
+    def _within_reach(self, reference_seconds, dense_seconds, compute, density, margin):
+        """``within_reach`` for each plan (host), at the trial's ``density`` and ``margin``:
+        True for those that do not build on the reference."""
         density = float(density)
         dense_bytes = dense_bytes_per_entry(self.plans[0].exchange.size, self.value_bytes)
 
@@ -365,7 +324,8 @@ class MeasuredChoiceStep(SynchronousStep):
         reference = sent(self.plans[self.reference_index])
         return np.array([not self.bounded[i] or within_reach(
             sent(plan), float(reference_seconds), reference, float(dense_seconds),
-            float(compute), dense_bytes) for i, plan in enumerate(self.plans)], np.bool_)
+            float(compute), dense_bytes, margin) for i, plan in enumerate(self.plans)],
+            np.bool_)
 
     def _branch(self, plan, grads_and_vars):
         """The step with ``plan``'s exchange, ending in its timestamp. A plan with routes for
@@ -422,15 +382,18 @@ class MeasuredChoiceStep(SynchronousStep):
         count = len(self.plans)
         if hopeless:
             trying = np.arange(count) == self.dense_index
-        medians = np.where(trying, _median(self.samples), np.inf)
+        medians = np.where(trying, median_of_samples(self.samples), np.inf)
         self.best = np.inf
         names = [plan.name for plan in self.plans]
-        choice = decide([float(s) for s in medians], names)
+        seconds = [float(s) for s in medians]
+        margin = self.gate_margins[self.trial_row]
+        choice = decide(seconds, names, margin)
         times = {name: float(s) for name, s in zip(names, medians) if np.isfinite(s)}
         self.decisions.append((step, times, names[choice]))
         if runtime.rank(self.optimizer.process_set) == 0:
-            log.info("%s", decision_message(step, names, choice, times,
-                                            _median(self.computes), hopeless))
+            compute = median_of_samples(self.computes)
+            log.info("%s", decision_message(step, names, choice, times, compute, hopeless,
+                                            margin))
         upcoming = [start for start in self.warmup_trials if start > step]
         following = upcoming[0] if upcoming else step + RECHECK_STEPS
         # within the warm-up only those that can still win: halving the density at most
@@ -447,8 +410,11 @@ class MeasuredChoiceStep(SynchronousStep):
             orphaned = np.array(self.bounded) & ~trying
             pruned |= orphaned & pruned[self.reference_index]
         self.pruned = pruned
+        # beaten: by the whole margin, which the warm-up's last trial will ask (a sparse
+        # exchange chosen by a warm-up trial's smaller one may still lose there)
         if self.dense_index is not None and self._dense_beaten(
-                trying[self.dense_index], choice != self.dense_index, bool(upcoming)):
+                trying[self.dense_index],
+                decide(seconds, names, DENSE_WITHIN) != self.dense_index, bool(upcoming)):
             pruned = pruned | (np.arange(count) == self.dense_index)
         # and only those whose bytes can win at the next trial's density (``worth_trying``)
         self.trial_row = max(int(np.sum(self.gate_starts <= following)) - 1, 0)

@@ -2,6 +2,7 @@
 every rank, the chosen exchange running afterwards, bit-identical replicas and the
 conservation identity across the switches (steps.measured)."""
 
+import math
 import os
 
 import numpy as np
@@ -22,7 +23,7 @@ def whole_turns(monkeypatch):
     builds on the allgather (the schedules below are closed-form) unless a test sets
     ``ABORT_AFTER``, ``sparse_can_win`` or ``within_reach`` itself."""
     monkeypatch.setattr(measured, "ABORT_AFTER", np.inf)
-    monkeypatch.setattr(measured, "sparse_can_win", lambda step, compute: True)
+    monkeypatch.setattr(measured, "sparse_can_win", lambda step, compute, margin: True)
     monkeypatch.setattr(measured, "within_reach", lambda *numbers: True)
 
 
@@ -106,7 +107,7 @@ def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd, per_mo
     decided_at, times, choice = optimizer.exchange_decisions[0]
     assert decided_at == CANDIDATES * measured.TRIAL_STEPS  # the trial's last step
     assert list(times) == names
-    assert choice == names[measured.decide(list(times.values()), names)]
+    assert choice == names[measured.decide(list(times.values()), names, measured.DENSE_WITHIN)]
     everyone = gather(hvd, (times, choice), name=f"auto_trial_{per_mode}.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
     assert stats[-1][next(iter(stats[-1]))]["exchange"] == choice
@@ -127,8 +128,8 @@ def test_a_warmup_is_tried_again_as_its_density_halves(hvd, monkeypatch, prune_a
     """16% -> 1% over 80 steps halves the density every 20 steps: trials start at step 1, at
     step 33 (the first halving at least two 16-step trials after the first) and at the warm-up's
     end (80); the one at 33 runs dense and the sparse candidates within PRUNE_AFTER of the first
-    trial's fastest, the last one every candidate; each decides in its last step, identically
-    on every rank."""
+    trial's fastest, the last one every candidate; each decides in its last step, by the margin
+    of its density (``dense_margin``), identically on every rank."""
     import sparse_hvd
 
     monkeypatch.setattr(measured, "PRUNE_AFTER", prune_after)
@@ -143,9 +144,18 @@ def test_a_warmup_is_tried_again_as_its_density_halves(hvd, monkeypatch, prune_a
     assert set(first) == NAMES and set(decisions[1][1]) == within | {"dense"}
     if prune_after == 1.0:
         assert len(within) == 1 and decisions[1][2] in within | {"dense"}
-    # dense sits out the warm-up's last trial only if sparse exchanges were chosen over it in
-    # both trials before (its one loss may be a slow turn)
-    beaten = all("dense" in d[1] and d[2] != "dense" for d in decisions[:2])
+    # each trial's margin over dense: 0.5 x sqrt(1% / the trial's density), at least 0.15,
+    # the whole 0.5 at the warm-up's end (the density 16% x (1/16)^(s/80) at step s: 15.5%
+    # at 1, 5.1% at 33, 1% at 80; the margins 1.15x, 1.22x, 1.5x)
+    densities = [0.16 * (1 / 16) ** (start / 80) for start in (1, 33)]
+    margins = [max(0.15, 0.5 * math.sqrt(0.01 / d)) for d in densities] + [0.5]
+    assert margins[0] == 0.15 and margins[1] == pytest.approx(0.2214, abs=1e-4)
+    for (_, times, choice), margin in zip(decisions, margins):
+        assert choice == _closed_form_choice(times, margin), (times, choice, margin)
+    # dense sits out the warm-up's last trial only if sparse exchanges beat it by the whole
+    # margin in both trials before (its one loss may be a slow turn)
+    beaten = all("dense" in d[1] and _closed_form_choice(d[1], 0.5) != "dense"
+                 for d in decisions[:2])
     assert set(decisions[2][1]) == NAMES - ({"dense"} if beaten else set())
     lengths = [len(d[1]) * measured.TRIAL_STEPS for d in decisions]
     assert [d[0] for d in decisions] == [start + length - 1
@@ -154,6 +164,15 @@ def test_a_warmup_is_tried_again_as_its_density_halves(hvd, monkeypatch, prune_a
     assert all(e == everyone[0] for e in everyone), everyone
     _same_everywhere(hvd, weights, name)
     _conservation(hvd, optimizer, weights, steps, "none")
+
+
+def _closed_form_choice(times, margin):
+    """The fastest of ``times`` (ties by name), but dense unless it is slower by more than
+    ``margin``."""
+    fastest = min(times, key=lambda name: (times[name], name))
+    if "dense" in times and times["dense"] <= times[fastest] * (1 + margin):
+        return "dense"
+    return fastest
 
 
 def test_dense_beaten_twice_sits_out_the_warmup_until_the_recheck(hvd, monkeypatch):
@@ -166,7 +185,7 @@ def test_dense_beaten_twice_sits_out_the_warmup_until_the_recheck(hvd, monkeypat
 
     monkeypatch.setattr(measured, "PRUNE_AFTER", np.inf)
     monkeypatch.setattr(measured, "RECHECK_STEPS", 8)
-    monkeypatch.setattr(measured, "decide", lambda seconds, names: names.index("allgather"))
+    monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index("allgather"))
     turn = measured.TRIAL_STEPS
     settled_end = 80 + 3 * turn - 1
     steps = settled_end + 8 + CANDIDATES * turn + 1
@@ -194,7 +213,7 @@ def test_the_chosen_exchange_runs_after_the_trial(hvd, monkeypatch, forced, comp
     velocity plus residual and clear both; the layer-wise coded allgather)."""
     if hvd.gloo_enabled() and not os.environ.get("SPARSE_HVD_FULL_SUITE"):
         pytest.skip("the MPI job runs these (the suite's time budget)")
-    monkeypatch.setattr(measured, "decide", lambda seconds, names: names.index(forced))
+    monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index(forced))
     name = f"auto_forced_{forced}_{grouping}"
     optimizer, weights, stats = train(name, STEPS, momentum, compression, grouping=grouping)
     assert optimizer._step.current_exchange().per_layer == (grouping == "layerwise")
@@ -251,8 +270,8 @@ def test_a_trial_no_sparse_exchange_can_win_ends_with_dense(hvd, monkeypatch, pe
     positive and under the step; the same numbers on every rank."""
     seen = []
 
-    def hopeless(step, compute):
-        seen.append((step, compute))
+    def hopeless(step, compute, margin):
+        seen.append((step, compute, margin))
         return False
 
     monkeypatch.setattr(measured, "sparse_can_win", hopeless)
@@ -267,7 +286,9 @@ def test_a_trial_no_sparse_exchange_can_win_ends_with_dense(hvd, monkeypatch, pe
     assert len(seen) == 1  # asked once, at the end of dense's turn
     dense_steps, computes = step.samples[names.index("dense")], step.computes
     assert np.all(computes > 0) and np.all(computes < dense_steps), (computes, dense_steps)
-    assert seen[0] == pytest.approx((np.median(dense_steps), np.median(computes)))
+    # a constant density: the whole margin
+    assert seen[0] == pytest.approx((np.median(dense_steps), np.median(computes),
+                                     measured.DENSE_WITHIN))
     assert all(s[next(iter(s))]["exchange"] == "dense" for s in stats)
     if per_mode:  # dense's function alone
         assert sorted(optimizer.functions) == [names.index("dense")]
@@ -318,7 +339,7 @@ def test_what_cannot_beat_the_allgather_by_its_bytes_is_not_tried(hvd, monkeypat
     assert [a[0] for a in asked] == pytest.approx([expected[n] for n in names if n in expected])
     for numbers in asked:
         assert numbers[1:] == pytest.approx((median["allgather"], reference, median["dense"],
-                                             compute, dense_bytes))
+                                             compute, dense_bytes, measured.DENSE_WITHIN))
     assert all(s[next(iter(s))]["exchange"] == choice for s in stats[decided_at:])
     if per_mode:  # dense's function and the allgather's alone
         assert sorted(optimizer.functions) == sorted(
@@ -387,7 +408,7 @@ def test_fit_with_the_callback_runs_each_step_traced_for_its_exchange(hvd, monke
     import sparse_hvd
 
     forced = "sparse_allreduce"
-    monkeypatch.setattr(measured, "decide", lambda seconds, names: names.index(forced))
+    monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index(forced))
     steps = 1 + CANDIDATES * measured.TRIAL_STEPS + 3 * per_call + 3
     name = f"auto_fit_{per_call}"
     optimizer = sparse_hvd.SparseDistributedOptimizer(
@@ -444,11 +465,12 @@ def test_fit_with_the_callback_runs_each_step_traced_for_its_exchange(hvd, monke
 
 def test_a_trial_skips_the_candidates_whose_bytes_cannot_win(hvd, monkeypatch):
     """At 3 workers dense receives 2 x 2/3 x 4 bytes per entry of the model; at the warm-up's
-    50% the allgather would receive 8, over dense's / 1.2 = 4.4 (the margin set to 1.2 here,
-    the byte counts are worked out for it; the default's 1.5 is checked by the gate's unit
-    test), and the coded exchanges less (a value 3.19 bytes, an index 3 bits: the coded
-    allgather 3.6, the sparse allreduce 2.4): the first trial runs dense and those two; the
-    next one, at a quarter, every candidate (nothing is pruned here); every rank decides
+    50% the allgather would receive 8, over dense's / 1.15 = 4.6 (the margin set to 0.2
+    here, which the warm-up's densities lower to its floor, ``NOISE_WITHIN``; the byte counts
+    are worked out for it; the default's 1.5 is checked by the gate's unit test), and the
+    coded exchanges less (a value 3.19 bytes, an index 3 bits: the coded allgather 3.6, the
+    sparse allreduce 2.4): the first trial runs dense and those two; the next one, at a
+    quarter (the allgather 4), every candidate (nothing is pruned here); every rank decides
     alike."""
     import sparse_hvd
 
@@ -457,6 +479,7 @@ def test_a_trial_skips_the_candidates_whose_bytes_cannot_win(hvd, monkeypatch):
     if hvd.size() != 3:
         pytest.skip("the byte counts are worked out for 3 workers")
     policy = sparse_hvd.WarmupDensity(0.01, 0.5, 80)
+    assert measured.dense_margin(0.25, 0.01) == measured.NOISE_WITHIN == 0.15
     second = measured.warmup_trials(policy, 80, CANDIDATES * measured.TRIAL_STEPS)[0]
     assert policy.current_density(0, 1) > 0.45 and policy.current_density(0, second) < 0.27
     steps = second + CANDIDATES * measured.TRIAL_STEPS

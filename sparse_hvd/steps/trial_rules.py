@@ -1,0 +1,95 @@
+"""The rules ``exchange="auto"``'s trials decide by (``sparse_hvd.steps.measured``), as pure
+functions of the trial's numbers: which candidates are worth a trial, whether any can beat
+dense, whether one that builds on another can still win, which one a trial chooses, and the
+line rank 0 logs for it.
+
+Each takes the trial's ``margin``: how much faster than dense's a sparse step must be to run
+(``measured.dense_margin``), so that dense, which needs no extra steps to a loss, keeps the
+steps a sparse exchange would win by less.
+"""
+
+from typing import List
+
+import numpy as np
+
+from .candidates import dense_bytes_per_entry
+
+SAVING = 0.05  # a candidate that builds on another is tried only if it could save this share
+
+
+def worth_trying(plans, density, value_bytes, margin) -> List[bool]:
+    """Which plans a trial at ``density`` runs: not a sparse exchange whose bytes on the wire
+    alone (``Exchange.wire_bytes_per_entry``) are at least dense's over ``1 + margin``. Such
+    an exchange cannot win: with the step's compute c and dense's transfer t, it would need
+    ``m (c + r t) < c + t`` for m = 1 + margin, impossible for a ratio r of their bytes at or
+    above 1/m (and its CPU work only adds). (At 8 workers and 25% density the allgather moved
+    2x dense's bytes and ran at 2x dense's step.)"""
+    limit = dense_bytes_per_entry(plans[0].exchange.size, value_bytes) / (1 + margin)
+    keep = []
+    for plan in plans:
+        per_entry = plan.exchange.wire_bytes_per_entry(density, value_bytes)  # dense: None
+        keep.append(per_entry is None or density * per_entry < limit)
+    return keep if any(keep) else [True] * len(plans)
+
+
+def sparse_can_win(step_seconds, compute_seconds, margin) -> bool:
+    """Whether some exchange could make dense's step (``step_seconds``, of which
+    ``compute_seconds`` are not its exchange) faster by more than ``margin``: at best a
+    sparse step costs the compute alone."""
+    return step_seconds > (1 + margin) * compute_seconds
+
+
+def within_reach(candidate_bytes, reference_seconds, reference_bytes, dense_seconds,
+                 dense_compute, dense_bytes, margin) -> bool:
+    """Whether a candidate that builds on the reference exchange (``Exchange.builds_on``: its
+    work and more, to send ``candidate_bytes`` per entry of the model instead of
+    ``reference_bytes``) could become the choice, from the trial's medians so far: the
+    reference's step, and dense's step, compute and bytes per entry.
+
+    1. Its step is at least the reference's less what its fewer bytes save on the link,
+       priced at dense's exchange time per byte (``dense_seconds - dense_compute`` over
+       ``dense_bytes``: an over-estimate of the link's cost per byte, since dense's exchange
+       also holds its fixed costs, so the bound errs towards trying).
+    2. It could become the choice only if that bound beats dense by more than ``margin``
+       and the reference by more than ``SAVING``.
+
+    None for a byte count: not known, so within reach."""
+    if None in (candidate_bytes, reference_bytes) or dense_bytes <= 0:
+        return True
+    price = max(dense_seconds - dense_compute, 0.0) / dense_bytes
+    lower = reference_seconds - max(reference_bytes - candidate_bytes, 0.0) * price
+    return (lower * (1 + margin) < dense_seconds
+            and lower * (1 + SAVING) < reference_seconds)
+
+
+def decide(seconds, names, margin) -> int:
+    """The index of the chosen candidate given each one's time (seconds): the fastest, but
+    dense unless it is slower than the fastest by more than ``margin``; ties by name, so
+    every rank picks alike."""
+    fastest = min(range(len(names)), key=lambda i: (seconds[i], names[i]))
+    if "dense" in names:
+        dense = names.index("dense")
+        if seconds[dense] <= seconds[fastest] * (1 + margin):
+            return dense
+    return fastest
+
+
+def decision_message(step, names, choice, times, compute, alone, margin) -> str:
+    """Rank 0's line for a decision at the trial's ``margin``; ``alone``: only dense ran,
+    because of its compute."""
+    why = ""
+    if alone:
+        why = (f"; {compute * 1e3:.1f} ms of dense's step are compute, so no exchange "
+               f"can make it {1 + margin:.3g}x faster: the others were not tried")
+    elif "dense" in times:
+        why = (f"; dense's compute {compute * 1e3:.1f}; a sparse step must be "
+               f"{1 + margin:.3g}x faster")
+    untried = [name for name in names if name not in times]
+    why += f"; not tried: {', '.join(untried)}" if untried and not alone else ""
+    medians = ", ".join(f"{n} {t * 1e3:.1f}" for n, t in times.items())
+    return f"exchange='auto' at step {step}: {names[choice]} (median ms a step: {medians}{why})"
+
+
+def median_of_samples(samples):
+    """The median of a trial's timed samples (the last axis, an odd count; NumPy)."""
+    return np.sort(samples, axis=-1)[..., (samples.shape[-1] - 1) // 2]
