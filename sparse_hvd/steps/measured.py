@@ -99,8 +99,8 @@ def dense_margin(density, settled_density) -> float:
     So the margin shrinks with the square root of the densities' ratio (slower than those
     measurements, erring towards dense), down to ``NOISE_WITHIN``, below which a trial's
     noise would decide. The settled density and the later re-checks keep the whole margin.
-    (On the wide CNN at 8 workers and 1 Gbit/s the allgather's step at 4.6% was 1.40-1.45x
-    faster than dense's, and the whole margin ran those 60 steps dense.)"""
+    (On the wide CNN at 8 workers and 1 Gbit/s the allgathers' steps at about 4% were
+    1.45-1.46x faster than dense's, and the whole margin ran those 60 steps dense.)"""
     if density <= settled_density or settled_density <= 0:
         return DENSE_WITHIN
     scaled = DENSE_WITHIN * math.sqrt(settled_density / density)
