@@ -10,8 +10,10 @@ from sparse_hvd import checks
 from sparse_hvd.selection.adaptive import AdaptiveDensity
 from sparse_hvd.exchanges.compression import Compression
 from sparse_hvd.selection.density import ConstantDensity
-from sparse_hvd.steps.measured import (DENSE_WITHIN, SAVING, Plan, decide, sparse_can_win,
-                                       warmup_trials, within_reach, worth_trying)
+from sparse_hvd.steps.candidates import Plan, warmup_trials
+from sparse_hvd.steps.measured import DENSE_WITHIN
+from sparse_hvd.steps.trial_rules import (SAVING, decide, sparse_can_win, within_reach,
+                                          worth_trying)
 from sparse_hvd.exchanges import available, create, exchange_class, groupings_of, register
 from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 

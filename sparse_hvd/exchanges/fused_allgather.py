@@ -50,7 +50,6 @@ class PackedSelections(NamedTuple):
 class FusedAllgather(Exchange):
     """Steps 1-6 of the module doc."""
 
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._layout = None  # (header fields, tensors after the header): what _announce sends

@@ -74,8 +74,8 @@ from ..feedback.preparation import tensor_parts
 from ..runtime import collectives, log, startup as runtime
 from .candidates import Plan, dense_bytes_per_entry, plans_for, warmup_trials  # noqa: F401
 from .strategies import SynchronousStep
-from .trial_rules import (SAVING, decide, decision_message, median_of_samples,  # noqa: F401
-                          sparse_can_win, within_reach, worth_trying)
+from .trial_rules import (decide, decision_message, median_of_samples, sparse_can_win,
+                          within_reach, worth_trying)
 
 TRIAL_STEPS = 4  # steps each candidate runs in a trial; the first is not timed
 RECHECK_STEPS = 1000  # a new trial this many steps after a decision
