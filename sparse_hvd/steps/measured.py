@@ -42,8 +42,13 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    (``docs/time_to_loss_previous.md``). A warm-up's trials ask less (``dense_margin``: the
    margin shrinks with the square root of the settled density over the trial's, to 1.15x at
    the least), since their steps run at a density where a sparse step loses fewer steps; the
-   trial at the warm-up's end and the re-checks ask the whole margin. Rank 0 logs the times,
-   the margin and the choice.
+   trial at the warm-up's end and the re-checks ask the whole margin. The smaller margin
+   only decides among the candidates that ran: which are tried (step 1's byte gate, compute
+   rule and reach rule) is asked with the whole margin, since each one tried is traced (3-6 s
+   on shared cores), and a candidate that can beat dense only by less would win few warm-up
+   steps (on the character LSTM at 1 Gbit/s the smaller margin in those rules traced two
+   more candidates and reached dense's loss 16 s later, ``docs/auto_exchange.md``). Rank 0
+   logs the times, the margin and the choice.
 3. **Re-trials**, since the link and the density can change: during a warm-up, each time the
    density has halved since the last trial (``warmup_trials``: from 10% to 1% a sparse
    exchange often wins long before the warm-up ends, and a short run is mostly warm-up),
@@ -154,13 +159,12 @@ class MeasuredChoiceStep(SynchronousStep):
             starts = [1] + retrials
             self.gate_densities = [float(policy.current_density(0, start)) if settled
                                    else float(policy.final_density) for start in starts]
-            # each trial's margin over dense (its density's ``dense_margin``)
+            # each trial's margin over dense in its decision (its density's ``dense_margin``)
             self.gate_margins = [dense_margin(density, float(policy.final_density))
                                  for density in self.gate_densities]
         self.gate_starts = np.array(starts, np.int64)
-        self.gates = np.array([worth_trying(self.plans, density, value_bytes, margin)
-                               for density, margin in zip(self.gate_densities,
-                                                          self.gate_margins)], np.bool_)
+        self.gates = np.array([worth_trying(self.plans, density, value_bytes, DENSE_WITHIN)
+                               for density in self.gate_densities], np.bool_)
         self.warmup_trials = retrials
         # the trials' own numbers, on the host (the same on every rank), not checkpointed
         self.trial_row = 0  # the next trial's row in the gates
@@ -298,22 +302,21 @@ class MeasuredChoiceStep(SynchronousStep):
             if candidate == self.dense_index:
                 self.computes[slot] = compute
             compute = median_of_samples(self.computes)
-            margin = self.gate_margins[self.trial_row]
             hopeless = (turn_done and candidate == self.dense_index
-                        and not sparse_can_win(median, compute, margin))
+                        and not sparse_can_win(median, compute, DENSE_WITHIN))
             if (turn_done and candidate == self.reference_index and any(self.bounded)
                     and trying[self.dense_index]):
                 dense = median_of_samples(self.samples[self.dense_index])
                 trying &= self._within_reach(median, dense, compute,
-                                             self.gate_densities[self.trial_row], margin)
+                                             self.gate_densities[self.trial_row])
         length = int(np.count_nonzero(trying)) * TRIAL_STEPS
         if (turn_done and int(phase) + skipped == length - 1) or hopeless:
             start, choice, trying = self._decide(hopeless, int(step), trying)
         return np.int64(start), np.int32(choice), trying
 
-    def _within_reach(self, reference_seconds, dense_seconds, compute, density, margin):
-        """``within_reach`` for each plan (host), at the trial's ``density`` and ``margin``:
-        True for those that do not build on the reference."""
+    def _within_reach(self, reference_seconds, dense_seconds, compute, density):
+        """``within_reach`` for each plan (host), at the trial's ``density`` and the whole
+        margin (step 1): True for those that do not build on the reference."""
         density = float(density)
         dense_bytes = dense_bytes_per_entry(self.plans[0].exchange.size, self.value_bytes)
 
@@ -324,7 +327,7 @@ class MeasuredChoiceStep(SynchronousStep):
         reference = sent(self.plans[self.reference_index])
         return np.array([not self.bounded[i] or within_reach(
             sent(plan), float(reference_seconds), reference, float(dense_seconds),
-            float(compute), dense_bytes, margin) for i, plan in enumerate(self.plans)],
+            float(compute), dense_bytes, DENSE_WITHIN) for i, plan in enumerate(self.plans)],
             np.bool_)
 
     def _branch(self, plan, grads_and_vars):
@@ -393,7 +396,7 @@ class MeasuredChoiceStep(SynchronousStep):
         if runtime.rank(self.optimizer.process_set) == 0:
             compute = median_of_samples(self.computes)
             log.info("%s", decision_message(step, names, choice, times, compute, hopeless,
-                                            margin))
+                                            DENSE_WITHIN if hopeless else margin))
         upcoming = [start for start in self.warmup_trials if start > step]
         following = upcoming[0] if upcoming else step + RECHECK_STEPS
         # within the warm-up only those that can still win: halving the density at most

@@ -3,9 +3,10 @@ functions of the trial's numbers: which candidates are worth a trial, whether an
 dense, whether one that builds on another can still win, which one a trial chooses, and the
 line rank 0 logs for it.
 
-Each takes the trial's ``margin``: how much faster than dense's a sparse step must be to run
-(``measured.dense_margin``), so that dense, which needs no extra steps to a loss, keeps the
-steps a sparse exchange would win by less.
+Each takes its ``margin``: how much faster than dense's a sparse step must be to run, so that
+dense, which needs no extra steps to a loss, keeps the steps a sparse exchange would win by
+less. The rules that choose which candidates a trial runs are asked with the whole margin
+(``measured.DENSE_WITHIN``), the decision with the trial's (``measured.dense_margin``).
 """
 
 from typing import List
