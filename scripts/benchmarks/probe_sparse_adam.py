@@ -18,6 +18,11 @@ every 40 steps. Modes:
 
     .venv/bin/python scripts/benchmarks/probe_sparse_adam.py MODE WORKLOAD LR SEED [DENSITY]
 
+With ``ENERGY=1`` in the environment (``sparse``) each evaluation also prints the share of
+the compensated gradient's energy (its squared norm, over the model) that the cut sent in that
+step: 1 - |residual after|^2 / |gradient + residual before|^2 (the sent and kept entries are
+disjoint). ``STEPS=N`` shortens the run.
+
 Prints ``FINAL {json}`` with the curve. Findings: ``docs/steps_to_loss_ablations.md``,
 "A transformer".
 """
@@ -32,7 +37,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-STEPS = 800
+STEPS = int(os.environ.get("STEPS", "800"))
+ENERGY = os.environ.get("ENERGY") == "1"
 BATCH = 64
 BETA_2 = 0.999  # Keras Adam's default
 EVAL_EVERY = 40
@@ -102,8 +108,15 @@ def main(argv):
         if mode == "precond":
             grads = [g / (tf.sqrt(v / (1 - tf.pow(BETA_2, count))) + 1e-7)
                      for g, v in zip(grads, second)]
-        optimizer.apply_gradients(zip(grads, variables))
-        return loss
+        if not ENERGY:
+            optimizer.apply_gradients(zip(grads, variables))
+            return loss, tf.constant(0.0)
+        residuals = optimizer._feedback.residuals
+        compensated = tf.add_n([tf.reduce_sum(tf.square(g + r)) for g, r in zip(grads, residuals)])
+        with tf.control_dependencies([compensated]):
+            optimizer.apply_gradients(zip(grads, variables))
+        kept = tf.add_n([tf.reduce_sum(tf.square(tf.convert_to_tensor(r))) for r in residuals])
+        return loss, 1.0 - kept / compensated
 
     @tf.function(jit_compile=False)
     def validation_loss(x, y):
@@ -114,11 +127,12 @@ def main(argv):
     curve, started = [], time.time()
     for step in range(1, STEPS + 1):
         x, y = data.sample(rng, BATCH)
-        train_step(tf.constant(x), tf.constant(y.astype("int32")))
+        _, sent_energy = train_step(tf.constant(x), tf.constant(y.astype("int32")))
         if step % EVAL_EVERY == 0:
             curve.append((step, round(float(validation_loss(x_val, y_val)), 4)))
+            energy = f" sent energy {float(sent_energy):.3f}" if ENERGY else ""
             print(mode, workload, peak, seed, density, curve[-1], round(time.time() - started),
-                  flush=True)
+                  energy, flush=True)
     print("FINAL", json.dumps({"mode": mode, "workload": workload, "lr": peak, "seed": seed,
                                "density": density, "budget": os.environ.get("BUDGET", "model"),
                                "curve": curve}), flush=True)
