@@ -159,9 +159,10 @@ class MeasuredChoiceStep(SynchronousStep):
             starts = [1] + retrials
             self.gate_densities = [float(policy.current_density(0, start)) if settled
                                    else float(policy.final_density) for start in starts]
-            # each trial's margin over dense in its decision (its density's ``dense_margin``)
-            self.gate_margins = [dense_margin(density, float(policy.final_density))
-                                 for density in self.gate_densities]
+            # each trial's margin over dense in its decision (its density's ``dense_margin``);
+            # which candidates run is asked with the whole margin (step 2)
+            self.decision_margins = [dense_margin(density, float(policy.final_density))
+                                     for density in self.gate_densities]
         self.gate_starts = np.array(starts, np.int64)
         self.gates = np.array([worth_trying(self.plans, density, value_bytes, DENSE_WITHIN)
                                for density in self.gate_densities], np.bool_)
@@ -389,7 +390,7 @@ class MeasuredChoiceStep(SynchronousStep):
         self.best = np.inf
         names = [plan.name for plan in self.plans]
         seconds = [float(s) for s in medians]
-        margin = self.gate_margins[self.trial_row]
+        margin = self.decision_margins[self.trial_row]
         choice = decide(seconds, names, margin)
         times = {name: float(s) for name, s in zip(names, medians) if np.isfinite(s)}
         self.decisions.append((step, times, names[choice]))
