@@ -135,6 +135,20 @@ def check_momentum_correction(momentum, optimizer):
         )
 
 
+SPARSIFY = ("gradient", "update")
+
+
+def check_sparsify(sparsify, momentum_correction):
+    if sparsify not in SPARSIFY:
+        raise ValueError(f"`sparsify` must be one of {SPARSIFY}, got {sparsify!r}")
+    if sparsify == "update" and momentum_correction:
+        raise ValueError(
+            "`sparsify='update'` runs the inner optimizer (its momentum too) on each worker "
+            "before the cut, which is what `momentum_correction` does for SGD: use one of them "
+            "(sparsify='update' with SGD(lr, momentum=...) is momentum correction without "
+            "masking)")
+
+
 def check_staleness(staleness, policy):
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
         raise ValueError(
@@ -279,7 +293,7 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
                      sparsifier, min_elements, error_feedback, momentum_correction,
                      momentum_masking, budget, clipping, grouping, nonfinite, staleness,
                      dense_fallback, exchange, compression, backward_passes_per_step,
-                     average_aggregated_gradients, process_set) -> Settings:
+                     average_aggregated_gradients, process_set, sparsify="gradient") -> Settings:
     """Every check of ``SparseDistributedOptimizer``'s arguments, in the order their errors are
     raised, and the objects the arguments stand for."""
     from .exchanges.compression import Compression
@@ -293,11 +307,12 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     check_inner_optimizer(optimizer, wrapper_type)
     keras_accumulation = take_over_keras_accumulation(optimizer, backward_passes_per_step)
     check_no_base_options(base_options)
-    sparsify = get_sparsifier(sparsifier)
+    chosen_sparsifier = get_sparsifier(sparsifier)
     policy = resolve_density(density, warmup_steps)
     clipping_rules.check(clipping)
     check_min_elements(min_elements)
     check_momentum_correction(momentum_correction, optimizer)
+    check_sparsify(sparsify, momentum_correction)
     check_nonfinite(nonfinite)
     check_staleness(staleness, policy)
     check_boolean(error_feedback, "error_feedback")
@@ -310,5 +325,5 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     candidates = exchange_candidates(exchange, grouping, staleness, policy, wire_compression)
     check_boolean(average_aggregated_gradients, "average_aggregated_gradients")
     budget = resolve_budget(budget, grouping, policy)
-    return Settings(keras_accumulation, sparsify, policy, process_set, wire_compression,
+    return Settings(keras_accumulation, chosen_sparsifier, policy, process_set, wire_compression,
                     candidates, budget)

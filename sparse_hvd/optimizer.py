@@ -24,6 +24,7 @@ from . import checks
 from .exchanges import create as create_exchange
 from .feedback import clipping as clipping_rules
 from .feedback import nonfinite
+from .feedback import local_update
 from .feedback.accumulation import LocalAccumulation
 from .feedback.error_feedback import ErrorFeedback
 from .feedback.loss_scaling import LossScaling
@@ -43,7 +44,7 @@ from .wrapping import InnerOptimizerFacade, no_automatic_dependency_tracking, wr
 SETTINGS = ("density", "sparsifier", "min_elements", "error_feedback", "momentum_correction",
             "momentum_masking", "warmup_steps", "budget", "clipping", "grouping", "nonfinite",
             "staleness", "dense_fallback", "exchange", "compression", "backward_passes_per_step",
-            "average_aggregated_gradients")
+            "average_aggregated_gradients", "sparsify")
 
 @keras.saving.register_keras_serializable(package="sparse_hvd")
 class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimizers.Optimizer):
@@ -107,6 +108,11 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             and exchanged once; ``iterations`` counts exchanges (``feedback.accumulation``).
         average_aggregated_gradients: with B > 1, divide the sum of the B passes by B.
         min_elements: variables smaller than this are exchanged densely (default 1024).
+        sparsify: ``"gradient"`` (default): the averaged sparse gradients go to the inner
+            optimizer; ``"update"``: each worker runs the inner optimizer on its own gradient
+            and its update is what is cut, error-fed and averaged (DGC's momentum correction
+            for any optimizer; better with Adam, measured; the inner optimizer's state is then
+            each worker's own; ``feedback.local_update``).
         process_set: a Horovod process set (or an mpi4py communicator registered with
             ``sparse_hvd.init(process_sets=[...])``); the whole job by default. Not serialised.
         name: the optimizer's name; it prefixes its collectives' names, so two of these
@@ -142,6 +148,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         compression="none",
         backward_passes_per_step=1,
         average_aggregated_gradients=False,
+        sparsify="gradient",
         process_set=None,
         name=None,
         **kwargs,
@@ -155,7 +162,8 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             grouping=grouping, nonfinite=nonfinite, staleness=staleness,
             dense_fallback=dense_fallback, exchange=exchange, compression=compression,
             backward_passes_per_step=backward_passes_per_step,
-            average_aggregated_gradients=average_aggregated_gradients, process_set=process_set)
+            average_aggregated_gradients=average_aggregated_gradients, process_set=process_set,
+            sparsify=sparsify)
         keras_accumulation, policy = settings.keras_accumulation, settings.policy
         process_set, wire_compression = settings.process_set, settings.compression
         candidates = settings.candidates
@@ -169,6 +177,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         self.error_feedback = bool(error_feedback)
         self.momentum_correction = float(momentum_correction)
         self.momentum_masking = bool(momentum_masking)
+        self.sparsify = sparsify
         self.budget = settings.budget
         self.clipping = clipping
         self.nonfinite = nonfinite
@@ -357,6 +366,9 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         # every gradient a tensor of the graph being built (a gradient passed through untouched
         # may be an eager constant the step captured), as Keras' all-reduce hook requires
         grads = [g if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in grads]
+        if self.sparsify == "update":  # the averages are updates: subtract them
+            local_update.apply_average(self, grads, variables)
+            return
         clipped_already = self.clipping == "local"  # before the exchange
         with (clipping_rules.switched_off(self._clipper) if clipped_already
               else contextlib.nullcontext()):

@@ -28,12 +28,14 @@ FACTORS = {
     "nonfinite": ("skip", "raise", "ignore"),
     "budget": ("layer", "model"),
     "clipping": ("after", "local"),
+    "sparsify": ("gradient", "update"),
 }
 
 # (option, value, option, value): refused at construction, with the reason in the README
 REFUSED = (
     ("staleness", 1, "density", "adaptive"),
     ("staleness", 1, "exchange", "sparse_allreduce"),
+    ("momentum_correction", 0.9, "sparsify", "update"),
 )
 
 
@@ -136,8 +138,8 @@ def make_optimizer(combination, name):
             staleness=c["staleness"], compression=c["compression"],
             backward_passes_per_step=c["backward_passes_per_step"],
             momentum_correction=c["momentum_correction"], dense_fallback=c["dense_fallback"],
-            nonfinite=c["nonfinite"], budget=c["budget"], clipping=c["clipping"], name=name,
-            **density)
+            nonfinite=c["nonfinite"], budget=c["budget"], clipping=c["clipping"],
+            sparsify=c["sparsify"], name=name, **density)
 
 
 def train(combination, name, rank, size):

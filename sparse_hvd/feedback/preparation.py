@@ -2,19 +2,23 @@
 
 :func:`make_payload` brings each gradient to its variable's dtype (a row-sparse one stays rows
 where it travels as rows), unscales it (an inner LossScaleOptimizer), lets the density policy
-see it, clips it locally (``clipping="local"``), asks the policy for each sparse variable's k
-(or one cut over the model, ``budget="model"``), then compensates and selects by route (error
-feedback), rounds for ``compression``, and returns the step's
-:class:`~sparse_hvd.feedback.payload.Payload`: nothing is written yet. :func:`inner_gradients`
-turns the exchange's averages into what the inner optimizer takes. What they use of the
-optimizer: its routes, density policy, sparsifier, budget, clipping, error feedback, loss
-scaling, compression, exchange, ``nonfinite``, ``momentum_correction`` and ``process_set``.
+see it, clips it locally (``clipping="local"``), with ``sparsify="update"`` replaces it by the
+inner optimizer's update on this rank (``feedback.local_update``), asks the policy for each
+sparse variable's k (or one cut over the model, ``budget="model"``), then compensates and
+selects by route (error feedback), rounds for ``compression``, and returns the step's
+:class:`~sparse_hvd.feedback.payload.Payload`: nothing is written yet (with
+``sparsify="update"`` the inner optimizer's own state has moved; the weights have not).
+:func:`inner_gradients` turns the exchange's averages into what the inner optimizer takes.
+What they use of the optimizer: its routes, density policy, sparsifier, budget, clipping,
+error feedback, loss scaling, compression, exchange, ``nonfinite``, ``momentum_correction``,
+``sparsify`` and ``process_set``.
 """
 
 import tensorflow as tf
 
 from ..runtime import startup as runtime
 from . import clipping as clipping_rules
+from .local_update import local_updates
 from .payload import PayloadBuilder
 
 
@@ -91,7 +95,8 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
         index = opt._get_variable_index(variable)
         route = opt._routes[index]
         rows = (keep_rows and isinstance(grad, tf.IndexedSlices) and not route.sparse
-                and not route.flushed and not opt.momentum_correction)
+                and not route.flushed and not opt.momentum_correction
+                and opt.sparsify == "gradient")
         grad = opt._loss_scaling.unscale(
             as_rows(grad, variable, combine=workers > 1) if rows else as_dense(grad, variable))
         opt.density_policy.gradient_ready(index, grad.values if rows else grad)
@@ -100,6 +105,10 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
         clipped = clipping_rules.clipped_locally([p[-1] for p in prepared], opt._clipper,
                                                  runtime.size(opt.process_set))
         prepared = [p[:-1] + (grad,) for p, grad in zip(prepared, clipped)]
+    if opt.sparsify == "update":  # the inner optimizer's update on this rank's gradient
+        updates = local_updates(opt, [p[-1] for p in prepared],
+                                [grads_and_vars[p[0]][1] for p in prepared])
+        prepared = [p[:-1] + (update,) for p, update in zip(prepared, updates)]
     budgets = {index: opt.density_policy.k(index, route.num_elements, step)
                for _, index, route, rows, _ in prepared if route.sparse and not rows}
     sparsifier = model_wide_sparsifier(opt, prepared, budgets) or opt.sparsifier

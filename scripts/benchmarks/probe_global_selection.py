@@ -1,0 +1,196 @@
+"""Probe: does the sparse run fall behind dense because each worker chooses its own entries?
+
+Every rank of an ``mpirun`` job runs this (a hand-written loop, no ``sparse_hvd`` wrapper,
+dense Horovod allreduces standing in for the sparse collectives: it measures convergence, not
+time). Each step every worker w has its compensated gradient c_w = g_w + r_w, flat over the
+whole model, and a budget of K = density(t) x n entries (the library's default schedule: 10%
+decaying exponentially to ``density`` over the first 200 steps). Modes, by who chooses the
+entries:
+
+* ``local``: each worker its own top-K of |c_w| (the library's default, model-wide budget);
+  the update is the mean of the sent parts; up to N x K distinct entries move;
+* ``oracle``: one mask for all, the top-K of |mean_w c_w| (needs the dense sum: an upper
+  bound of any shared choice); every worker sends its c_w on the mask, so the update is the
+  mean compensated gradient on the mask and nothing chosen waits in another worker's residual;
+* ``leader``: one mask for all, the top-K of the compensated gradient of worker t mod N
+  (ScaleCom's cyclic local top-k, Chen et al. NeurIPS 2020): on a real wire the leader
+  broadcasts K indices and the workers allreduce K values, ~2K(N-1)/N values, flat in N;
+* ``union``: each worker picks K/N entries of its own, all workers send every entry of the
+  union (an allgather of K indices, then an allreduce of K values);
+* ``local_adam`` (an Adam workload): not a choice of entries but of what is cut: each worker
+  runs Adam on its own gradient (its own moments) and its Adam *update* is compensated, cut
+  locally and averaged; the mean is subtracted from the weights (DGC's local momentum, for
+  Adam).
+
+The residual is what was not sent: r_w = c_w - sent_w. The inner optimizer (the workload's,
+with the benchmark's schedule) applies the update. Writes a record in the format of
+``bench_steps_to_loss.py``'s ``runs.jsonl`` (report it beside dense's runs with ``--report``)::
+
+    mpirun -np 4 --oversubscribe --bind-to none .venv/bin/python \\
+        scripts/benchmarks/probe_global_selection.py --workload chartf --mode leader \\
+        --seed 0 --jsonl results/probe/runs.jsonl
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+MODES = ("local", "oracle", "leader", "union", "local_adam")
+WARMUP_START, WARMUP_STEPS = 0.10, 200  # the library's default warm-up
+
+
+def density_at(step, density):
+    """The default schedule: 10% decaying exponentially to ``density`` over 200 steps."""
+    if density >= WARMUP_START:
+        return density
+    progress = min(step, WARMUP_STEPS) / WARMUP_STEPS
+    return WARMUP_START * (density / WARMUP_START) ** progress
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--jsonl", required=True, help="append the run's record here")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    started = time.perf_counter()
+    import sparse_hvd
+
+    hvd = sparse_hvd.init()
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from bench_steps_to_loss import SETTINGS
+    from steps_worker import inner_optimizer, learning_rate
+    from workloads import WORKLOADS
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    settings = SETTINGS[args.workload]
+    steps = args.steps or settings["steps"]
+    eval_every = settings["eval_every"]
+    rank, size = hvd.rank(), hvd.size()
+    data = WORKLOADS[settings.get("model", args.workload)].load(rank, size)
+    keras.utils.set_random_seed(args.seed)
+    model = WORKLOADS[settings.get("model", args.workload)].build_model(data)
+    variables = model.trainable_variables
+    optimizer = inner_optimizer(keras, settings["inner"], steps)
+    optimizer.build(variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    shapes = [v.shape for v in variables]
+    sizes = [int(np.prod(s)) for s in shapes]
+    n = sum(sizes)
+    residual = tf.Variable(tf.zeros([n]), trainable=False)
+    mode = args.mode
+    if mode == "local_adam":
+        if settings["inner"]["name"] != "adam":
+            raise SystemExit("--mode local_adam needs a workload trained with Adam")
+        schedule = learning_rate(keras, settings["inner"]["lr"], steps)
+        first = tf.Variable(tf.zeros([n]), trainable=False)
+        second = tf.Variable(tf.zeros([n]), trainable=False)
+        taken = tf.Variable(0.0, trainable=False)
+        beta_1, beta_2, epsilon = 0.9, 0.999, 1e-7  # Keras Adam's defaults
+
+    def local_adam_step(flat):
+        """Keras Adam's update of this worker's own gradient (what it would subtract)."""
+        lr = tf.cast(schedule(taken), tf.float32)
+        taken.assign_add(1.0)
+        first.assign(first + (flat - first) * (1 - beta_1))
+        second.assign(second + (tf.square(flat) - second) * (1 - beta_2))
+        alpha = lr * tf.sqrt(1 - tf.pow(beta_2, taken)) / (1 - tf.pow(beta_1, taken))
+        return first * alpha / (tf.sqrt(second) + epsilon)
+
+    def top_mask(magnitude, k):
+        threshold = tf.math.top_k(magnitude, k, sorted=True).values[-1]
+        return tf.cast(magnitude >= threshold, tf.float32)
+
+    @tf.function(jit_compile=False)
+    def train_step(x, y, k, leader):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, variables)
+        flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0)
+        if mode == "local_adam":
+            flat = local_adam_step(flat)
+        compensated = flat + residual
+        if mode in ("local", "local_adam"):
+            mask = top_mask(tf.abs(compensated), k)
+        elif mode == "oracle":
+            mean = hvd.allreduce(compensated, op=hvd.Average, name="probe.oracle")
+            mask = top_mask(tf.abs(mean), k)
+        elif mode == "leader":
+            mine = top_mask(tf.abs(compensated), k) * tf.cast(tf.equal(rank, leader), tf.float32)
+            mask = hvd.allreduce(mine, op=hvd.Sum, name="probe.leader")
+        else:  # union
+            mine = top_mask(tf.abs(compensated), tf.maximum(k // size, 1))
+            mask = tf.minimum(hvd.allreduce(mine, op=hvd.Sum, name="probe.union"), 1.0)
+        sent = compensated * mask
+        residual.assign(compensated - sent)
+        update = hvd.allreduce(sent, op=hvd.Average, name="probe.update")
+        # what moved: the entries of the update (indices and values of the union)
+        moved = tf.reduce_sum(tf.cast(tf.not_equal(update, 0.0), tf.float32))
+        parts = [tf.reshape(p, s) for p, s in zip(tf.split(update, sizes), shapes)]
+        if mode == "local_adam":
+            for variable, part in zip(variables, parts):
+                variable.assign_sub(part)
+        else:
+            optimizer.apply_gradients(zip(parts, variables))
+        return loss, moved
+
+    @tf.function(jit_compile=False)
+    def evaluate(x, y):
+        logits = model(x, training=False)
+        hits = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), y),
+                                      tf.float32))
+        return loss_fn(y, logits), hits
+
+    x_val, y_val = tf.constant(data.x_val), tf.constant(data.y_val.astype("int32"))
+    rng = np.random.default_rng(args.seed * 1000 + rank)  # steps_worker's batches
+    curve, moved_total = [], 0.0
+    if rank == 0:
+        loss, acc = evaluate(x_val, y_val)
+        curve.append({"step": 0, "val_loss": float(loss), "val_accuracy": float(acc)})
+    for step in range(1, steps + 1):
+        x, y = data.sample(rng, 16)
+        k = max(1, math.ceil(density_at(step - 1, args.density) * n))
+        loss, moved = train_step(tf.constant(x), tf.constant(y.astype("int32")),
+                                 tf.constant(k, tf.int32), tf.constant((step - 1) % size))
+        moved_total += float(moved)
+        if rank == 0 and (step % eval_every == 0 or step == steps):
+            val_loss, acc = evaluate(x_val, y_val)
+            curve.append({"step": step, "val_loss": float(val_loss),
+                          "val_accuracy": float(acc), "train_loss": float(loss)})
+            print(f"[probe] {args.workload} {mode} seed {args.seed} step {step}: "
+                  f"val loss {float(val_loss):.4f}", flush=True)
+    digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in variables)).hexdigest()
+    digests = hvd.allgather_object(digest, name="probe.digests")
+    if rank == 0:
+        record = {"workload": args.workload, "method": f"probe_{mode}", "workers": size,
+                  "seed": args.seed, "steps": steps, "parameters": n, "curve": curve,
+                  # entries of the update over the run, as a share of dense's entries (the
+                  # bytes depend on the wire; local and union also send indices)
+                  "bytes_fraction": moved_total / (n * steps),
+                  "replicas_identical": len(set(digests)) == 1, "median_step_seconds": 0.0,
+                  "train_seconds": 0.0, "options": {"mode": mode, "density": args.density},
+                  "seconds": time.perf_counter() - started}
+        os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
+        with open(args.jsonl, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""``sparsify="update"`` on every rank: each rank's own Adam, its update cut and error-fed, the
+mean of the sent updates applied everywhere (an independent NumPy computation of every rank's
+part, on every rank)."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparse_hvd
+from conftest import digest, gather
+from helpers import numpy_topk_split
+
+BIG, SMALL = (60, 50), (50,)  # 3000 entries: the sparse route; 50: the dense route
+LR, BETA_1, BETA_2, EPSILON = 0.01, 0.9, 0.999, 0.5  # epsilon: no ties (tests/test_local_update.py)
+DENSITY, STEPS = 0.05, 6
+
+
+def _gradients(rank, step):
+    rng = np.random.RandomState(1000 * step + rank)
+    return [rng.randn(*BIG).astype("float32"), rng.randn(*SMALL).astype("float32")]
+
+
+class NumpyAdam:
+    """Keras' Adam update of one rank's gradients, in float64."""
+
+    def __init__(self, size):
+        self.m, self.v, self.t = np.zeros(size), np.zeros(size), 0
+
+    def update(self, grad):
+        self.t += 1
+        self.m += (grad - self.m) * (1 - BETA_1)
+        self.v += (grad * grad - self.v) * (1 - BETA_2)
+        alpha = LR * math.sqrt(1 - BETA_2 ** self.t) / (1 - BETA_1 ** self.t)
+        return self.m * alpha / (np.sqrt(self.v) + EPSILON)
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "dense"])
+def test_the_mean_of_every_ranks_cut_adam_update_is_applied_on_every_rank(hvd, exchange):
+    rank, size = hvd.rank(), hvd.size()
+    start = [np.linspace(-1, 1, math.prod(s)).astype("float32").reshape(s) for s in (BIG, SMALL)]
+    variables = [keras.Variable(w) for w in start]
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.Adam(LR, epsilon=EPSILON), density=DENSITY, warmup_steps=0,
+        sparsify="update", exchange=exchange, budget="layer", name=f"update_{exchange}")
+
+    @tf.function(jit_compile=False)
+    def step(big, small):
+        optimizer.apply_gradients(zip([big, small], variables))
+
+    k = math.ceil(DENSITY * math.prod(BIG))
+    adams = [[NumpyAdam(math.prod(s)) for s in (BIG, SMALL)] for _ in range(size)]
+    residuals = [np.zeros(math.prod(BIG)) for _ in range(size)]
+    expected = [w.astype("float64").ravel() for w in start]
+    for number in range(STEPS):
+        step(*map(tf.constant, _gradients(rank, number)))
+        sent_big, sent_small = np.zeros_like(expected[0]), np.zeros_like(expected[1])
+        for r in range(size):  # every rank's part, computed here
+            big, small = _gradients(r, number)
+            update_big = adams[r][0].update(big.ravel().astype("float64"))
+            update_small = adams[r][1].update(small.astype("float64"))
+            if exchange == "dense":
+                sent_big += update_big
+            else:
+                _, sent, residuals[r] = numpy_topk_split(update_big + residuals[r], k)
+                sent_big += sent
+            sent_small += update_small  # the dense route: the whole update
+        expected = [expected[0] - sent_big / size, expected[1] - sent_small / size]
+    for variable, value in zip(variables, expected):
+        np.testing.assert_allclose(variable.numpy().ravel(), value, rtol=0, atol=2e-6,
+                                   err_msg=f"rank {rank}")
+    if exchange == "allgather":
+        np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residuals[rank],
+                                   rtol=0, atol=2e-6, err_msg=f"rank {rank}")
+    # each rank's Adam followed its own gradients; the weights are the same everywhere
+    np.testing.assert_allclose(optimizer.inner_optimizer._momentums[0].numpy().ravel(),
+                               adams[rank][0].m, rtol=1e-5, atol=1e-7)
+    digests = gather(hvd, digest([v.numpy() for v in variables]), name=f"update.{exchange}")
+    assert all(d == digests[0] for d in digests), digests
+    steps = gather(hvd, int(optimizer.iterations.numpy()), name=f"update.{exchange}.steps")
+    assert steps == [STEPS] * size
+
+
+def test_a_step_not_finite_on_one_rank_is_skipped_everywhere_and_counted_once(hvd):
+    """Rank 1's NaN: no rank moves its weights or counts the step; the ranks whose gradients
+    were finite have moved their Adam moments (their own state), rank 1 has not."""
+    rank, size = hvd.rank(), hvd.size()
+    variable = keras.Variable(np.linspace(-1, 1, math.prod(BIG)).astype("float32").reshape(BIG))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.Adam(LR), density=DENSITY, warmup_steps=0, sparsify="update",
+        exchange="allgather", name="update_nan")
+    optimizer.apply_gradients([(tf.constant(_gradients(rank, 0)[0]), variable)])
+    before = variable.numpy().copy()
+    moments = optimizer.inner_optimizer._momentums[0].numpy().copy()
+    grad = _gradients(rank, 1)[0]
+    if rank == 1 % size:
+        grad[0, 0] = np.nan
+    optimizer.apply_gradients([(tf.constant(grad), variable)])
+    np.testing.assert_array_equal(variable.numpy(), before)
+    assert int(optimizer.iterations.numpy()) == 1
+    assert int(optimizer.inner_optimizer.iterations.numpy()) == 1
+    assert optimizer.communication_stats()["skipped_steps"] == 1
+    moved = not np.array_equal(optimizer.inner_optimizer._momentums[0].numpy(), moments)
+    assert moved == (rank != 1 % size)

@@ -1,0 +1,158 @@
+"""``sparsify="update"`` in one process: the inner optimizer's update, not the gradient, is
+cut and error-fed (``sparse_hvd.feedback.local_update``)."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparse_hvd
+from helpers import numpy_topk_split
+
+SHAPE = (50, 40)  # 2000 entries: the sparse route
+# Keras Adam's betas; an epsilon near the gradients' size, because with the default Adam's first
+# update is +-LR everywhere (m / sqrt(v) = sign(g)): ties, which the cut sends all of
+LR, BETA_1, BETA_2, EPSILON = 0.01, 0.9, 0.999, 0.5
+
+
+class NumpyAdam:
+    """Keras' Adam update (its formula, in float64): what a worker subtracts for ``grad``."""
+
+    def __init__(self, shape):
+        self.m, self.v, self.t = np.zeros(shape), np.zeros(shape), 0
+
+    def update(self, grad):
+        self.t += 1
+        self.m += (grad - self.m) * (1 - BETA_1)
+        self.v += (grad * grad - self.v) * (1 - BETA_2)
+        alpha = LR * math.sqrt(1 - BETA_2 ** self.t) / (1 - BETA_1 ** self.t)
+        return self.m * alpha / (np.sqrt(self.v) + EPSILON)
+
+
+def _step_function(optimizer, variable, mode):
+    def step(grad):
+        optimizer.apply_gradients([(grad, variable)])
+
+    return tf.function(step, jit_compile=False) if mode == "function" else step
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_each_step_sends_the_topk_of_the_compensated_adam_update(mode):
+    """The weights move by the top-k of (Adam's update of the gradient + residual), and Adam's
+    moments follow every gradient, sent or not: a NumPy re-computation, step by step. The
+    update is read back as w - w' in float32, exact for what the inner optimizer wrote but
+    rounded to the weights' last place (about 5e-7 here), hence the absolute tolerance."""
+    rng = np.random.RandomState(11)
+    start = rng.randn(*SHAPE).astype("float32")
+    variable = keras.Variable(start)
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.Adam(LR, epsilon=EPSILON), density=0.05, warmup_steps=0,
+        sparsify="update", exchange="allgather")
+    step = _step_function(optimizer, variable, mode)
+    k = math.ceil(0.05 * start.size)
+    adam = NumpyAdam(start.size)
+    expected, residual = start.astype("float64").ravel(), np.zeros(start.size)
+    for number in range(1, 13):
+        grad = rng.randn(*SHAPE).astype("float32")
+        step(tf.constant(grad))
+        chosen, sent, residual = numpy_topk_split(adam.update(grad.ravel()) + residual, k)
+        expected = expected - sent
+
+        np.testing.assert_allclose(variable.numpy().ravel(), expected, rtol=0, atol=2e-6)
+        np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residual,
+                                   rtol=0, atol=2e-6)
+        assert int(optimizer.iterations.numpy()) == number
+        assert int(optimizer.inner_optimizer.iterations.numpy()) == number
+    momentum = optimizer.inner_optimizer._momentums[0].numpy().ravel()
+    np.testing.assert_allclose(momentum, adam.m, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("inner", ["adam", "sgd_momentum"])
+def test_density_one_moves_the_weights_as_the_inner_optimizer_alone(inner):
+    """Everything sent: the update subtracted is the inner optimizer's own, so the weights
+    follow the plain optimizer (up to the rounding of w - (w - w'))."""
+    def make():
+        return (keras.optimizers.Adam(LR) if inner == "adam"
+                else keras.optimizers.SGD(0.1, momentum=0.9))
+
+    rng = np.random.RandomState(5)
+    start = rng.randn(*SHAPE).astype("float32")
+    wrapped, plain = keras.Variable(start), keras.Variable(start)
+    optimizer = sparse_hvd.SparseDistributedOptimizer(make(), density=1.0, sparsify="update")
+    reference = make()
+    for _ in range(6):
+        grad = tf.constant(rng.randn(*SHAPE).astype("float32"))
+        optimizer.apply_gradients([(grad, wrapped)])
+        reference.apply_gradients([(grad, plain)])
+    np.testing.assert_allclose(wrapped.numpy(), plain.numpy(), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(wrapped.numpy(), start)
+
+
+def test_a_step_that_is_not_finite_moves_nothing():
+    """The local Adam does not see a NaN gradient: the step is skipped, the weights, the
+    moments and the step count are as before, and the skip is counted."""
+    rng = np.random.RandomState(2)
+    variable = keras.Variable(rng.randn(*SHAPE).astype("float32"))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.Adam(LR), density=0.05, warmup_steps=0, sparsify="update")
+    optimizer.apply_gradients([(tf.constant(rng.randn(*SHAPE).astype("float32")), variable)])
+    before = variable.numpy().copy()
+    moments = optimizer.inner_optimizer._momentums[0].numpy().copy()
+    bad = rng.randn(*SHAPE).astype("float32")
+    bad[3, 4] = np.nan
+    optimizer.apply_gradients([(tf.constant(bad), variable)])
+    np.testing.assert_array_equal(variable.numpy(), before)
+    np.testing.assert_array_equal(optimizer.inner_optimizer._momentums[0].numpy(), moments)
+    assert int(optimizer.iterations.numpy()) == 1
+    assert optimizer.communication_stats()["skipped_steps"] == 1
+
+
+def test_sparsify_is_checked_and_refused_beside_momentum_correction():
+    with pytest.raises(ValueError, match="`sparsify` must be one of"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(), sparsify="updates")
+    with pytest.raises(ValueError, match="sparsify='update'.*momentum_correction"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), sparsify="update",
+                                              momentum_correction=0.9)
+
+
+def test_the_config_keeps_sparsify_and_an_older_config_means_gradient():
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(), sparsify="update")
+    config = optimizer.get_config()
+    assert config["sparsify"] == "update"
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).sparsify == "update"
+    del config["sparsify"]  # written before the option existed
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).sparsify == "gradient"
+
+
+def test_a_checkpoint_resumes_the_update_mode_exactly(tmp_path):
+    """The residuals (in units of the update) and Adam's state are saved and restored: a run
+    resumed after 3 steps ends bit-identical to one that never stopped."""
+    rng = np.random.RandomState(9)
+    start = rng.randn(*SHAPE).astype("float32")
+    grads = [tf.constant(rng.randn(*SHAPE).astype("float32")) for _ in range(6)]
+
+    def fresh():
+        variable = keras.Variable(start)
+        optimizer = sparse_hvd.SparseDistributedOptimizer(
+            keras.optimizers.Adam(LR, epsilon=EPSILON), density=0.05, warmup_steps=0,
+            sparsify="update")
+        optimizer.build([variable])
+        return variable, optimizer
+
+    variable, optimizer = fresh()
+    for grad in grads[:3]:
+        optimizer.apply_gradients([(grad, variable)])
+    path = tf.train.Checkpoint(variable=variable, optimizer=optimizer).write(
+        str(tmp_path / "ckpt"))
+    for grad in grads[3:]:
+        optimizer.apply_gradients([(grad, variable)])
+
+    resumed, again = fresh()
+    tf.train.Checkpoint(variable=resumed, optimizer=again).read(path).assert_consumed()
+    assert int(again.iterations.numpy()) == 3
+    for grad in grads[3:]:
+        again.apply_gradients([(grad, resumed)])
+    np.testing.assert_array_equal(resumed.numpy(), variable.numpy())
+    np.testing.assert_array_equal(again.residuals[0].numpy(), optimizer.residuals[0].numpy())
