@@ -366,9 +366,14 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         # every gradient a tensor of the graph being built (a gradient passed through untouched
         # may be an eager constant the step captured), as Keras' all-reduce hook requires
         grads = [g if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in grads]
-        if self.sparsify == "update":  # the averages are updates: subtract them
-            local_update.apply_average(self, grads, variables)
+        if self.sparsify == "update":  # sparse-route averages are updates: subtracted
+            local_update.apply_averages(self, grads, variables, self._routes,
+                                        self._apply_inner_gradients)
             return
+        self._apply_inner_gradients(grads, variables)
+
+    def _apply_inner_gradients(self, grads, variables):
+        """The inner optimizer's step on averaged true gradients."""
         clipped_already = self.clipping == "local"  # before the exchange
         with (clipping_rules.switched_off(self._clipper) if clipped_already
               else contextlib.nullcontext()):

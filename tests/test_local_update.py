@@ -69,25 +69,47 @@ def test_each_step_sends_the_topk_of_the_compensated_adam_update(mode):
     np.testing.assert_allclose(momentum, adam.m, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("inner", ["adam", "sgd_momentum"])
-def test_density_one_moves_the_weights_as_the_inner_optimizer_alone(inner):
-    """Everything sent: the update subtracted is the inner optimizer's own, so the weights
-    follow the plain optimizer (up to the rounding of w - (w - w'))."""
-    def make():
-        return (keras.optimizers.Adam(LR) if inner == "adam"
-                else keras.optimizers.SGD(0.1, momentum=0.9))
-
-    rng = np.random.RandomState(5)
+def test_sgd_momentum_cuts_each_workers_velocity_step():
+    """With SGD(momentum) the update is Keras' -(momentum * m - lr * g): the velocity runs on
+    every gradient, and its step is cut and error-fed (momentum correction without masking)."""
+    rng = np.random.RandomState(4)
     start = rng.randn(*SHAPE).astype("float32")
-    wrapped, plain = keras.Variable(start), keras.Variable(start)
-    optimizer = sparse_hvd.SparseDistributedOptimizer(make(), density=1.0, sparsify="update")
-    reference = make()
-    for _ in range(6):
-        grad = tf.constant(rng.randn(*SHAPE).astype("float32"))
-        optimizer.apply_gradients([(grad, wrapped)])
-        reference.apply_gradients([(grad, plain)])
-    np.testing.assert_allclose(wrapped.numpy(), plain.numpy(), rtol=1e-6, atol=1e-6)
-    assert not np.allclose(wrapped.numpy(), start)
+    variable = keras.Variable(start)
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), density=0.05, warmup_steps=0,
+        sparsify="update")
+    k = math.ceil(0.05 * start.size)
+    velocity, residual = np.zeros(start.size), np.zeros(start.size)
+    expected = start.astype("float64").ravel()
+    for _ in range(8):
+        grad = rng.randn(*SHAPE).astype("float32")
+        optimizer.apply_gradients([(tf.constant(grad), variable)])
+        velocity = 0.9 * velocity - 0.1 * grad.ravel()
+        _, sent, residual = numpy_topk_split(-velocity + residual, k)
+        expected = expected - sent
+    np.testing.assert_allclose(variable.numpy().ravel(), expected, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residual, rtol=0,
+                               atol=2e-6)
+
+
+def test_a_variable_sent_whole_gets_the_inner_optimizer_on_its_gradient():
+    """Only cut variables are handled as updates: one under ``min_elements`` (the dense route)
+    follows the plain inner optimizer bit for bit, and the step is counted once."""
+    rng = np.random.RandomState(6)
+    big, small = rng.randn(*SHAPE).astype("float32"), rng.randn(30).astype("float32")
+    variables = [keras.Variable(big), keras.Variable(small)]
+    plain = keras.Variable(small)
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.Adam(LR), density=0.05, warmup_steps=0, sparsify="update")
+    reference = keras.optimizers.Adam(LR)
+    for number in range(1, 6):
+        grads = [tf.constant(rng.randn(*SHAPE).astype("float32")),
+                 tf.constant(rng.randn(30).astype("float32"))]
+        optimizer.apply_gradients(zip(grads, variables))
+        reference.apply_gradients([(grads[1], plain)])
+        assert int(optimizer.iterations.numpy()) == number
+    np.testing.assert_array_equal(variables[1].numpy(), plain.numpy())
+    assert not np.array_equal(variables[0].numpy(), big)
 
 
 def test_a_step_that_is_not_finite_moves_nothing():

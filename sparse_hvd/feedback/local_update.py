@@ -19,8 +19,13 @@ Each step, on every rank:
 3. the update is u = w - w', where w' are the weights it wrote; write w back and take back
    the inner optimizer's ``iterations`` increment (the step is counted when it is applied);
 4. u goes through error feedback and the exchange as a gradient would; what arrives, the
-   average of the sent updates, is subtracted from the weights (``apply_average``), and the
+   average of the sent updates, is subtracted from the weights (``apply_averages``), and the
    step is counted then, so a skipped step counts nothing.
+
+Only variables on the sparse route are handled so: a variable sent whole (under
+``min_elements``, or every variable when the exchange is dense, as ``exchange="auto"`` may
+choose on a fast link) gets the inner optimizer on the averaged gradient, as without
+sparse_hvd, so a dense step is exactly Horovod's.
 
 A rank whose gradient is not finite skips step 2 and hands its gradient on unchanged: the
 exchange sees it and the step is skipped on every rank (``nonfinite``). The ranks whose
@@ -64,11 +69,20 @@ def local_updates(opt, grads, variables):
     return tf.cond(finite, step, lambda: [tf.identity(g) for g in grads])
 
 
-def apply_average(opt, averages, variables):
-    """Step 4: subtract the averaged updates from the weights and count the step."""
-    for average, variable in zip(averages, variables):
-        if isinstance(average, tf.IndexedSlices):  # not made in this mode; kept correct
-            average = tf.math.unsorted_segment_sum(average.values, average.indices,
-                                                   variable.shape[0])
-        variable.assign_sub(tf.cast(average, variable.dtype))
-    opt.inner_optimizer.iterations.assign_add(1)
+def apply_averages(opt, averages, variables, routes, apply_inner):
+    """Step 4: subtract the averaged updates of the sparse-route variables from them (then
+    their constraints, as Keras applies them after a step), hand the dense-route variables'
+    averaged gradients to ``apply_inner`` (the inner optimizer, as without sparse_hvd), and
+    count the step once."""
+    cut = [routes[opt._get_variable_index(v)].sparse for v in variables]
+    for average, variable, sparse in zip(averages, variables, cut):
+        if not sparse:
+            continue
+        variable.assign_sub(tf.cast(tf.reshape(average, variable.shape), variable.dtype))
+        if getattr(variable, "constraint", None) is not None:
+            variable.assign(variable.constraint(variable))
+    whole = [(g, v) for g, v, sparse in zip(averages, variables, cut) if not sparse]
+    if whole:  # the inner optimizer counts the step
+        apply_inner([g for g, _ in whole], [v for _, v in whole])
+    else:
+        opt.inner_optimizer.iterations.assign_add(1)

@@ -2,8 +2,8 @@
 
 :func:`make_payload` brings each gradient to its variable's dtype (a row-sparse one stays rows
 where it travels as rows), unscales it (an inner LossScaleOptimizer), lets the density policy
-see it, clips it locally (``clipping="local"``), with ``sparsify="update"`` replaces it by the
-inner optimizer's update on this rank (``feedback.local_update``), asks the policy for each
+see it, clips it locally (``clipping="local"``), with ``sparsify="update"`` replaces a sparse-route
+gradient by the inner optimizer's update on this rank (``feedback.local_update``), asks the policy for each
 sparse variable's k (or one cut over the model, ``budget="model"``), then compensates and
 selects by route (error feedback), rounds for ``compression``, and returns the step's
 :class:`~sparse_hvd.feedback.payload.Payload`: nothing is written yet (with
@@ -95,8 +95,7 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
         index = opt._get_variable_index(variable)
         route = opt._routes[index]
         rows = (keep_rows and isinstance(grad, tf.IndexedSlices) and not route.sparse
-                and not route.flushed and not opt.momentum_correction
-                and opt.sparsify == "gradient")
+                and not route.flushed and not opt.momentum_correction)
         grad = opt._loss_scaling.unscale(
             as_rows(grad, variable, combine=workers > 1) if rows else as_dense(grad, variable))
         opt.density_policy.gradient_ready(index, grad.values if rows else grad)
@@ -105,10 +104,12 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
         clipped = clipping_rules.clipped_locally([p[-1] for p in prepared], opt._clipper,
                                                  runtime.size(opt.process_set))
         prepared = [p[:-1] + (grad,) for p, grad in zip(prepared, clipped)]
-    if opt.sparsify == "update":  # the inner optimizer's update on this rank's gradient
-        updates = local_updates(opt, [p[-1] for p in prepared],
-                                [grads_and_vars[p[0]][1] for p in prepared])
-        prepared = [p[:-1] + (update,) for p, update in zip(prepared, updates)]
+    cut = [i for i, p in enumerate(prepared) if p[2].sparse]
+    if opt.sparsify == "update" and cut:  # the inner optimizer's update, where entries are cut
+        updates = local_updates(opt, [prepared[i][-1] for i in cut],
+                                [grads_and_vars[prepared[i][0]][1] for i in cut])
+        for i, update in zip(cut, updates):
+            prepared[i] = prepared[i][:-1] + (update,)
     budgets = {index: opt.density_policy.k(index, route.num_elements, step)
                for _, index, route, rows, _ in prepared if route.sparse and not rows}
     sparsifier = model_wide_sparsifier(opt, prepared, budgets) or opt.sparsifier

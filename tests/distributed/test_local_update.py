@@ -1,6 +1,6 @@
 """``sparsify="update"`` on every rank: each rank's own Adam, its update cut and error-fed, the
-mean of the sent updates applied everywhere (an independent NumPy computation of every rank's
-part, on every rank)."""
+mean of the sent updates applied everywhere; a variable sent whole gets Adam on the average
+(an independent NumPy computation of every rank's part, on every rank)."""
 
 import math
 
@@ -51,32 +51,35 @@ def test_the_mean_of_every_ranks_cut_adam_update_is_applied_on_every_rank(hvd, e
         optimizer.apply_gradients(zip([big, small], variables))
 
     k = math.ceil(DENSITY * math.prod(BIG))
-    adams = [[NumpyAdam(math.prod(s)) for s in (BIG, SMALL)] for _ in range(size)]
+    adams = [NumpyAdam(math.prod(BIG)) for _ in range(size)]  # each rank's own, for the cut
+    shared = [NumpyAdam(math.prod(s)) for s in (BIG, SMALL)]  # on the averages (sent whole)
     residuals = [np.zeros(math.prod(BIG)) for _ in range(size)]
     expected = [w.astype("float64").ravel() for w in start]
     for number in range(STEPS):
         step(*map(tf.constant, _gradients(rank, number)))
-        sent_big, sent_small = np.zeros_like(expected[0]), np.zeros_like(expected[1])
-        for r in range(size):  # every rank's part, computed here
-            big, small = _gradients(r, number)
-            update_big = adams[r][0].update(big.ravel().astype("float64"))
-            update_small = adams[r][1].update(small.astype("float64"))
-            if exchange == "dense":
-                sent_big += update_big
-            else:
-                _, sent, residuals[r] = numpy_topk_split(update_big + residuals[r], k)
+        every = [_gradients(r, number) for r in range(size)]  # every rank's, computed here
+        mean_big, mean_small = (sum(g[i].astype("float64") for g in every).ravel() / size
+                                for i in (0, 1))
+        if exchange == "dense":  # nothing is cut: Adam on the average, as Horovod's
+            expected[0] = expected[0] - shared[0].update(mean_big)
+        else:
+            sent_big = np.zeros_like(expected[0])
+            for r in range(size):
+                update = adams[r].update(every[r][0].ravel().astype("float64"))
+                _, sent, residuals[r] = numpy_topk_split(update + residuals[r], k)
                 sent_big += sent
-            sent_small += update_small  # the dense route: the whole update
-        expected = [expected[0] - sent_big / size, expected[1] - sent_small / size]
+            expected[0] = expected[0] - sent_big / size
+        expected[1] = expected[1] - shared[1].update(mean_small)  # the dense route
     for variable, value in zip(variables, expected):
         np.testing.assert_allclose(variable.numpy().ravel(), value, rtol=0, atol=2e-6,
                                    err_msg=f"rank {rank}")
     if exchange == "allgather":
         np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residuals[rank],
                                    rtol=0, atol=2e-6, err_msg=f"rank {rank}")
-    # each rank's Adam followed its own gradients; the weights are the same everywhere
-    np.testing.assert_allclose(optimizer.inner_optimizer._momentums[0].numpy().ravel(),
-                               adams[rank][0].m, rtol=1e-5, atol=1e-7)
+    # with the cut each rank's Adam followed its own gradients; sent whole, the average
+    mine = adams[rank].m if exchange == "allgather" else shared[0].m
+    np.testing.assert_allclose(optimizer.inner_optimizer._momentums[0].numpy().ravel(), mine,
+                               rtol=1e-5, atol=1e-7)
     digests = gather(hvd, digest([v.numpy() for v in variables]), name=f"update.{exchange}")
     assert all(d == digests[0] for d in digests), digests
     steps = gather(hvd, int(optimizer.iterations.numpy()), name=f"update.{exchange}.steps")
