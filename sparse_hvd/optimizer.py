@@ -119,7 +119,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             optimizers in one job need different names (Keras' automatic names are fine).
 
     The README says more of each (what it costs and what was measured), and "Combinations"
-    lists the two pairs of options that are refused.
+    lists the three pairs of options that are refused.
 
     Use ``jit_compile=False``: Horovod's collectives cannot be XLA-compiled.
 

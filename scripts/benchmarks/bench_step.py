@@ -19,8 +19,10 @@ Methods (``--methods``, comma-separated):
   values);
   ``compact_<sparsifier>@<d>``: with ``exchange="compact_allgather"`` (coded indices);
   ``<sparsifier>_model@<d>``: with one budget for the whole model (``budget="model"``, the
-  default of the grouped exchanges). Every sparse row has ``budget="layer"`` unless it says
-  ``_model``, and no warm-up (``warmup_steps=0``): the step of the steady state is timed;
+  default of the grouped exchanges); ``<...>_update@<d>`` (last): with ``sparsify="update"``
+  (each worker's inner optimizer step is cut, ``feedback.local_update``). Every sparse row
+  has ``budget="layer"`` unless it says ``_model``, and no warm-up (``warmup_steps=0``): the
+  step of the steady state is timed;
 * ``auto@<d>``: the default exchange (``exchange="auto"``: the candidates timed on the job's
   first steps, ``steps.measured``) with the default model-wide budget, no warm-up; its untimed
   first steps cover the whole trial, and the row says what it chose; its step is a
@@ -169,7 +171,10 @@ def worker(args):
         sparse = None
         if name not in DENSE_METHODS:
             grouping, policy, sparsifier, exchange = "grouped", density, name, "allgather"
-            budget = "layer"
+            budget, sparsify = "layer", "gradient"
+            if name.endswith("_update"):  # the inner optimizer's update is cut (sparsify)
+                sparsify, name = "update", name[:-len("_update")]
+                sparsifier = name
             if name.endswith("_model"):  # one budget for the whole model (the default's)
                 budget, name = "model", name[:-len("_model")]
                 sparsifier = name
@@ -199,7 +204,7 @@ def worker(args):
             # the steady state: no warm-up (its first steps send up to 25% of each layer)
             sparse = sparse_hvd.SparseDistributedOptimizer(
                 inner, density=policy, sparsifier=sparsifier, grouping=grouping, exchange=exchange,
-                warmup_steps=0, budget=budget, nonfinite=nonfinite,
+                warmup_steps=0, budget=budget, nonfinite=nonfinite, sparsify=sparsify,
                 name=label or f"bench_{method.replace('@', '_').replace('.', '_')}")
         optimizer = sparse if sparse is not None else inner
         optimizer.build(variables)
