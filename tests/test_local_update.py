@@ -178,3 +178,29 @@ def test_a_checkpoint_resumes_the_update_mode_exactly(tmp_path):
         again.apply_gradients([(grad, resumed)])
     np.testing.assert_array_equal(resumed.numpy(), variable.numpy())
     np.testing.assert_array_equal(again.residuals[0].numpy(), optimizer.residuals[0].numpy())
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_the_inner_optimizers_moving_average_follows_the_applied_weights(mode):
+    """``use_ema``: Keras' EMA (the first step copies, then ``m * ema + (1 - m) * w``) of the
+    weights as applied, not of the weights the local step wrote and took back; and every
+    ``ema_overwrite_frequency`` steps the weights become the EMA."""
+    rng = np.random.RandomState(8)
+    variable = keras.Variable(rng.randn(*SHAPE).astype("float32"))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.Adam(LR, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=4),
+        density=0.05, warmup_steps=0, sparsify="update")
+    step = _step_function(optimizer, variable, mode)
+    ema = None
+    for number in range(1, 6):
+        before = variable.numpy().astype("float64")
+        step(tf.constant(rng.randn(*SHAPE).astype("float32")))
+        applied = variable.numpy().astype("float64")
+        average = optimizer.inner_optimizer._model_variables_moving_average[0].numpy()
+        if number == 4:  # the EMA took the step, then the weights became the EMA
+            assert not np.allclose(applied, before)
+            np.testing.assert_array_equal(applied, average)
+            ema = applied
+            continue
+        ema = applied if ema is None else 0.5 * ema + 0.5 * applied
+        np.testing.assert_allclose(average, ema, rtol=0, atol=1e-6)

@@ -113,6 +113,8 @@ METHODS = {
     "update": ("the defaults with sparsify='update': each worker runs the inner optimizer on "
                "its own gradient and its update is cut, error-fed and averaged",
                {"density": 0.01, "sparsify": "update"}),
+    "update_0.1": ("sparsify='update' at density=0.1 (no warm-up: it starts at 10%)",
+                   {"density": 0.1, "sparsify": "update"}),
     "default_warmup_25": ("the defaults with the previous release's warm-up start: 25% -> 1% "
                           "over 200 steps (WarmupDensity(0.01, 0.25, 200))",
                           {"density": {"class_name": "warmup", "config": {

@@ -54,7 +54,7 @@ def local_updates(opt, grads, variables):
         with tf.control_dependencies(before):
             off = (clipping_rules.switched_off(opt._clipper) if opt.clipping == "local"
                    else contextlib.nullcontext())
-            with off:
+            with off, _moving_average_off(opt._clipper):
                 inner.apply(opt._loss_scaling.rescale(list(grads)), variables)
         updates = [b - tf.identity(v) for b, v in zip(before, variables)]
         with tf.control_dependencies(updates):
@@ -82,7 +82,33 @@ def apply_averages(opt, averages, variables, routes, apply_inner):
         if getattr(variable, "constraint", None) is not None:
             variable.assign(variable.constraint(variable))
     whole = [(g, v) for g, v, sparse in zip(averages, variables, cut) if not sparse]
-    if whole:  # the inner optimizer counts the step
+    if whole:  # the inner optimizer counts the step (and moves its EMA of every variable)
         apply_inner([g for g, _ in whole], [v for _, v in whole])
-    else:
-        opt.inner_optimizer.iterations.assign_add(1)
+        return
+    _moving_average_step(opt._clipper)
+    opt.inner_optimizer.iterations.assign_add(1)
+
+
+@contextlib.contextmanager
+def _moving_average_off(optimizer):
+    """``use_ema`` off while the inner optimizer steps on the local gradient (whose weights are
+    then written back): the EMA follows the applied weights only (``_moving_average_step``)."""
+    saved = optimizer.use_ema
+    optimizer.use_ema = False
+    try:
+        yield
+    finally:
+        optimizer.use_ema = saved
+
+
+def _moving_average_step(optimizer):
+    """What Keras' optimizer does after a step with ``use_ema`` (its EMA of every trainable
+    variable, and the overwrite every ``ema_overwrite_frequency`` steps), for a step in which
+    it applied nothing itself."""
+    if not optimizer.use_ema:
+        return
+    optimizer._update_model_variables_moving_average(optimizer._trainable_variables)
+    if optimizer.ema_overwrite_frequency:
+        due = (optimizer.iterations + 1) % optimizer.ema_overwrite_frequency == 0
+        tf.cond(due, lambda: optimizer._overwrite_model_variables_with_average_value(
+            optimizer._trainable_variables), lambda: None)
