@@ -287,20 +287,21 @@ class Settings(NamedTuple):
     compression: object  # a Compression
     candidates: tuple  # the exchanges that can run these settings ("auto" chooses among them)
     budget: str  # "layer" or "model"
+    sparsify: str  # "gradient" or "update"
 
 
 def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_steps,
                      sparsifier, min_elements, error_feedback, momentum_correction,
                      momentum_masking, budget, clipping, grouping, nonfinite, staleness,
                      dense_fallback, exchange, compression, backward_passes_per_step,
-                     average_aggregated_gradients, process_set, sparsify="gradient") -> Settings:
+                     average_aggregated_gradients, process_set, sparsify=None) -> Settings:
     """Every check of ``SparseDistributedOptimizer``'s arguments, in the order their errors are
     raised, and the objects the arguments stand for."""
     from .exchanges.compression import Compression
     from .feedback import clipping as clipping_rules
     from .feedback.accumulation import take_over_keras_accumulation
     from .runtime import startup
-    from .selection.defaults import resolve_budget, resolve_density
+    from .selection.defaults import resolve_budget, resolve_density, resolve_sparsify
     from .selection.sparsifiers import get_sparsifier
 
     check_backend()
@@ -312,6 +313,7 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     clipping_rules.check(clipping)
     check_min_elements(min_elements)
     check_momentum_correction(momentum_correction, optimizer)
+    sparsify = resolve_sparsify(sparsify, optimizer)
     check_sparsify(sparsify, momentum_correction)
     check_nonfinite(nonfinite)
     check_staleness(staleness, policy)
@@ -326,4 +328,4 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     check_boolean(average_aggregated_gradients, "average_aggregated_gradients")
     budget = resolve_budget(budget, grouping, policy)
     return Settings(keras_accumulation, chosen_sparsifier, policy, process_set, wire_compression,
-                    candidates, budget)
+                    candidates, budget, sparsify)

@@ -15,16 +15,13 @@ the inner optimizer. This module is the Keras wrapper only; the sub-packages hol
 * ``monitoring``: Keras callbacks, the communication log and statistics.
 """
 
-import contextlib
-
 import keras
 import tensorflow as tf
 
 from . import checks
 from .exchanges import create as create_exchange
-from .feedback import clipping as clipping_rules
 from .feedback import nonfinite
-from .feedback import local_update
+from .feedback import application
 from .feedback.accumulation import LocalAccumulation
 from .feedback.error_feedback import ErrorFeedback
 from .feedback.loss_scaling import LossScaling
@@ -108,24 +105,23 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             and exchanged once; ``iterations`` counts exchanges (``feedback.accumulation``).
         average_aggregated_gradients: with B > 1, divide the sum of the B passes by B.
         min_elements: variables smaller than this are exchanged densely (default 1024).
-        sparsify: ``"gradient"`` (default): the averaged sparse gradients go to the inner
-            optimizer; ``"update"``: each worker runs the inner optimizer on its own gradient
-            and its update is what is cut, error-fed and averaged (DGC's momentum correction
-            for any optimizer; better with Adam, measured; the inner optimizer's state is then
-            each worker's own; ``feedback.local_update``).
+        sparsify: ``"update"``: each worker's inner optimizer steps on its own gradient and
+            that update is cut, error-fed and averaged (``feedback.local_update``);
+            ``"gradient"``: the average goes to the inner optimizer. None (default): "update"
+            with an inner Adam or AdamW, else "gradient" (``selection.defaults``).
         process_set: a Horovod process set (or an mpi4py communicator registered with
             ``sparse_hvd.init(process_sets=[...])``); the whole job by default. Not serialised.
         name: the optimizer's name; it prefixes its collectives' names, so two of these
             optimizers in one job need different names (Keras' automatic names are fine).
 
     The README says more of each (what it costs and what was measured), and "Combinations"
-    lists the three pairs of options that are refused.
-
-    Use ``jit_compile=False``: Horovod's collectives cannot be XLA-compiled.
+    lists the three pairs of options that are refused. Use ``jit_compile=False``: Horovod's
+    collectives cannot be XLA-compiled.
 
     The base optimizer's options (``clipnorm``, ``weight_decay``, ``use_ema``, ...) are the
-    inner optimizer's and act on the averaged gradient (``sparse_hvd.wrapping``); Keras'
-    ``gradient_accumulation_steps`` on the inner optimizer is taken over (one exchange per B).
+    inner optimizer's and act on the averaged gradient (with ``sparsify="update"``: on each
+    worker's own; ``sparse_hvd.wrapping``); Keras' ``gradient_accumulation_steps`` on the
+    inner optimizer is taken over (one exchange per B).
     """
 
     def __init__(
@@ -148,7 +144,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         compression="none",
         backward_passes_per_step=1,
         average_aggregated_gradients=False,
-        sparsify="gradient",
+        sparsify=None,
         process_set=None,
         name=None,
         **kwargs,
@@ -177,7 +173,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         self.error_feedback = bool(error_feedback)
         self.momentum_correction = float(momentum_correction)
         self.momentum_masking = bool(momentum_masking)
-        self.sparsify = sparsify
+        self.sparsify = settings.sparsify
         self.budget = settings.budget
         self.clipping = clipping
         self.nonfinite = nonfinite
@@ -360,24 +356,8 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         return self._step.policy_step()
 
     def _apply_inner(self, grads, variables=None):
-        """Hand averaged true gradients to the inner optimizer (re-scaled for an inner
-        LossScaleOptimizer, which divides by its scale again: exact both ways)."""
-        variables = self._trainable_variables if variables is None else variables
-        # every gradient a tensor of the graph being built (a gradient passed through untouched
-        # may be an eager constant the step captured), as Keras' all-reduce hook requires
-        grads = [g if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in grads]
-        if self.sparsify == "update":  # sparse-route averages are updates: subtracted
-            local_update.apply_averages(self, grads, variables, self._routes,
-                                        self._apply_inner_gradients)
-            return
-        self._apply_inner_gradients(grads, variables)
-
-    def _apply_inner_gradients(self, grads, variables):
-        """The inner optimizer's step on averaged true gradients."""
-        clipped_already = self.clipping == "local"  # before the exchange
-        with (clipping_rules.switched_off(self._clipper) if clipped_already
-              else contextlib.nullcontext()):
-            self.inner_optimizer.apply(self._loss_scaling.rescale(grads), variables)
+        """Step 5: the averages reach the weights (``feedback.application``)."""
+        application.apply_averages(self, grads, variables or self._trainable_variables)
 
     @property
     def _clipper(self):
@@ -409,6 +389,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         config = dict(config)
         config.setdefault("warmup_steps", 0)  # written before the warm-up default existed
         config.setdefault("budget", "layer")  # written before the model-wide default
+        config.setdefault("sparsify", "gradient")  # written before the option existed
         inner = keras.saving.deserialize_keras_object(
             config.pop("optimizer"), custom_objects=custom_objects
         )

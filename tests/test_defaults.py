@@ -273,3 +273,24 @@ def test_the_default_exchange_is_the_timed_choice_and_round_trips():
     optimizer.apply([tf.ones(SHAPE)], [variable])
     assert optimizer.layer_stats()[variable.path]["exchange"] == "allgather"
     assert len(optimizer._step.plans) == 1
+
+
+@pytest.mark.convergence_defaults
+def test_the_default_cuts_adams_update_and_any_other_optimizers_gradient():
+    def cut(inner, **options):
+        return sparse_hvd.SparseDistributedOptimizer(inner, **options).sparsify
+
+    assert cut(keras.optimizers.Adam()) == "update"
+    assert cut(keras.optimizers.AdamW()) == "update"  # a subclass of Adam
+    assert cut(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())) == "update"
+    assert cut(keras.optimizers.SGD(0.1, momentum=0.9)) == "gradient"
+    assert cut(keras.optimizers.RMSprop()) == "gradient"
+    assert cut(keras.optimizers.Adam(), sparsify="gradient") == "gradient"
+    assert cut(keras.optimizers.SGD(0.1), sparsify="update") == "update"
+    # momentum correction (SGD) is not refused by the default
+    assert cut(keras.optimizers.SGD(0.1), momentum_correction=0.9) == "gradient"
+    config = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam()).get_config()
+    assert config["sparsify"] == "update"
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).sparsify == "update"
+    del config["sparsify"]  # written before the option existed: it reloads as it ran
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).sparsify == "gradient"

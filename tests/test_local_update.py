@@ -139,15 +139,6 @@ def test_sparsify_is_checked_and_refused_beside_momentum_correction():
                                               momentum_correction=0.9)
 
 
-def test_the_config_keeps_sparsify_and_an_older_config_means_gradient():
-    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(), sparsify="update")
-    config = optimizer.get_config()
-    assert config["sparsify"] == "update"
-    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).sparsify == "update"
-    del config["sparsify"]  # written before the option existed
-    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).sparsify == "gradient"
-
-
 def test_a_checkpoint_resumes_the_update_mode_exactly(tmp_path):
     """The residuals (in units of the update) and Adam's state are saved and restored: a run
     resumed after 3 steps ends bit-identical to one that never stopped."""

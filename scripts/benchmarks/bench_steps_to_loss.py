@@ -110,6 +110,9 @@ METHODS = {
                 "warm-up and one budget for the whole model)", {"density": 0.01}),
     "default_0.001": ("the defaults at density=0.001", {"density": 0.001}),
     "default_0.1": ("the defaults at density=0.1 (no warm-up: it starts at 10%)", {"density": 0.1}),
+    "gradient": ("the defaults with sparsify='gradient': the averaged sparse gradient goes to "
+                 "the inner optimizer (the default before sparsify existed)",
+                 {"density": 0.01, "sparsify": "gradient"}),
     "update": ("the defaults with sparsify='update': each worker runs the inner optimizer on "
                "its own gradient and its update is cut, error-fed and averaged",
                {"density": 0.01, "sparsify": "update"}),

@@ -59,7 +59,7 @@ def local_updates(opt, grads, variables):
         updates = [b - tf.identity(v) for b, v in zip(before, variables)]
         with tf.control_dependencies(updates):
             for variable, value in zip(variables, before):
-                variable.assign(value)
+                opt.assign(variable, value)  # through the wrapper, as Keras' rule asks
             inner.iterations.assign_sub(1)
         return [tf.identity(u) for u in updates]
 
@@ -78,9 +78,9 @@ def apply_averages(opt, averages, variables, routes, apply_inner):
     for average, variable, sparse in zip(averages, variables, cut):
         if not sparse:
             continue
-        variable.assign_sub(tf.cast(tf.reshape(average, variable.shape), variable.dtype))
+        opt.assign_sub(variable, tf.cast(tf.reshape(average, variable.shape), variable.dtype))
         if getattr(variable, "constraint", None) is not None:
-            variable.assign(variable.constraint(variable))
+            opt.assign(variable, variable.constraint(variable))
     whole = [(g, v) for g, v, sparse in zip(averages, variables, cut) if not sparse]
     if whole:  # the inner optimizer counts the step (and moves its EMA of every variable)
         apply_inner([g for g, _ in whole], [v for _, v in whole])

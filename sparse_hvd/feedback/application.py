@@ -1,0 +1,35 @@
+"""Step 5's last part: the step's averages reach the weights.
+
+With ``sparsify="gradient"`` every average is a true gradient and goes to the inner optimizer
+(re-scaled for an inner LossScaleOptimizer, which divides by its scale again: exact both
+ways; with ``clipping="local"`` its clipping is off, as each rank clipped before the exchange).
+With ``sparsify="update"`` the averages of the sparse-route variables are updates, subtracted
+(``feedback.local_update``), and only the variables sent whole go to the inner optimizer.
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from . import clipping as clipping_rules
+from . import local_update
+
+
+def apply_averages(opt, grads, variables):
+    """Apply the averages ``grads`` of ``variables`` as ``opt.sparsify`` says."""
+    # every gradient a tensor of the graph being built (a gradient passed through untouched
+    # may be an eager constant the step captured), as Keras' all-reduce hook requires
+    grads = [g if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in grads]
+    if opt.sparsify == "update":
+        local_update.apply_averages(opt, grads, variables, opt._routes,
+                                    lambda g, v: inner_step(opt, g, v))
+    else:
+        inner_step(opt, grads, variables)
+
+
+def inner_step(opt, grads, variables):
+    """The inner optimizer's step on averaged true gradients."""
+    clipped_already = opt.clipping == "local"  # before the exchange
+    with (clipping_rules.switched_off(opt._clipper) if clipped_already
+          else contextlib.nullcontext()):
+        opt.inner_optimizer.apply(opt._loss_scaling.rescale(grads), variables)
