@@ -56,10 +56,18 @@ def test_model_fit_leaves_weights_bit_identical_on_every_rank(hvd, name, groupin
     assert all(l == losses[0] for l in losses), "averaged metrics differ between ranks"
     stats = optimizer.communication_stats()
     assert stats["steps"] == 12 and 0 < stats["bytes_sent"] < stats["dense_bytes"]
-    # the optimizer's replicated state (momentum, moments, iterations) is identical too
+    # the optimizer's replicated state (momentum, moments, iterations) is identical too; with
+    # sparsify="update" (Adam's default) the inner optimizer's moments are each rank's own
+    inner = optimizer.inner_optimizer
+    own = ([v for v in inner.variables if v is not inner.iterations
+            and not v.path.endswith("learning_rate")] if optimizer.sparsify == "update" else [])
     replicated = [keras.ops.convert_to_numpy(v) for v in optimizer.variables
-                  if all(v is not r for r in optimizer.local_variables)]
+                  if all(v is not r for r in [*optimizer.local_variables, *own])]
     assert len(set(gather(hvd, digest(replicated), name=f"fit.opt.{name}.{grouping}"))) == 1
+    assert optimizer.sparsify == ("update" if name == "adam" else "gradient")
+    if own:  # each rank's moments followed its own data
+        mine = [keras.ops.convert_to_numpy(v) for v in own]
+        assert len(set(gather(hvd, digest(mine), name=f"fit.own.{name}.{grouping}"))) == hvd.size()
 
 
 def test_metric_average_callback_averages_every_numeric_log(hvd):
