@@ -1,14 +1,16 @@
 """``sparsify="update"``: each worker runs the inner optimizer on its own gradient, and what
 is cut, error-fed and averaged is the *update* the inner optimizer would make.
 
-With ``sparsify="gradient"`` (the default) the inner optimizer runs once per step, on the
-average of the sparse gradients, the same on every rank. An entry of the gradient that waits
-in a residual for T steps then reaches the optimizer as one sum: Adam's moments see a spike
-where dense Adam saw T small steps. With ``"update"`` the moments follow each worker's own
-gradient every step (DGC's momentum correction, generalised from SGD's momentum to any Keras
-optimizer), so an entry held back is a held-back *step*, applied late but at its size.
-Measured at 4 workers (``docs/steps_to_loss_ablations.md``, "Sparsifying the update"): on the
-transformer and the LSTM trained with Adam it ends closer to dense than the default.
+With ``sparsify="gradient"`` (the default for optimizers other than Adam) the inner optimizer
+runs once per step, on the average of the sparse gradients, the same on every rank. An entry
+of the gradient that waits in a residual for T steps then reaches the optimizer as one sum:
+Adam's moments see a spike where dense Adam saw T small steps. With ``"update"`` the moments
+follow each worker's own gradient every step (DGC's momentum correction, generalised from
+SGD's momentum to any Keras optimizer), so an entry held back is a held-back *step*, applied
+late but at its size.
+Measured at 4 workers, 3 seeds (``docs/steps_to_loss_ablations.md``, "What is cut,
+measured"): with Adam, the transformer and the LSTM end closer to dense than with the
+gradient cut; it is the default with an inner Adam (``selection.defaults``).
 
 Each step, on every rank:
 
@@ -32,7 +34,7 @@ exchange sees it and the step is skipped on every rank (``nonfinite``). The rank
 gradients were finite have then already moved their moments by that step's gradient; their
 weights and step counts are untouched.
 
-What differs from the default, by construction: the inner optimizer's state is each worker's
+What differs from the gradient cut, by construction: the inner optimizer's state is each worker's
 own (only the weights are the same everywhere); a checkpoint holds the state of the rank
 that writes it, and every rank resumes from that state.
 """
