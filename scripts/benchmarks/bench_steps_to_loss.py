@@ -113,6 +113,13 @@ METHODS = {
     "gradient": ("the defaults with sparsify='gradient': the averaged sparse gradient goes to "
                  "the inner optimizer (the default before sparsify existed)",
                  {"density": 0.01, "sparsify": "gradient"}),
+    "gradient_25": ("the gradient cut with the warm-up from 25% (the default of two releases "
+                    "ago, before the 10% start and sparsify)",
+                    {"density": {"class_name": "warmup", "config": {
+                        "density": 0.01, "initial_density": 0.25, "warmup_steps": 200}},
+                     "sparsify": "gradient"}),
+    "gradient_0.1": ("the gradient cut at density=0.1 (no warm-up: it starts at 10%)",
+                     {"density": 0.1, "sparsify": "gradient"}),
     "update": ("the defaults with sparsify='update': each worker runs the inner optimizer on "
                "its own gradient and its update is cut, error-fed and averaged",
                {"density": 0.01, "sparsify": "update"}),
