@@ -101,3 +101,19 @@ def native_op(getter):
             pytest.skip("this run tests the TensorFlow fallback (SPARSE_HVD_NATIVE=0)")
         pytest.fail(f"the native kernels {kernels.status()[1]}")
     return op
+
+
+class NumpyAdam:
+    """Keras' Adam update for one worker's gradients, in float64 (its formula, independently):
+    ``update(grad)`` returns what Keras' Adam would subtract for this step."""
+
+    def __init__(self, size, lr, epsilon, beta_1=0.9, beta_2=0.999):
+        self.m, self.v, self.t = np.zeros(size), np.zeros(size), 0
+        self.lr, self.epsilon, self.beta_1, self.beta_2 = lr, epsilon, beta_1, beta_2
+
+    def update(self, grad):
+        self.t += 1
+        self.m += (grad - self.m) * (1 - self.beta_1)
+        self.v += (grad * grad - self.v) * (1 - self.beta_2)
+        alpha = (self.lr * np.sqrt(1 - self.beta_2 ** self.t) / (1 - self.beta_1 ** self.t))
+        return self.m * alpha / (np.sqrt(self.v) + self.epsilon)

@@ -9,26 +9,12 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
-from helpers import numpy_topk_split
+from helpers import NumpyAdam, numpy_topk_split
 
 SHAPE = (50, 40)  # 2000 entries: the sparse route
-# Keras Adam's betas; an epsilon near the gradients' size, because with the default Adam's first
-# update is +-LR everywhere (m / sqrt(v) = sign(g)): ties, which the cut sends all of
-LR, BETA_1, BETA_2, EPSILON = 0.01, 0.9, 0.999, 0.5
-
-
-class NumpyAdam:
-    """Keras' Adam update (its formula, in float64): what a worker subtracts for ``grad``."""
-
-    def __init__(self, shape):
-        self.m, self.v, self.t = np.zeros(shape), np.zeros(shape), 0
-
-    def update(self, grad):
-        self.t += 1
-        self.m += (grad - self.m) * (1 - BETA_1)
-        self.v += (grad * grad - self.v) * (1 - BETA_2)
-        alpha = LR * math.sqrt(1 - BETA_2 ** self.t) / (1 - BETA_1 ** self.t)
-        return self.m * alpha / (np.sqrt(self.v) + EPSILON)
+# an epsilon near the gradients' size: with Keras' default (1e-7) Adam's first update is +-LR
+# everywhere (m / sqrt(v) = sign(g)), ties, which the cut sends all of
+LR, EPSILON = 0.01, 0.5
 
 
 def _step_function(optimizer, variable, mode):
@@ -52,7 +38,7 @@ def test_each_step_sends_the_topk_of_the_compensated_adam_update(mode):
         sparsify="update", exchange="allgather")
     step = _step_function(optimizer, variable, mode)
     k = math.ceil(0.05 * start.size)
-    adam = NumpyAdam(start.size)
+    adam = NumpyAdam(start.size, LR, EPSILON)
     expected, residual = start.astype("float64").ravel(), np.zeros(start.size)
     for number in range(1, 13):
         grad = rng.randn(*SHAPE).astype("float32")

@@ -11,30 +11,16 @@ import tensorflow as tf
 
 import sparse_hvd
 from conftest import digest, gather
-from helpers import numpy_topk_split
+from helpers import NumpyAdam, numpy_topk_split
 
 BIG, SMALL = (60, 50), (50,)  # 3000 entries: the sparse route; 50: the dense route
-LR, BETA_1, BETA_2, EPSILON = 0.01, 0.9, 0.999, 0.5  # epsilon: no ties (tests/test_local_update.py)
+LR, EPSILON = 0.01, 0.5  # epsilon: no ties (tests/test_local_update.py)
 DENSITY, STEPS = 0.05, 6
 
 
 def _gradients(rank, step):
     rng = np.random.RandomState(1000 * step + rank)
     return [rng.randn(*BIG).astype("float32"), rng.randn(*SMALL).astype("float32")]
-
-
-class NumpyAdam:
-    """Keras' Adam update of one rank's gradients, in float64."""
-
-    def __init__(self, size):
-        self.m, self.v, self.t = np.zeros(size), np.zeros(size), 0
-
-    def update(self, grad):
-        self.t += 1
-        self.m += (grad - self.m) * (1 - BETA_1)
-        self.v += (grad * grad - self.v) * (1 - BETA_2)
-        alpha = LR * math.sqrt(1 - BETA_2 ** self.t) / (1 - BETA_1 ** self.t)
-        return self.m * alpha / (np.sqrt(self.v) + EPSILON)
 
 
 @pytest.mark.parametrize("exchange", ["allgather", "dense"])
@@ -51,8 +37,8 @@ def test_the_mean_of_every_ranks_cut_adam_update_is_applied_on_every_rank(hvd, e
         optimizer.apply_gradients(zip([big, small], variables))
 
     k = math.ceil(DENSITY * math.prod(BIG))
-    adams = [NumpyAdam(math.prod(BIG)) for _ in range(size)]  # each rank's own, for the cut
-    shared = [NumpyAdam(math.prod(s)) for s in (BIG, SMALL)]  # on the averages (sent whole)
+    adams = [NumpyAdam(math.prod(BIG), LR, EPSILON) for _ in range(size)]  # each rank's own
+    shared = [NumpyAdam(math.prod(s), LR, EPSILON) for s in (BIG, SMALL)]  # on the averages
     residuals = [np.zeros(math.prod(BIG)) for _ in range(size)]
     expected = [w.astype("float64").ravel() for w in start]
     for number in range(STEPS):
