@@ -2,10 +2,11 @@
 
 :func:`make_payload` brings each gradient to its variable's dtype (a row-sparse one stays rows
 where it travels as rows), unscales it (an inner LossScaleOptimizer), lets the density policy
-see it, clips it locally (``clipping="local"``), with ``sparsify="update"`` replaces a sparse-route
-gradient by the inner optimizer's update on this rank (``feedback.local_update``), asks the policy for each
-sparse variable's k (or one cut over the model, ``budget="model"``), then compensates and
-selects by route (error feedback), rounds for ``compression``, and returns the step's
+see it, clips it locally (``clipping="local"``), with ``sparsify="update"`` replaces a
+sparse-route gradient by the inner optimizer's update on this rank (``feedback.local_update``),
+asks the policy for each sparse variable's k (or one cut over the model, ``budget="model"``),
+then compensates and selects by route (error feedback), rounds for ``compression``, and
+returns the step's
 :class:`~sparse_hvd.feedback.payload.Payload`: nothing is written yet (with
 ``sparsify="update"`` the inner optimizer's own state has moved; the weights have not).
 :func:`inner_gradients` turns the exchange's averages into what the inner optimizer takes.

@@ -2,7 +2,7 @@
 
 Top-k with error feedback alone trails dense training by many steps (``docs/steps_to_loss.md``
 measures it: on a character LSTM at 1% it never reached dense's mid-run loss in 800 steps).
-Of the aids measured there (``scripts/benchmarks/bench_steps_to_loss.py``), two are on unless
+Of the aids measured there (``scripts/benchmarks/bench_steps_to_loss.py``), these are on unless
 the user says otherwise:
 
 * **Warm-up** (``warmup_steps``, default :data:`WARMUP_STEPS`): a numeric ``density`` below
@@ -58,6 +58,8 @@ LAGS' adaptive density (it follows the cost of communication, not the gradients:
 it sent 1.6% of dense's bytes and trained far slower).
 """
 
+import keras
+
 from .density import ConstantDensity, DensityPolicy, WarmupDensity, get_density_policy
 
 WARMUP_STEPS = 200  # what warmup_steps=None means
@@ -103,8 +105,6 @@ def resolve_sparsify(sparsify, optimizer) -> str:
     inner optimizer (inside a LossScaleOptimizer) is an Adam, else ``"gradient"``."""
     if sparsify is not None:
         return sparsify
-    import keras
-
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
     return "update" if isinstance(optimizer, keras.optimizers.Adam) else "gradient"
