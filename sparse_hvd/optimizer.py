@@ -357,7 +357,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
 
     def _apply_inner(self, grads, variables=None):
         """Step 5: the averages reach the weights (``feedback.application``)."""
-        application.apply_averages(self, grads, variables or self._trainable_variables)
+        application.apply_averages(self, grads, variables)
 
     @property
     def _clipper(self):

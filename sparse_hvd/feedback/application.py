@@ -15,8 +15,10 @@ from . import clipping as clipping_rules
 from . import local_update
 
 
-def apply_averages(opt, grads, variables):
-    """Apply the averages ``grads`` of ``variables`` as ``opt.sparsify`` says."""
+def apply_averages(opt, grads, variables=None):
+    """Apply the averages ``grads`` of ``variables`` (None: every trainable variable, in the
+    optimizer's order) as ``opt.sparsify`` says."""
+    variables = opt._trainable_variables if variables is None else variables
     # every gradient a tensor of the graph being built (a gradient passed through untouched
     # may be an eager constant the step captured), as Keras' all-reduce hook requires
     grads = [g if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in grads]

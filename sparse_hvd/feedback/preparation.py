@@ -6,8 +6,7 @@ see it, clips it locally (``clipping="local"``), with ``sparsify="update"`` repl
 sparse-route gradient by the inner optimizer's update on this rank (``feedback.local_update``),
 asks the policy for each sparse variable's k (or one cut over the model, ``budget="model"``),
 then compensates and selects by route (error feedback), rounds for ``compression``, and
-returns the step's
-:class:`~sparse_hvd.feedback.payload.Payload`: nothing is written yet (with
+returns the step's :class:`~sparse_hvd.feedback.payload.Payload`: nothing is written yet (with
 ``sparsify="update"`` the inner optimizer's own state has moved; the weights have not).
 :func:`inner_gradients` turns the exchange's averages into what the inner optimizer takes.
 What they use of the optimizer: its routes, density policy, sparsifier, budget, clipping,
@@ -105,8 +104,8 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
         clipped = clipping_rules.clipped_locally([p[-1] for p in prepared], opt._clipper,
                                                  runtime.size(opt.process_set))
         prepared = [p[:-1] + (grad,) for p, grad in zip(prepared, clipped)]
-    cut = [i for i, p in enumerate(prepared) if p[2].sparse]
-    if opt.sparsify == "update" and cut:  # the inner optimizer's update, where entries are cut
+    cut = [i for i, p in enumerate(prepared) if p[2].sparse] if opt.sparsify == "update" else []
+    if cut:  # the inner optimizer's update, where entries are cut
         updates = local_updates(opt, [prepared[i][-1] for i in cut],
                                 [grads_and_vars[prepared[i][0]][1] for i in cut])
         for i, update in zip(cut, updates):
