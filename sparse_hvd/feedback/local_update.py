@@ -43,22 +43,21 @@ import contextlib
 
 import tensorflow as tf
 
-from . import clipping as clipping_rules
 from . import nonfinite
 
 
-def local_updates(opt, grads, variables):
+def local_updates(opt, grads, variables, inner_step):
     """Steps 1-3 for dense true gradients ``grads`` of ``variables``: the inner optimizer's
-    updates (weights and the step count left as they were)."""
+    updates (weights and the step count left as they were). ``inner_step(opt, grads,
+    variables)`` is the inner optimizer's step as the averages get it
+    (``feedback.application.inner_step``: loss scaling, clipping off after local clipping)."""
     inner = opt.inner_optimizer
 
     def step():
         before = [tf.identity(v) for v in variables]
         with tf.control_dependencies(before):
-            off = (clipping_rules.switched_off(opt._clipper) if opt.clipping == "local"
-                   else contextlib.nullcontext())
-            with off, _moving_average_off(opt._clipper):
-                inner.apply(opt._loss_scaling.rescale(list(grads)), variables)
+            with _moving_average_off(opt._clipper):
+                inner_step(opt, list(grads), variables)
         updates = [b - tf.identity(v) for b, v in zip(before, variables)]
         with tf.control_dependencies(updates):
             for variable, value in zip(variables, before):

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from ..runtime import startup as runtime
 from . import clipping as clipping_rules
+from .application import inner_step
 from .local_update import local_updates
 from .payload import PayloadBuilder
 
@@ -107,7 +108,7 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
     cut = [i for i, p in enumerate(prepared) if p[2].sparse] if opt.sparsify == "update" else []
     if cut:  # the inner optimizer's update, where entries are cut
         updates = local_updates(opt, [prepared[i][-1] for i in cut],
-                                [grads_and_vars[prepared[i][0]][1] for i in cut])
+                                [grads_and_vars[prepared[i][0]][1] for i in cut], inner_step)
         for i, update in zip(cut, updates):
             prepared[i] = prepared[i][:-1] + (update,)
     budgets = {index: opt.density_policy.k(index, route.num_elements, step)
