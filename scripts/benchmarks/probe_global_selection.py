@@ -21,6 +21,14 @@ entries:
   runs Adam on its own gradient (its own moments) and its Adam *update* is compensated, cut
   locally and averaged; the mean is subtracted from the weights (DGC's local momentum, for
   Adam).
+* ``ef21`` (any workload): not error feedback but gradient *tracking* (EF21, Richtarik et al.
+  NeurIPS 2021): each worker keeps h_w, its estimate of its own gradient, and sends the top-K
+  of g_w - h_w; h_w moves by what it sent and every rank keeps h = mean_w h_w by adding the
+  averaged sent parts. The inner optimizer applies h, dense, every step: an entry not sent
+  moves by its last estimate instead of not at all;
+* ``ef21_update``: the same tracking of each worker's own inner-optimizer *update* (its own
+  moments or momentum, as in ``local_adam``), the weights moved by -h every step (EF21 with
+  local momentum, in the spirit of Fatkhullin et al. NeurIPS 2023's EF21-SGDM).
 
 The residual is what was not sent: r_w = c_w - sent_w. The inner optimizer (the workload's,
 with the benchmark's schedule) applies the update. Writes a record in the format of
@@ -43,7 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-MODES = ("local", "oracle", "leader", "union", "local_adam")
+MODES = ("local", "oracle", "leader", "union", "local_adam", "ef21", "ef21_update")
 WARMUP_START, WARMUP_STEPS = 0.10, 200  # the library's default warm-up
 
 
@@ -95,6 +103,8 @@ def main(argv=None):
     n = sum(sizes)
     residual = tf.Variable(tf.zeros([n]), trainable=False)
     mode = args.mode
+    estimate = tf.Variable(tf.zeros([n]), trainable=False)  # ef21: h_w
+    tracked = tf.Variable(tf.zeros([n]), trainable=False)  # ef21: h, the same on every rank
     if mode == "local_adam":
         if settings["inner"]["name"] != "adam":
             raise SystemExit("--mode local_adam needs a workload trained with Adam")
@@ -103,6 +113,19 @@ def main(argv=None):
         second = tf.Variable(tf.zeros([n]), trainable=False)
         taken = tf.Variable(0.0, trainable=False)
         beta_1, beta_2, epsilon = 0.9, 0.999, 1e-7  # Keras Adam's defaults
+
+    if mode == "ef21_update":
+        local_optimizer = inner_optimizer(keras, settings["inner"], steps)
+        local_optimizer.build(variables)
+
+    def local_update(grads):
+        """This worker's inner-optimizer update of its own gradient (weights put back)."""
+        before = [tf.identity(v) for v in variables]
+        local_optimizer.apply_gradients(zip(grads, variables))
+        moved = [b - v for b, v in zip(before, variables)]
+        for variable, value in zip(variables, before):
+            variable.assign(value)
+        return tf.concat([tf.reshape(m, [-1]) for m in moved], 0)
 
     def local_adam_step(flat):
         """Keras Adam's update of this worker's own gradient (what it would subtract)."""
@@ -125,6 +148,21 @@ def main(argv=None):
         flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0)
         if mode == "local_adam":
             flat = local_adam_step(flat)
+        elif mode == "ef21_update":
+            flat = local_update(grads)
+        if mode.startswith("ef21"):  # track: send the top-K of what h_w misses
+            difference = flat - estimate
+            sent = difference * top_mask(tf.abs(difference), k)
+            estimate.assign_add(sent)
+            tracked.assign_add(hvd.allreduce(sent, op=hvd.Average, name="probe.ef21"))
+            moved = tf.reduce_sum(tf.cast(tf.not_equal(sent, 0.0), tf.float32))
+            parts = [tf.reshape(p, s) for p, s in zip(tf.split(tracked, sizes), shapes)]
+            if mode == "ef21_update":
+                for variable, part in zip(variables, parts):
+                    variable.assign_sub(part)
+            else:
+                optimizer.apply_gradients(zip(parts, variables))
+            return loss, moved
         compensated = flat + residual
         if mode in ("local", "local_adam"):
             mask = top_mask(tf.abs(compensated), k)
