@@ -107,8 +107,8 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         min_elements: variables smaller than this are exchanged densely (default 1024).
         sparsify: ``"update"``: each worker's inner optimizer steps on its own gradient and
             that update is cut, error-fed and averaged (``feedback.local_update``);
-            ``"gradient"``: the average goes to the inner optimizer. None (default): "update"
-            with an inner Adam or AdamW, else "gradient" (``selection.defaults``).
+            ``"gradient"``: the average goes to the inner optimizer. None (default): "gradient"
+            for a plain SGD, else "update" (``selection.defaults``).
         process_set: a Horovod process set (or an mpi4py communicator registered with
             ``sparse_hvd.init(process_sets=[...])``); the whole job by default. Not serialised.
         name: the optimizer's name; it prefixes its collectives' names, so two of these

@@ -46,6 +46,17 @@ def weights_of(model):
     return [np.array(w) for w in model.get_weights()]
 
 
+def each_ranks_inner_state(optimizer):
+    """With ``sparsify="update"``, the inner optimizer's slots (momentum, moments), which follow
+    each rank's own gradients: every variable of it but the step count and the learning rate
+    (none of the tests' inner optimizers has an EMA). Empty with the gradient cut."""
+    if optimizer.sparsify != "update":
+        return []
+    inner = optimizer.inner_optimizer
+    return [v for v in inner.variables
+            if v is not inner.iterations and not v.path.endswith("learning_rate")]
+
+
 def elias_fano_words(n, k):
     """int32 words of the Elias-Fano code of k positions among n, by index_coding's module
     doc in plain integers (an independent reference)."""

@@ -276,15 +276,21 @@ def test_the_default_exchange_is_the_timed_choice_and_round_trips():
 
 
 @pytest.mark.convergence_defaults
-def test_the_default_cuts_adams_update_and_any_other_optimizers_gradient():
+def test_the_default_cuts_the_update_of_every_optimizer_with_state_and_plain_sgds_gradient():
     def cut(inner, **options):
         return sparse_hvd.SparseDistributedOptimizer(inner, **options).sparsify
 
     assert cut(keras.optimizers.Adam()) == "update"
     assert cut(keras.optimizers.AdamW()) == "update"  # a subclass of Adam
     assert cut(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())) == "update"
-    assert cut(keras.optimizers.SGD(0.1, momentum=0.9)) == "gradient"
-    assert cut(keras.optimizers.RMSprop()) == "gradient"
+    assert cut(keras.optimizers.SGD(0.1, momentum=0.9)) == "update"
+    assert cut(keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)) == "update"
+    assert cut(keras.optimizers.RMSprop()) == "update"
+    assert cut(keras.optimizers.Lion()) == "update"
+    assert cut(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))) == "update"
+    # plain SGD's step is the gradient times the learning rate: nothing to gain, copies to pay
+    assert cut(keras.optimizers.SGD(0.1)) == "gradient"
+    assert cut(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))) == "gradient"
     assert cut(keras.optimizers.Adam(), sparsify="gradient") == "gradient"
     assert cut(keras.optimizers.SGD(0.1), sparsify="update") == "update"
     # momentum correction (SGD) is not refused by the default

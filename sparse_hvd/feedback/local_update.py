@@ -1,7 +1,7 @@
 """``sparsify="update"``: each worker runs the inner optimizer on its own gradient, and what
 is cut, error-fed and averaged is the *update* the inner optimizer would make.
 
-With ``sparsify="gradient"`` (the default for optimizers other than Adam) the inner optimizer
+With ``sparsify="gradient"`` (the default for a plain SGD only) the inner optimizer
 runs once per step, on the average of the sparse gradients, the same on every rank. An entry
 of the gradient that waits in a residual for T steps then reaches the optimizer as one sum:
 Adam's moments see a spike where dense Adam saw T small steps. With ``"update"`` the moments
@@ -10,7 +10,8 @@ SGD's momentum to any Keras optimizer), so an entry held back is a held-back *st
 late but at its size.
 Measured at 4 workers, 3 seeds (``docs/steps_to_loss_ablations.md``, "What is cut,
 measured"): with Adam, the transformer and the LSTM end closer to dense than with the
-gradient cut; it is the default with an inner Adam (``selection.defaults``).
+gradient cut, and so does the LSTM with SGD's momentum; it is the default with every inner
+optimizer that keeps a state (``selection.defaults``).
 
 Each step, on every rank:
 
@@ -35,12 +36,18 @@ gradients were finite have then already moved their moments by that step's gradi
 weights and step counts are untouched.
 
 What differs from the gradient cut, by construction: the inner optimizer's state is each worker's
-own (only the weights are the same everywhere); a checkpoint holds the state of the rank
-that writes it, and every rank resumes from that state.
+own (only the weights are the same everywhere). A checkpoint written by one rank holds that
+rank's; ``share_residuals`` (``ShareResidualsCallback``) makes every rank's the mean over the
+ranks first, as it does the residuals (:func:`own_state`), so that the saved state stands for
+all and a resumed run continues exactly as the uninterrupted one that shared too. The mean is
+the natural state to resume from: SGD's velocity and Adam's first moment are linear in the
+gradients, so their mean is what dense training would have; Adam's second moment is then the
+mean of the workers' mean squares.
 """
 
 import contextlib
 
+import keras
 import tensorflow as tf
 
 from . import nonfinite
@@ -69,6 +76,22 @@ def local_updates(opt, grads, variables, inner_step):
         return step()
     finite = tf.reduce_all([nonfinite.all_finite(g) for g in grads])  # the payload's own test
     return tf.cond(finite, step, lambda: [tf.identity(g) for g in grads])
+
+
+def own_state(inner):
+    """The inner optimizer's state that follows each worker's own gradients with
+    ``sparsify="update"``: its floating-point variables other than the step count, the
+    learning rate and the EMA of the weights, which follows the applied weights (SGD's
+    velocities, Adam's moments), those of the optimizer inside a LossScaleOptimizer (whose
+    loss scale is the same on every rank)."""
+    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        inner = inner.inner_optimizer
+    shared = {id(inner.iterations)}
+    shared.update(id(v) for v in getattr(inner, "_model_variables_moving_average", None) or [])
+    if isinstance(getattr(inner, "_learning_rate", None), keras.Variable):
+        shared.add(id(inner._learning_rate))
+    return [v for v in inner.variables
+            if id(v) not in shared and tf.as_dtype(v.dtype).is_floating]
 
 
 def apply_averages(opt, averages, variables, routes, apply_inner):

@@ -13,7 +13,9 @@ from typing import List
 
 import keras
 
+from ..runtime.broadcast import average_variables
 from ..wrapping import without_legacy_ema_copy
+from . import local_update
 
 
 class LocalState:
@@ -40,19 +42,24 @@ class LocalState:
         return self._feedback.world_size
 
     def share_residuals(self):
-        """Make every rank's residuals (and local velocities) their mean over the ranks.
+        """Make every rank's residuals (and local velocities; with ``sparsify="update"``, the
+        inner optimizer's momentum or moments) their mean over the ranks.
 
         Residuals are each rank's own, and a checkpoint written by rank 0 holds only rank 0's.
         Called on every rank just before such a checkpoint (``ShareResidualsCallback`` does it
         at each epoch end), it makes rank 0's copy stand for all: the sum over the ranks, the
         gradient still owed to the model, is unchanged, and it is what a restore brings back.
         Restored on a different number of workers, the residuals are scaled by
-        saved_workers / workers at the first step, so that sum is kept there too. Eager; a
-        collective: every rank must call it.
+        saved_workers / workers at the first step, so that sum is kept there too (the inner
+        optimizer's state is a per-worker mean and is kept as it is). Eager; a collective:
+        every rank must call it.
         """
         if not self.built:
             return
         self._feedback.share(self.process_set, name=f"{self._prefix}.share_residuals")
+        if self.sparsify == "update":
+            average_variables(local_update.own_state(self.inner_optimizer), self.process_set,
+                              name=f"{self._prefix}.share_inner_state")
 
     def save_own_variables(self, store):
         self.hold_pending()  # the checkpoint must hold the exchanges in flight

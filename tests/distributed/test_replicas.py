@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import sparse_hvd
 from conftest import digest, gather
-from helpers import classification_data, mlp, weights_of
+from helpers import classification_data, each_ranks_inner_state, mlp, weights_of
 
 
 def test_size_and_rank_agree_with_the_launcher(hvd):
@@ -56,15 +56,14 @@ def test_model_fit_leaves_weights_bit_identical_on_every_rank(hvd, name, groupin
     assert all(l == losses[0] for l in losses), "averaged metrics differ between ranks"
     stats = optimizer.communication_stats()
     assert stats["steps"] == 12 and 0 < stats["bytes_sent"] < stats["dense_bytes"]
-    # the optimizer's replicated state (momentum, moments, iterations) is identical too; with
-    # sparsify="update" (Adam's default) the inner optimizer's moments are each rank's own
-    inner = optimizer.inner_optimizer
-    own = ([v for v in inner.variables if v is not inner.iterations
-            and not v.path.endswith("learning_rate")] if optimizer.sparsify == "update" else [])
+    # the optimizer's replicated state (the step counts, the learning rate) is identical too;
+    # with sparsify="update" (the default of every optimizer here, as each keeps a state) the
+    # inner optimizer's momentum or moments are each rank's own
+    own = each_ranks_inner_state(optimizer)
     replicated = [keras.ops.convert_to_numpy(v) for v in optimizer.variables
                   if all(v is not r for r in [*optimizer.local_variables, *own])]
     assert len(set(gather(hvd, digest(replicated), name=f"fit.opt.{name}.{grouping}"))) == 1
-    assert optimizer.sparsify == ("update" if name == "adam" else "gradient")
+    assert optimizer.sparsify == "update"
     if own:  # each rank's moments followed its own data
         mine = [keras.ops.convert_to_numpy(v) for v in own]
         assert len(set(gather(hvd, digest(mine), name=f"fit.own.{name}.{grouping}"))) == hvd.size()
@@ -201,6 +200,10 @@ def test_share_residuals_makes_them_the_mean_and_resuming_continues_exactly(hvd,
     everyone = gather(hvd, digest([mine]), name="resume.shared")
     assert len(set(everyone)) == 1, "shared residuals differ between ranks"
     assert np.count_nonzero(mine) > 0
+    # SGD's momentum is each rank's own with the default sparsify="update": shared as well
+    velocities = [v.numpy() for v in each_ranks_inner_state(model.optimizer)]
+    assert velocities and all(np.count_nonzero(v) > 0 for v in velocities)
+    assert len(set(gather(hvd, digest(velocities), name="resume.velocities"))) == 1
 
     directory = gather(hvd, str(tmp_path_factory.mktemp("resume")), name="resume.dir")[0]
     path = f"{directory}/epoch1.keras"
