@@ -140,6 +140,16 @@ def main(argv=None):
         threshold = tf.math.top_k(magnitude, k, sorted=True).values[-1]
         return tf.cast(magnitude >= threshold, tf.float32)
 
+    def apply(flat, subtract):
+        """Subtract ``flat`` (an update) from the weights, or give it to the inner optimizer
+        as their gradient."""
+        parts = [tf.reshape(p, s) for p, s in zip(tf.split(flat, sizes), shapes)]
+        if subtract:
+            for variable, part in zip(variables, parts):
+                variable.assign_sub(part)
+        else:
+            optimizer.apply_gradients(zip(parts, variables))
+
     @tf.function(jit_compile=False)
     def train_step(x, y, k, leader):
         with tf.GradientTape() as tape:
@@ -155,14 +165,8 @@ def main(argv=None):
             sent = difference * top_mask(tf.abs(difference), k)
             estimate.assign_add(sent)
             tracked.assign_add(hvd.allreduce(sent, op=hvd.Average, name="probe.ef21"))
-            moved = tf.reduce_sum(tf.cast(tf.not_equal(sent, 0.0), tf.float32))
-            parts = [tf.reshape(p, s) for p, s in zip(tf.split(tracked, sizes), shapes)]
-            if mode == "ef21_update":
-                for variable, part in zip(variables, parts):
-                    variable.assign_sub(part)
-            else:
-                optimizer.apply_gradients(zip(parts, variables))
-            return loss, moved
+            apply(tracked, subtract=mode == "ef21_update")
+            return loss, tf.reduce_sum(tf.cast(tf.not_equal(sent, 0.0), tf.float32))
         compensated = flat + residual
         if mode in ("local", "local_adam"):
             mask = top_mask(tf.abs(compensated), k)
@@ -179,14 +183,8 @@ def main(argv=None):
         residual.assign(compensated - sent)
         update = hvd.allreduce(sent, op=hvd.Average, name="probe.update")
         # what moved: the entries of the update (indices and values of the union)
-        moved = tf.reduce_sum(tf.cast(tf.not_equal(update, 0.0), tf.float32))
-        parts = [tf.reshape(p, s) for p, s in zip(tf.split(update, sizes), shapes)]
-        if mode == "local_adam":
-            for variable, part in zip(variables, parts):
-                variable.assign_sub(part)
-        else:
-            optimizer.apply_gradients(zip(parts, variables))
-        return loss, moved
+        apply(update, subtract=mode == "local_adam")
+        return loss, tf.reduce_sum(tf.cast(tf.not_equal(update, 0.0), tf.float32))
 
     @tf.function(jit_compile=False)
     def evaluate(x, y):
