@@ -78,6 +78,40 @@ def test_sgd_momentum_cuts_each_workers_velocity_step():
                                atol=2e-6)
 
 
+def test_a_cut_variable_sent_whole_keeps_its_residual_of_steps_for_the_next_sparse_step():
+    """When ``exchange="auto"`` runs dense, the cut variables travel whole (``Route.flushed``).
+    Their residual holds the inner optimizer's steps, not gradients: the inner optimizer gets
+    the gradient alone (as Horovod's step), the residual waits, and the next sparse step sends
+    the top-k of (the next step + that residual). SGD's momentum in NumPy, step by step."""
+    rng = np.random.RandomState(8)
+    start = rng.randn(*SHAPE).astype("float32")
+    variable = keras.Variable(start)
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), density=0.05, warmup_steps=0,
+        sparsify="update", exchange="allgather")
+    k = math.ceil(0.05 * start.size)
+    velocity, residual = np.zeros(start.size), np.zeros(start.size)
+    expected = start.astype("float64").ravel()
+    for number, whole in enumerate([False, False, True, True, False], start=1):
+        if number == 1:
+            optimizer.build([variable])
+        route = optimizer._routes[0]
+        optimizer._routes[0] = route._replace(sparse=not whole, flushed=whole)
+        grad = rng.randn(*SHAPE).astype("float32")
+        optimizer.apply_gradients([(tf.constant(grad), variable)])
+        velocity = 0.9 * velocity - 0.1 * grad.ravel()
+        if whole:  # Horovod's step: the averaged gradient through the inner SGD
+            expected = expected + velocity
+        else:
+            _, sent, residual = numpy_topk_split(-velocity + residual, k)
+            expected = expected - sent
+        np.testing.assert_allclose(variable.numpy().ravel(), expected, rtol=0, atol=2e-6)
+        np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residual, rtol=0,
+                                   atol=2e-6)
+        assert int(optimizer.iterations.numpy()) == number
+    assert np.count_nonzero(residual) > 0
+
+
 def test_a_variable_sent_whole_gets_the_inner_optimizer_on_its_gradient():
     """Only cut variables are handled as updates: one under ``min_elements`` (the dense route)
     follows the plain inner optimizer bit for bit, and the step is counted once."""

@@ -28,7 +28,9 @@ Each step, on every rank:
 Only variables on the sparse route are handled so: a variable sent whole (under
 ``min_elements``, or every variable when the exchange is dense, as ``exchange="auto"`` may
 choose on a fast link) gets the inner optimizer on the averaged gradient, as without
-sparse_hvd, so a dense step is exactly Horovod's.
+sparse_hvd, so a dense step is exactly Horovod's. The residual of a cut variable sent whole so
+holds steps, not gradients: it is not added to that gradient (the inner optimizer would take
+it for one) but waits for the next sparse step (``preparation.make_payload``).
 
 A rank whose gradient is not finite skips step 2 and hands its gradient on unchanged: the
 exchange sees it and the step is skipped on every rank (``nonfinite``). The ranks whose

@@ -122,6 +122,10 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
             selection, updates = opt._feedback.select(index, grad, sparsifier, k,
                                                        opt._compression)
             builder.add_sparse(position, index, route, grad, selection, updates, budget=k)
+        elif route.flushed and opt.sparsify == "update":
+            # the residual holds the inner optimizer's steps, which it must not take as a
+            # gradient: it waits for the next sparse step; the gradient travels as Horovod's
+            builder.add_dense(position, index, route, grad, sent=opt._compression.round(grad)[0])
         elif route.flushed:
             sent, updates = opt._feedback.flush(index, grad, opt._compression)
             builder.add_dense(position, index, route, grad, updates, sent=sent)
