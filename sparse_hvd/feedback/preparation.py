@@ -125,7 +125,9 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
         elif route.flushed and opt.sparsify == "update":
             # the residual holds the inner optimizer's steps, which it must not take as a
             # gradient: it waits for the next sparse step; the gradient travels as Horovod's
-            builder.add_dense(position, index, route, grad, sent=opt._compression.round(grad)[0])
+            compressed = opt._compression.wire_dtype(grad.dtype) is not None
+            sent = opt._compression.round(grad)[0] if compressed else None
+            builder.add_dense(position, index, route, grad, sent=sent)
         elif route.flushed:
             sent, updates = opt._feedback.flush(index, grad, opt._compression)
             builder.add_dense(position, index, route, grad, updates, sent=sent)
