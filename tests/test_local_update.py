@@ -92,9 +92,8 @@ def test_a_cut_variable_sent_whole_keeps_its_residual_of_steps_for_the_next_spar
     k = math.ceil(0.05 * start.size)
     velocity, residual = np.zeros(start.size), np.zeros(start.size)
     expected = start.astype("float64").ravel()
+    optimizer.build([variable])
     for number, whole in enumerate([False, False, True, True, False], start=1):
-        if number == 1:
-            optimizer.build([variable])
         route = optimizer._routes[0]
         optimizer._routes[0] = route._replace(sparse=not whole, flushed=whole)
         grad = rng.randn(*SHAPE).astype("float32")
