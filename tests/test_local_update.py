@@ -78,11 +78,11 @@ def test_sgd_momentum_cuts_each_workers_velocity_step():
                                atol=2e-6)
 
 
-def test_a_cut_variable_sent_whole_keeps_its_residual_of_steps_for_the_next_sparse_step():
+def test_a_cut_variable_sent_whole_sends_its_step_and_residual_whole():
     """When ``exchange="auto"`` runs dense, the cut variables travel whole (``Route.flushed``).
-    Their residual holds the inner optimizer's steps, not gradients: the inner optimizer gets
-    the gradient alone (as Horovod's step), the residual waits, and the next sparse step sends
-    the top-k of (the next step + that residual). SGD's momentum in NumPy, step by step."""
+    They go on as steps (each rank's inner state is its own, and the residual holds steps):
+    the step plus the residual is sent whole and subtracted, the residual is then zero, and
+    the next sparse step cuts again. SGD's momentum in NumPy, step by step."""
     rng = np.random.RandomState(8)
     start = rng.randn(*SHAPE).astype("float32")
     variable = keras.Variable(start)
@@ -99,8 +99,8 @@ def test_a_cut_variable_sent_whole_keeps_its_residual_of_steps_for_the_next_spar
         grad = rng.randn(*SHAPE).astype("float32")
         optimizer.apply_gradients([(tf.constant(grad), variable)])
         velocity = 0.9 * velocity - 0.1 * grad.ravel()
-        if whole:  # Horovod's step: the averaged gradient through the inner SGD
-            expected = expected + velocity
+        if whole:
+            expected, residual = expected - (-velocity + residual), np.zeros(start.size)
         else:
             _, sent, residual = numpy_topk_split(-velocity + residual, k)
             expected = expected - sent
@@ -108,7 +108,7 @@ def test_a_cut_variable_sent_whole_keeps_its_residual_of_steps_for_the_next_spar
         np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residual, rtol=0,
                                    atol=2e-6)
         assert int(optimizer.iterations.numpy()) == number
-    assert np.count_nonzero(residual) > 0
+        assert np.count_nonzero(residual) == (0 if whole else start.size - k)
 
 
 def test_a_variable_sent_whole_gets_the_inner_optimizer_on_its_gradient():

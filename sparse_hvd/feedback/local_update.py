@@ -25,12 +25,12 @@ Each step, on every rank:
    average of the sent updates, is subtracted from the weights (``apply_averages``), and the
    step is counted then, so a skipped step counts nothing.
 
-Only variables on the sparse route are handled so: a variable sent whole (under
-``min_elements``, or every variable when the exchange is dense, as ``exchange="auto"`` may
-choose on a fast link) gets the inner optimizer on the averaged gradient, as without
-sparse_hvd, so a dense step is exactly Horovod's. The residual of a cut variable sent whole so
-holds steps, not gradients: it is not added to that gradient (the inner optimizer would take
-it for one) but waits for the next sparse step (``preparation.make_payload``).
+Only variables on the sparse route are handled so: a variable always sent whole (under
+``min_elements``) gets the inner optimizer on the averaged gradient, as without sparse_hvd.
+A cut variable that ``exchange="auto"`` sends whole (a dense step: ``Route.flushed``) stays
+on steps: its update plus its residual is sent whole, averaged and subtracted. Its inner
+state is each rank's own, so handing the averaged gradient to the inner optimizer would move
+each rank's weights differently, and its residual holds steps, not gradients.
 
 A rank whose gradient is not finite skips step 2 and hands its gradient on unchanged: the
 exchange sees it and the step is skipped on every rank (``nonfinite``). The ranks whose
@@ -97,11 +97,12 @@ def own_state(inner):
 
 
 def apply_averages(opt, averages, variables, routes, apply_inner):
-    """Step 4: subtract the averaged updates of the sparse-route variables from them (then
+    """Step 4: subtract the averaged updates of the cut variables (sparse or flushed) from them (then
     their constraints, as Keras applies them after a step), hand the dense-route variables'
     averaged gradients to ``apply_inner`` (the inner optimizer, as without sparse_hvd), and
     count the step once."""
-    cut = [routes[opt._get_variable_index(v)].sparse for v in variables]
+    chosen = [routes[opt._get_variable_index(v)] for v in variables]
+    cut = [route.sparse or route.flushed for route in chosen]
     for average, variable, sparse in zip(averages, variables, cut):
         if not sparse:
             continue

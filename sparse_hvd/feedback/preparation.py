@@ -105,8 +105,11 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
         clipped = clipping_rules.clipped_locally([p[-1] for p in prepared], opt._clipper,
                                                  runtime.size(opt.process_set))
         prepared = [p[:-1] + (grad,) for p, grad in zip(prepared, clipped)]
-    cut = [i for i, p in enumerate(prepared) if p[2].sparse] if opt.sparsify == "update" else []
-    if cut:  # the inner optimizer's update, where entries are cut
+    # the inner optimizer's update where entries are cut, and where they were (a flushed route:
+    # its residual holds steps, and the inner state is each rank's own, so it goes on as steps)
+    cut = ([i for i, p in enumerate(prepared) if p[2].sparse or p[2].flushed]
+           if opt.sparsify == "update" else [])
+    if cut:
         updates = local_updates(opt, [prepared[i][-1] for i in cut],
                                 [grads_and_vars[prepared[i][0]][1] for i in cut], inner_step)
         for i, update in zip(cut, updates):
@@ -122,12 +125,6 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
             selection, updates = opt._feedback.select(index, grad, sparsifier, k,
                                                        opt._compression)
             builder.add_sparse(position, index, route, grad, selection, updates, budget=k)
-        elif route.flushed and opt.sparsify == "update":
-            # the residual holds the inner optimizer's steps, which it must not take as a
-            # gradient: it waits for the next sparse step; the gradient travels as Horovod's
-            compressed = opt._compression.wire_dtype(grad.dtype) is not None
-            sent = opt._compression.round(grad)[0] if compressed else None
-            builder.add_dense(position, index, route, grad, sent=sent)
         elif route.flushed:
             sent, updates = opt._feedback.flush(index, grad, opt._compression)
             builder.add_dense(position, index, route, grad, updates, sent=sent)

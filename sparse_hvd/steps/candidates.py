@@ -37,8 +37,8 @@ def plans_for(optimizer, candidates, routes) -> List[Plan]:
         # once flushed, a residual stays zero (or, with compression, holds the rounding error
         # that the dense route's own rounding keeps there too): plain dense routes then send
         # the same; not with momentum correction, whose dense route applies global momentum,
-        # nor with the update cut, whose flushed routes keep the residual (it holds steps,
-        # not gradients) for the next sparse step
+        # nor with the update cut, whose flushed routes go on as steps (each rank's inner
+        # state is its own: a plain dense route would move each rank's weights differently)
         clear = None if optimizer.momentum_correction or optimizer.sparsify == "update" else [
             route._replace(sparse=False) for route in routes]
         plans.append(Plan(name, exchange, flushing, clear))
