@@ -30,6 +30,11 @@ entries:
   moments or momentum, as in ``local_adam``), the weights moved by -h every step (EF21 with
   local momentum, in the spirit of Fatkhullin et al. NeurIPS 2023's EF21-SGDM).
 
+``--flush-every H`` (``local`` and ``local_adam``): every H-th step each worker sends its
+whole compensated vector (a dense allreduce; its residual starts clean), so no entry waits
+longer than H steps (the periodic error reset of CSER, Xie et al. NeurIPS 2020, in its
+simplest form). It costs 1/H of dense's bytes on top of the sparse steps.
+
 The residual is what was not sent: r_w = c_w - sent_w. The inner optimizer (the workload's,
 with the benchmark's schedule) applies the update. Writes a record in the format of
 ``bench_steps_to_loss.py``'s ``runs.jsonl`` (report it beside dense's runs with ``--report``)::
@@ -70,6 +75,8 @@ def main(argv=None):
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--flush-every", type=int, default=0,
+                        help="send everything every H-th step (0: never)")
     parser.add_argument("--jsonl", required=True, help="append the run's record here")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -151,7 +158,7 @@ def main(argv=None):
             optimizer.apply_gradients(zip(parts, variables))
 
     @tf.function(jit_compile=False)
-    def train_step(x, y, k, leader):
+    def train_step(x, y, k, leader, flush):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
         grads = tape.gradient(loss, variables)
@@ -179,6 +186,7 @@ def main(argv=None):
         else:  # union
             mine = top_mask(tf.abs(compensated), tf.maximum(k // size, 1))
             mask = tf.minimum(hvd.allreduce(mine, op=hvd.Sum, name="probe.union"), 1.0)
+        mask = tf.where(flush, tf.ones_like(mask), mask)
         sent = compensated * mask
         residual.assign(compensated - sent)
         update = hvd.allreduce(sent, op=hvd.Average, name="probe.update")
@@ -203,7 +211,9 @@ def main(argv=None):
         x, y = data.sample(rng, 16)
         k = max(1, math.ceil(density_at(step - 1, args.density) * n))
         loss, moved = train_step(tf.constant(x), tf.constant(y.astype("int32")),
-                                 tf.constant(k, tf.int32), tf.constant((step - 1) % size))
+                                 tf.constant(k, tf.int32), tf.constant((step - 1) % size),
+                                 tf.constant(args.flush_every > 0
+                                             and step % args.flush_every == 0))
         moved_total += float(moved)
         if rank == 0 and (step % eval_every == 0 or step == steps):
             val_loss, acc = evaluate(x_val, y_val)
@@ -214,13 +224,15 @@ def main(argv=None):
     digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in variables)).hexdigest()
     digests = hvd.allgather_object(digest, name="probe.digests")
     if rank == 0:
-        record = {"workload": args.workload, "method": f"probe_{mode}", "workers": size,
+        record = {"workload": args.workload, "method": f"probe_{mode}"
+                  + (f"_flush{args.flush_every}" if args.flush_every else ""), "workers": size,
                   "seed": args.seed, "steps": steps, "parameters": n, "curve": curve,
                   # entries of the update over the run, as a share of dense's entries (the
                   # bytes depend on the wire; local and union also send indices)
                   "bytes_fraction": moved_total / (n * steps),
                   "replicas_identical": len(set(digests)) == 1, "median_step_seconds": 0.0,
-                  "train_seconds": 0.0, "options": {"mode": mode, "density": args.density},
+                  "train_seconds": 0.0, "options": {"mode": mode, "density": args.density,
+                                               "flush_every": args.flush_every},
                   "seconds": time.perf_counter() - started}
         os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
         with open(args.jsonl, "a") as f:
