@@ -34,6 +34,8 @@ entries:
 whole compensated vector (a dense allreduce; its residual starts clean), so no entry waits
 longer than H steps (the periodic error reset of CSER, Xie et al. NeurIPS 2020, in its
 simplest form). It costs 1/H of dense's bytes on top of the sparse steps.
+``--residual-decay g``: the residual kept is g x (c_w - sent_w), so what is held back fades
+(an entry's late sum is applied at most about 1/(1 - g) steps' worth).
 
 The residual is what was not sent: r_w = c_w - sent_w. The inner optimizer (the workload's,
 with the benchmark's schedule) applies the update. Writes a record in the format of
@@ -77,6 +79,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--flush-every", type=int, default=0,
                         help="send everything every H-th step (0: never)")
+    parser.add_argument("--residual-decay", type=float, default=1.0,
+                        help="keep this share of what was not sent (1: error feedback)")
     parser.add_argument("--jsonl", required=True, help="append the run's record here")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -188,7 +192,7 @@ def main(argv=None):
             mask = tf.minimum(hvd.allreduce(mine, op=hvd.Sum, name="probe.union"), 1.0)
         mask = tf.where(flush, tf.ones_like(mask), mask)
         sent = compensated * mask
-        residual.assign(compensated - sent)
+        residual.assign((compensated - sent) * args.residual_decay)
         update = hvd.allreduce(sent, op=hvd.Average, name="probe.update")
         # what moved: the entries of the update (indices and values of the union)
         apply(update, subtract=mode == "local_adam")
@@ -225,14 +229,16 @@ def main(argv=None):
     digests = hvd.allgather_object(digest, name="probe.digests")
     if rank == 0:
         record = {"workload": args.workload, "method": f"probe_{mode}"
-                  + (f"_flush{args.flush_every}" if args.flush_every else ""), "workers": size,
+                  + (f"_flush{args.flush_every}" if args.flush_every else "")
+                  + (f"_decay{args.residual_decay:g}" if args.residual_decay != 1 else ""), "workers": size,
                   "seed": args.seed, "steps": steps, "parameters": n, "curve": curve,
                   # entries of the update over the run, as a share of dense's entries (the
                   # bytes depend on the wire; local and union also send indices)
                   "bytes_fraction": moved_total / (n * steps),
                   "replicas_identical": len(set(digests)) == 1, "median_step_seconds": 0.0,
                   "train_seconds": 0.0, "options": {"mode": mode, "density": args.density,
-                                               "flush_every": args.flush_every},
+                                               "flush_every": args.flush_every,
+                                               "residual_decay": args.residual_decay},
                   "seconds": time.perf_counter() - started}
         os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
         with open(args.jsonl, "a") as f:
