@@ -28,9 +28,11 @@ Each step, on every rank:
 Only variables on the sparse route are handled so: a variable always sent whole (under
 ``min_elements``) gets the inner optimizer on the averaged gradient, as without sparse_hvd.
 A cut variable that ``exchange="auto"`` sends whole (a dense step: ``Route.flushed``) stays
-on steps: its update plus its residual is sent whole, averaged and subtracted. Its inner
-state is each rank's own, so handing the averaged gradient to the inner optimizer would move
-each rank's weights differently, and its residual holds steps, not gradients.
+on steps in that step: its update plus its residual is sent whole, averaged and subtracted
+(its inner state is each rank's own, so handing the averaged gradient to the inner optimizer
+would move each rank's weights differently, and its residual holds steps, not gradients).
+The same step makes the inner state the mean over the ranks (:func:`share_own_state`), so
+the dense steps after it are Horovod's: the inner optimizer once, on the averaged gradient.
 
 A rank whose gradient is not finite skips step 2 and hands its gradient on unchanged: the
 exchange sees it and the step is skipped on every rank (``nonfinite``). The ranks whose
@@ -94,6 +96,25 @@ def own_state(inner):
         shared.add(id(inner._learning_rate))
     return [v for v in inner.variables
             if id(v) not in shared and tf.as_dtype(v.dtype).is_floating]
+
+
+def share_own_state(opt, name):
+    """In a traced step, on every rank: replace :func:`own_state` by its mean over the ranks
+    (one fused allreduce per dtype). ``exchange="auto"`` does it in the dense step that sends
+    the residuals whole, so that the dense steps after it can hand the averaged gradient to
+    one shared state, as Horovod's dense step does. Returns the assignments' op."""
+    from ..runtime import collectives
+
+    by_dtype = {}
+    for variable in own_state(opt.inner_optimizer):
+        by_dtype.setdefault(variable.dtype, []).append(variable)
+    written = []
+    for dtype, variables in sorted(by_dtype.items(), key=lambda item: str(item[0])):
+        means = collectives.grouped_allreduce(
+            [tf.convert_to_tensor(v) for v in variables], name=f"{name}.{dtype}",
+            process_set=opt.process_set)
+        written += [v.assign(m) for v, m in zip(variables, means)]
+    return tf.group(written)
 
 
 def apply_averages(opt, averages, variables, routes, apply_inner):

@@ -36,10 +36,10 @@ def plans_for(optimizer, candidates, routes) -> List[Plan]:
         flushing = [route._replace(sparse=False, flushed=route.sparse) for route in routes]
         # once flushed, a residual stays zero (or, with compression, holds the rounding error
         # that the dense route's own rounding keeps there too): plain dense routes then send
-        # the same; not with momentum correction, whose dense route applies global momentum,
-        # nor with the update cut, whose flushed routes go on as steps (each rank's inner
-        # state is its own: a plain dense route would move each rank's weights differently)
-        clear = None if optimizer.momentum_correction or optimizer.sparsify == "update" else [
+        # the same; with the update cut too, since the flushing step also makes the inner
+        # state, each rank's own until then, the mean over the ranks (``MeasuredChoiceStep``);
+        # not with momentum correction, whose dense route applies global momentum
+        clear = None if optimizer.momentum_correction else [
             route._replace(sparse=False) for route in routes]
         plans.append(Plan(name, exchange, flushing, clear))
     return plans

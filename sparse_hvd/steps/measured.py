@@ -64,7 +64,9 @@ Switching keeps every replica identical (every rank runs the same branch) and er
 exact: the dense candidate sends each sparse-route variable's compensated gradient whole and
 clears its residual (``ErrorFeedback.flush``), so the conservation identity holds across
 switches; the next dense steps skip that pass (the residuals stay clear until a sparse step
-runs). The state of candidates other than the default exchange (the sparse allreduce's
+runs). With ``sparsify="update"`` that first dense step sends each rank's step plus residual
+and makes the inner state (each rank's own after sparse steps) the mean over the ranks, so
+the next dense steps are Horovod's plain step: no local step, no copies of the weights. The state of candidates other than the default exchange (the sparse allreduce's
 thresholds) is not checkpointed: the format does not depend on the candidates, and a
 restored job measures again.
 """
@@ -75,6 +77,7 @@ from typing import List
 import numpy as np
 import tensorflow as tf
 
+from ..feedback import local_update
 from ..feedback.preparation import tensor_parts
 from ..runtime import collectives, log, startup as runtime
 from .candidates import Plan, dense_bytes_per_entry, plans_for, warmup_trials  # noqa: F401
@@ -349,6 +352,19 @@ class MeasuredChoiceStep(SynchronousStep):
                 exchanged = tf.constant(0.0, tf.float64)
             return went_ahead, exchanged
 
+        def flush(routes):
+            """The dense step that sends the residuals whole; with the update cut it also
+            makes the inner state the mean over the ranks (then the clear routes, plain
+            dense, apply the averaged gradient to one state, at dense's cost)."""
+            went_ahead, exchanged = run_with(routes)
+            if self.optimizer.sparsify != "update":
+                return went_ahead, exchanged
+            with tf.control_dependencies([went_ahead]):
+                shared = local_update.share_own_state(
+                    self.optimizer, f"{self.optimizer._prefix}.auto.share_inner_state")
+            with tf.control_dependencies([shared]):
+                return tf.identity(went_ahead), tf.identity(exchanged)
+
         def run_plan():
             if plan.clear_routes is None:
                 went_ahead, exchanged = run_with(plan.routes)
@@ -356,7 +372,7 @@ class MeasuredChoiceStep(SynchronousStep):
                     tf.logical_and(went_ahead, not plan.exchange.sends_selections))
             else:
                 went_ahead, exchanged = tf.cond(self.clear, lambda: run_with(plan.clear_routes),
-                                                lambda: run_with(plan.routes))
+                                                lambda: flush(plan.routes))
                 written = self.clear.assign(tf.logical_or(self.clear, went_ahead))
             # an explicit edge: after lowering, nothing else orders the step's end after its
             # writes (``went_ahead`` exists only once they are done)

@@ -28,17 +28,19 @@ def whole_turns(monkeypatch):
 
 
 def train(name, steps, momentum_correction=0.0, compression="none", density=0.05,
-          per_mode=False, grouping="grouped"):
+          per_mode=False, grouping="grouped", inner=None, snapshots=None):
     """``steps`` steps of exchange="auto" on this rank's gradients (tests/option_matrix.py), in
-    a ``tf.function`` or (``per_mode``) a ``sparse_hvd.function``; returns the optimizer, the
-    weights and the layer statistics after each step."""
+    a ``tf.function`` or (``per_mode``) a ``sparse_hvd.function``, around ``inner`` (default
+    ``SGD(1.0)``); returns the optimizer, the weights and the layer statistics after each step.
+    ``snapshots``, a list, gets (weights, residuals, inner state) after each step."""
     import keras
     import tensorflow as tf
 
     import sparse_hvd
+    from helpers import each_ranks_inner_state
 
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(1.0), density=density, warmup_steps=0, exchange="auto",
+        inner or keras.optimizers.SGD(1.0), density=density, warmup_steps=0, exchange="auto",
         momentum_correction=momentum_correction, compression=compression, grouping=grouping,
         name=name)
     big = keras.Variable(np.zeros(BIG, "float32"))
@@ -58,6 +60,10 @@ def train(name, steps, momentum_correction=0.0, compression="none", density=0.05
     for passed in range(steps):
         step(*map(tf.constant, gradients(rank, passed)))
         stats.append(optimizer.layer_stats())
+        if snapshots is not None:
+            snapshots.append(tuple([v.numpy().astype("float64") for v in variables]
+                                   for variables in ((big, small), optimizer.residuals,
+                                                     each_ranks_inner_state(optimizer))))
     optimizer.functions = step._modes.functions if per_mode else None
     return optimizer, [big.numpy(), small.numpy()], stats
 
@@ -252,6 +258,57 @@ def test_the_chosen_exchange_runs_after_the_trial(hvd, monkeypatch, forced, comp
         assert not np.any(velocity_big) and np.any(velocity_small)
     else:
         _conservation(hvd, optimizer, weights, STEPS, compression)
+
+
+def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod(hvd,
+                                                                                 monkeypatch):
+    """SGD's momentum (the update cut: each rank's velocity its own), dense forced. The first
+    dense step after the trial's sparse steps sends each rank's step plus residual whole,
+    clears the residuals and makes every rank's velocity the mean of the ranks' own; each
+    dense step after it is Keras' SGD on the averaged gradient from that shared velocity
+    (Horovod's dense step). Computed in NumPy from every rank's state, checked on every
+    rank."""
+    import keras
+
+    if hvd.gloo_enabled() and not os.environ.get("SPARSE_HVD_FULL_SUITE"):
+        pytest.skip("the MPI job runs these (the suite's time budget)")
+    monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index("dense"))
+    lr, momentum, size, name = 0.1, 0.9, hvd.size(), "auto_update_cut_dense"
+    snapshots = []
+    optimizer, weights, stats = train(name, STEPS, inner=keras.optimizers.SGD(lr, momentum),
+                                      snapshots=snapshots)
+    assert optimizer.sparsify == "update"
+    assert optimizer.exchange_decisions[0][2] == "dense"
+    decided = optimizer.exchange_decisions[0][0]  # the steps after it run dense
+    assert STEPS - 1 - decided >= 2
+    everyone = gather(hvd, snapshots, name=f"{name}.snapshots")
+    for passed in range(decided + 1, STEPS):
+        before, after = [ranks[passed - 1] for ranks in everyone], everyone[0][passed]
+        grads = [gradients(r, passed) for r in range(size)]
+        mean_grad = [np.mean([g[i].astype("float64") for g in grads], 0) for i in (0, 1)]
+        owns = [[momentum * v - lr * g[i] for i, v in enumerate(b[2])]
+                for b, g in zip(before, grads)]
+        if passed == decided + 1:  # residuals were held: each rank's step and residual sent
+            velocity = [np.mean([own[i] for own in owns], 0) for i in (0, 1)]
+            held = [np.mean([b[1][i] for b in before], 0) for i in (0, 1)]  # the residuals
+            weight = [before[0][0][i] + velocity[i] - (held[i].reshape(velocity[i].shape)
+                                                       if held[i].size else 0.0)
+                      for i in (0, 1)]
+        else:  # Horovod's dense step: one velocity, the averaged gradient
+            assert all(np.array_equal(b[2][i], before[0][2][i]) for b in before for i in (0, 1))
+            velocity = [momentum * before[0][2][i] - lr * mean_grad[i] for i in (0, 1)]
+            weight = [before[0][0][i] + velocity[i] for i in (0, 1)]
+        for rank_snapshots in everyone:
+            got = rank_snapshots[passed]
+            for i in (0, 1):
+                np.testing.assert_allclose(got[2][i], velocity[i], rtol=0, atol=1e-5,
+                                           err_msg=f"step {passed}: velocity {i}")
+                np.testing.assert_allclose(got[0][i], weight[i], rtol=0, atol=1e-5,
+                                           err_msg=f"step {passed}: weight {i}")
+            assert not any(np.any(r) for r in got[1]), f"step {passed}: residuals not clear"
+    assert all(np.array_equal(s[STEPS - 1][2][i], after[2][i])
+               for s in everyone for i in (0, 1))
+    _same_everywhere(hvd, weights, name)
 
 
 def test_a_candidate_far_slower_than_the_best_ends_its_turn(hvd, monkeypatch):
