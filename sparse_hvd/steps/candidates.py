@@ -37,7 +37,9 @@ def plans_for(optimizer, candidates, routes) -> List[Plan]:
         # once flushed, a residual stays zero (or, with compression, holds the rounding error
         # that the dense route's own rounding keeps there too): plain dense routes then send
         # the same; with the update cut too, since the flushing step also makes the inner
-        # state, each rank's own until then, the mean over the ranks (``MeasuredChoiceStep``);
+        # state, each rank's own until then, the mean over the ranks (``MeasuredChoiceStep``;
+        # with compression its rounding error, kept in the residual, is in steps and the next
+        # dense step sends it with a gradient: a float16 rounding of one step, once a switch);
         # not with momentum correction, whose dense route applies global momentum
         clear = None if optimizer.momentum_correction else [
             route._replace(sparse=False) for route in routes]
