@@ -118,6 +118,9 @@ METHODS = {
                     {"density": {"class_name": "warmup", "config": {
                         "density": 0.01, "initial_density": 0.25, "warmup_steps": 200}},
                      "sparsify": "gradient"}),
+    "gradient_0.001": ("the gradient cut at density=0.001 (the previous default for SGD with "
+                       "momentum; its published runs: the warm-up from 25%)",
+                       {"density": 0.001, "sparsify": "gradient"}),
     "gradient_0.1": ("the gradient cut at density=0.1 (no warm-up: it starts at 10%)",
                      {"density": 0.1, "sparsify": "gradient"}),
     "update": ("the defaults with sparsify='update': each worker runs the inner optimizer on "
