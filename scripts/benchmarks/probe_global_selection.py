@@ -228,9 +228,9 @@ def main(argv=None):
     digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in variables)).hexdigest()
     digests = hvd.allgather_object(digest, name="probe.digests")
     if rank == 0:
-        record = {"workload": args.workload, "method": f"probe_{mode}"
-                  + (f"_flush{args.flush_every}" if args.flush_every else "")
-                  + (f"_decay{args.residual_decay:g}" if args.residual_decay != 1 else ""), "workers": size,
+        method = (f"probe_{mode}" + (f"_flush{args.flush_every}" if args.flush_every else "")
+                  + (f"_decay{args.residual_decay:g}" if args.residual_decay != 1 else ""))
+        record = {"workload": args.workload, "method": method, "workers": size,
                   "seed": args.seed, "steps": steps, "parameters": n, "curve": curve,
                   # entries of the update over the run, as a share of dense's entries (the
                   # bytes depend on the wire; local and union also send indices)

@@ -66,9 +66,10 @@ clears its residual (``ErrorFeedback.flush``), so the conservation identity hold
 switches; the next dense steps skip that pass (the residuals stay clear until a sparse step
 runs). With ``sparsify="update"`` that first dense step sends each rank's step plus residual
 and makes the inner state (each rank's own after sparse steps) the mean over the ranks, so
-the next dense steps are Horovod's plain step: no local step, no copies of the weights. The state of candidates other than the default exchange (the sparse allreduce's
-thresholds) is not checkpointed: the format does not depend on the candidates, and a
-restored job measures again.
+the next dense steps are Horovod's plain step: no local step, no copies of the weights. The
+state of candidates other than the default exchange (the sparse allreduce's thresholds) is
+not checkpointed: the format does not depend on the candidates, and a restored job measures
+again.
 """
 
 import math

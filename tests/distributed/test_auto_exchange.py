@@ -287,7 +287,7 @@ def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod
     assert STEPS - 1 - decided >= 2
     everyone = gather(hvd, snapshots, name=f"{name}.snapshots")
     for passed in range(decided + 1, STEPS):
-        before, after = [ranks[passed - 1] for ranks in everyone], everyone[0][passed]
+        before = [ranks[passed - 1] for ranks in everyone]
         grads = [gradients(r, passed) for r in range(size)]
         mean_grad = [np.mean([g[i].astype("float64") for g in grads], 0) for i in (0, 1)]
         owns = [[momentum * v - lr * g[i] for i, v in enumerate(b[2])]
@@ -316,8 +316,6 @@ def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod
                        for r in got[1]), f"step {passed}: residuals not clear"
             if passed > decided + 1:  # the dense steps keep one velocity on every rank
                 assert all(np.array_equal(got[2][i], everyone[0][passed][2][i]) for i in (0, 1))
-    assert all(np.array_equal(s[STEPS - 1][2][i], after[2][i])
-               for s in everyone for i in (0, 1))
     _same_everywhere(hvd, weights, name)
 
 
