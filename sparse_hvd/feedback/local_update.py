@@ -118,10 +118,10 @@ def share_own_state(opt, name):
 
 
 def apply_averages(opt, averages, variables, routes, apply_inner):
-    """Step 4: subtract the averaged updates of the cut variables (sparse or flushed) from them (then
-    their constraints, as Keras applies them after a step), hand the dense-route variables'
-    averaged gradients to ``apply_inner`` (the inner optimizer, as without sparse_hvd), and
-    count the step once."""
+    """Step 4: subtract the averaged updates of the cut variables (sparse or flushed) from
+    them (then their constraints, as Keras applies them after a step), hand the dense-route
+    variables' averaged gradients to ``apply_inner`` (the inner optimizer, as without
+    sparse_hvd), and count the step once."""
     chosen = [routes[opt._get_variable_index(v)] for v in variables]
     cut = [route.sparse or route.flushed for route in chosen]
     for average, variable, sparse in zip(averages, variables, cut):
