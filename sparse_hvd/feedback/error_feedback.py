@@ -227,6 +227,20 @@ class ErrorFeedback:
                             tf.zeros_like(velocity) if self.masking else velocity))
         return sent, tuple(updates)
 
+    def hold(self, index, grad, compression, owed=True) -> Tuple[tf.Tensor, Tuple[tuple, ...]]:
+        """Variable ``index`` sent whole with its residual kept (a trial's dense turn of
+        ``exchange="auto"``), with a 16-bit ``compression``: the gradient rounded, and, if
+        ``owed``, the write ``residual += grad - rounded``, so the rounding is owed like any
+        unsent part (not with the update cut, whose residual holds steps, not gradients: there
+        the rounding is dropped, as Horovod's float16 allreduce drops it). Without compression
+        a held variable is sent as it is."""
+        sent, error = compression.round(grad)
+        if not (self.enabled and owed):
+            return sent, ()
+        residual = self.residuals[index]
+        kept = tf.convert_to_tensor(residual) + tf.cast(error, residual.dtype)
+        return sent, ((residual, kept),)
+
     def after_exchange(self, index, averaged) -> Tuple[tf.Tensor, Tuple[tuple, ...]]:
         """A dense-route variable's averaged gradient as the inner optimizer gets it: with
         momentum correction, the velocity ``m*u + average`` (ordinary momentum), to be written

@@ -33,6 +33,8 @@ on steps in that step: its update plus its residual is sent whole, averaged and 
 would move each rank's weights differently, and its residual holds steps, not gradients).
 The same step makes the inner state the mean over the ranks (:func:`share_own_state`), so
 the dense steps after it are Horovod's: the inner optimizer once, on the averaged gradient.
+A trial's dense turn (``Route.held``) shares the state first and steps so too, keeping the
+residuals for the sparse steps after the trial (``steps.plan_step``).
 
 A rank whose gradient is not finite skips step 2 and hands its gradient on unchanged: the
 exchange sees it and the step is skipped on every rank (``nonfinite``). The ranks whose

@@ -31,6 +31,9 @@ class Route(NamedTuple):
     # a sparse-route variable sent whole (exchange="auto" running dense): its compensated
     # gradient travels and its residual is cleared, so no earlier unsent part is lost
     flushed: bool = False
+    # a sparse-route variable sent whole in a trial of exchange="auto": its gradient travels
+    # alone and its residual waits for the sparse steps after the trial (``ErrorFeedback.hold``)
+    held: bool = False
 
 
 def entries_in(shape) -> int:

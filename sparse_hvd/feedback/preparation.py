@@ -96,7 +96,7 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
         index = opt._get_variable_index(variable)
         route = opt._routes[index]
         rows = (keep_rows and isinstance(grad, tf.IndexedSlices) and not route.sparse
-                and not route.flushed and not opt.momentum_correction)
+                and not route.flushed and not route.held and not opt.momentum_correction)
         grad = opt._loss_scaling.unscale(
             as_rows(grad, variable, combine=workers > 1) if rows else as_dense(grad, variable))
         opt.density_policy.gradient_ready(index, grad.values if rows else grad)
@@ -127,6 +127,10 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
             builder.add_sparse(position, index, route, grad, selection, updates, budget=k)
         elif route.flushed:
             sent, updates = opt._feedback.flush(index, grad, opt._compression)
+            builder.add_dense(position, index, route, grad, updates, sent=sent)
+        elif route.held and opt._compression.wire_dtype(grad.dtype) is not None:
+            sent, updates = opt._feedback.hold(index, grad, opt._compression,
+                                               owed=opt.sparsify != "update")
             builder.add_dense(position, index, route, grad, updates, sent=sent)
         elif opt._compression.wire_dtype(grad.dtype) is not None:
             sent, updates = opt._feedback.round_dense(index, grad, opt._compression)

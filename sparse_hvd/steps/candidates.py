@@ -9,12 +9,14 @@ from ..exchanges import create
 
 class Plan(NamedTuple):
     """One candidate: its name, its exchange and the routes it runs with; for dense, also
-    the routes once the residuals are clear (None: always ``routes``)."""
+    the routes once the residuals are clear and those of a trial's turn, which keeps the
+    residuals (None: always ``routes``)."""
 
     name: str
     exchange: object
     routes: list
     clear_routes: list = None
+    held_routes: list = None
 
 
 def plans_for(optimizer, candidates, routes) -> List[Plan]:
@@ -40,10 +42,14 @@ def plans_for(optimizer, candidates, routes) -> List[Plan]:
         # state, each rank's own until then, the mean over the ranks (``MeasuredChoiceStep``;
         # with compression its rounding error, kept in the residual, is in steps and the next
         # dense step sends it with a gradient: a float16 rounding of one step, once a switch);
-        # not with momentum correction, whose dense route applies global momentum
-        clear = None if optimizer.momentum_correction else [
-            route._replace(sparse=False) for route in routes]
-        plans.append(Plan(name, exchange, flushing, clear))
+        # a trial's dense turn runs plain dense routes too, but keeps the residuals for the
+        # sparse steps after it (``Route.held``); not with momentum correction, whose dense
+        # route applies global momentum
+        clear = held = None
+        if not optimizer.momentum_correction:
+            clear = [route._replace(sparse=False) for route in routes]
+            held = [route._replace(sparse=False, held=route.sparse) for route in routes]
+        plans.append(Plan(name, exchange, flushing, clear, held))
     return plans
 
 

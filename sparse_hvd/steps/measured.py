@@ -61,13 +61,10 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    ``RECHECK_STEPS`` steps, all.
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
-exact: the dense candidate sends each sparse-route variable's compensated gradient whole and
-clears its residual (``ErrorFeedback.flush``), so the conservation identity holds across
-switches; the next dense steps skip that pass (the residuals stay clear until a sparse step
-runs). With ``sparsify="update"`` that first dense step sends each rank's step plus residual
-and makes the inner state (each rank's own after sparse steps) the mean over the ranks, so
-the next dense steps are Horovod's plain step: no local step, no copies of the weights. The
-state of candidates other than the default exchange (the sparse allreduce's thresholds) is
+exact (``plan_step``): chosen, dense sends the residuals whole once and clears them (with
+``sparsify="update"`` it also makes the inner state the mean over the ranks), then runs
+Horovod's plain step; a trial's dense turn keeps the residuals for the sparse steps after it.
+The state of candidates other than the default exchange (the sparse allreduce's thresholds) is
 not checkpointed: the format does not depend on the candidates, and a restored job measures
 again.
 """
@@ -78,10 +75,10 @@ from typing import List
 import numpy as np
 import tensorflow as tf
 
-from ..feedback import local_update
 from ..feedback.preparation import tensor_parts
 from ..runtime import collectives, log, startup as runtime
 from .candidates import Plan, dense_bytes_per_entry, plans_for, warmup_trials  # noqa: F401
+from .plan_step import plan_step
 from .strategies import SynchronousStep
 from .trial_rules import (decide, decision_message, median_of_samples, sparse_can_win,
                           within_reach, worth_trying)
@@ -197,6 +194,9 @@ class MeasuredChoiceStep(SynchronousStep):
             # the residuals were sent whole by a dense step that went ahead, and no sparse
             # step came after it (False after a restore: the restored residuals count)
             self.clear = tf.Variable(False, trainable=False, name="auto_residuals_clear")
+            # with the update cut: the inner state may differ across the ranks (a sparse step
+            # ran, or a restore, since it was last made their mean)
+            self.own_state = tf.Variable(True, trainable=False, name="auto_inner_state_own")
             self.last_end = tf.Variable(0.0, dtype=tf.float64, trainable=False,
                                         name="auto_last_step_end")
 
@@ -204,6 +204,7 @@ class MeasuredChoiceStep(SynchronousStep):
         """A restore replaced the residuals: the next dense step sends them again."""
         if len(self.plans) > 1:
             self.clear.assign(False)
+            self.own_state.assign(True)
 
     def _current(self) -> Plan:
         """The plan running now (eager)."""
@@ -244,12 +245,15 @@ class MeasuredChoiceStep(SynchronousStep):
         if len(self.plans) < 2:
             return super().run(grads_and_vars)
         phase, in_trial, candidate, branch = self._due()
+        # a trial's step of the plan traced here: dense keeps the residuals (``plan_step``)
+        self._holding = tf.logical_and(in_trial, tf.equal(candidate, branch))
         if self.traced is None:
-            ended = tf.switch_case(branch, [self._branch(plan, grads_and_vars)
+            ended = tf.switch_case(branch, [plan_step(self, plan, grads_and_vars, self._holding)
                                             for plan in self.plans])
         else:
             index = self.first_mode() if self.traced == FIRST else self.traced
-            ended = self._branch(self.plans[index], grads_and_vars)()
+            self._holding = tf.logical_and(in_trial, tf.equal(candidate, index))
+            ended = plan_step(self, self.plans[index], grads_and_vars, self._holding)()
             # a trial step due for another candidate waits until a step traced for it (only
             # when one call runs several steps: the callback re-traces before each call)
             put_off = tf.logical_and(in_trial, tf.not_equal(candidate, index))
@@ -335,55 +339,9 @@ class MeasuredChoiceStep(SynchronousStep):
             float(compute), dense_bytes, DENSE_WITHIN) for i, plan in enumerate(self.plans)],
             np.bool_)
 
-    def _branch(self, plan, grads_and_vars):
-        """The step with ``plan``'s exchange, ending in its timestamp. A plan with routes for
-        clear residuals (dense) picks them by the variable ``clear`` (one condition around
-        dense's allreduce: measured, it costs nothing there)."""
-        def run_with(routes):
-            opt = self.optimizer
-            saved = opt._exchange, opt._routes
-            opt._exchange, opt._routes = plan.exchange, routes
-            self._exchange_seconds = None
-            try:
-                went_ahead = SynchronousStep.run(self, grads_and_vars)
-            finally:
-                opt._exchange, opt._routes = saved
-            exchanged, self._exchange_seconds = self._exchange_seconds, None
-            if exchanged is None:  # no exchange ran (nothing to time)
-                exchanged = tf.constant(0.0, tf.float64)
-            return went_ahead, exchanged
-
-        def flush(routes):
-            """The dense step that sends the residuals whole; with the update cut it also
-            makes the inner state the mean over the ranks (then the clear routes, plain
-            dense, apply the averaged gradient to one state, at dense's cost)."""
-            went_ahead, exchanged = run_with(routes)
-            if self.optimizer.sparsify != "update":
-                return went_ahead, exchanged
-            with tf.control_dependencies([went_ahead]):
-                shared = local_update.share_own_state(
-                    self.optimizer, f"{self.optimizer._prefix}.auto.share_inner_state")
-            with tf.control_dependencies([shared]):
-                return tf.identity(went_ahead), tf.identity(exchanged)
-
-        def run_plan():
-            if plan.clear_routes is None:
-                went_ahead, exchanged = run_with(plan.routes)
-                written = self.clear.assign(
-                    tf.logical_and(went_ahead, not plan.exchange.sends_selections))
-            else:
-                went_ahead, exchanged = tf.cond(self.clear, lambda: run_with(plan.clear_routes),
-                                                lambda: flush(plan.routes))
-                written = self.clear.assign(tf.logical_or(self.clear, went_ahead))
-            # an explicit edge: after lowering, nothing else orders the step's end after its
-            # writes (``went_ahead`` exists only once they are done)
-            with tf.control_dependencies([written]):
-                return tf.timestamp(), exchanged
-        return run_plan
-
     def exchange(self, payload, gradients):
         """Step 4, timed on this rank from its gradients' existence to its averages' (read by
-        ``_branch``'s step, in whose trace this runs); with nothing to choose, untimed."""
+        ``plan_step``'s step, in whose trace this runs); with nothing to choose, untimed."""
         if len(self.plans) < 2:
             return super().exchange(payload, gradients)
         with tf.control_dependencies(tensor_parts(gradients)):
