@@ -36,6 +36,14 @@ longer than H steps (the periodic error reset of CSER, Xie et al. NeurIPS 2020, 
 simplest form). It costs 1/H of dense's bytes on top of the sparse steps.
 ``--residual-decay g``: the residual kept is g x (c_w - sent_w), so what is held back fades
 (an entry's late sum is applied at most about 1/(1 - g) steps' worth).
+``--density 1`` with ``local`` is dense training (every entry sent each step): the probe's own
+dense control, e.g. at another learning rate.
+``--lr-scale s`` (any mode) and ``--second-moment mean_estimate`` (``local_adam``): each worker's Adam
+sees its own gradient of a batch N times smaller than the step's, whose noise variance is N
+times the mean gradient's, so its second moment is larger than dense Adam's and its steps
+smaller where the gradient is mostly noise (up to sqrt(N) smaller). ``s`` scales the learning
+rate; ``mean_estimate`` takes v - m^2 (bias-corrected) as the worker's noise and divides it by
+N: ``m^2 + (v - m^2) / N`` estimates the second moment of the workers' mean gradient.
 
 The residual is what was not sent: r_w = c_w - sent_w. The inner optimizer (the workload's,
 with the benchmark's schedule) applies the update. Writes a record in the format of
@@ -81,6 +89,11 @@ def main(argv=None):
                         help="send everything every H-th step (0: never)")
     parser.add_argument("--residual-decay", type=float, default=1.0,
                         help="keep this share of what was not sent (1: error feedback)")
+    parser.add_argument("--lr-scale", type=float, default=1.0,
+                        help="the learning rate's peak times this")
+    parser.add_argument("--second-moment", choices=("own", "mean_estimate"), default="own",
+                        help="local_adam: Adam's second moment, the worker's own, or its "
+                             "estimate for the workers' mean gradient (see the module doc)")
     parser.add_argument("--jsonl", required=True, help="append the run's record here")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -98,7 +111,8 @@ def main(argv=None):
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    settings = SETTINGS[args.workload]
+    settings = dict(SETTINGS[args.workload])
+    settings["inner"] = dict(settings["inner"], lr=settings["inner"]["lr"] * args.lr_scale)
     steps = args.steps or settings["steps"]
     eval_every = settings["eval_every"]
     rank, size = hvd.rank(), hvd.size()
@@ -145,7 +159,16 @@ def main(argv=None):
         first.assign(first + (flat - first) * (1 - beta_1))
         second.assign(second + (tf.square(flat) - second) * (1 - beta_2))
         alpha = lr * tf.sqrt(1 - tf.pow(beta_2, taken)) / (1 - tf.pow(beta_1, taken))
-        return first * alpha / (tf.sqrt(second) + epsilon)
+        moment = second
+        if args.second_moment == "mean_estimate":
+            # the part of the worker's second moment its first moment does not explain,
+            # taken as noise, shrinks by the workers, as it would in their mean gradient
+            # (bias-corrected moments: the two horizons differ)
+            m_hat = first / (1 - tf.pow(beta_1, taken))
+            v_hat = second / (1 - tf.pow(beta_2, taken))
+            noise = tf.maximum(v_hat - tf.square(m_hat), 0.0)
+            moment = (tf.square(m_hat) + noise / size) * (1 - tf.pow(beta_2, taken))
+        return first * alpha / (tf.sqrt(moment) + epsilon)
 
     def top_mask(magnitude, k):
         threshold = tf.math.top_k(magnitude, k, sorted=True).values[-1]
@@ -228,8 +251,10 @@ def main(argv=None):
     digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in variables)).hexdigest()
     digests = hvd.allgather_object(digest, name="probe.digests")
     if rank == 0:
-        method = (f"probe_{mode}" + (f"_flush{args.flush_every}" if args.flush_every else "")
-                  + (f"_decay{args.residual_decay:g}" if args.residual_decay != 1 else ""))
+        method = (f"probe_{mode}" + (f"_d{args.density:g}" if args.density != 0.01 else "") + (f"_flush{args.flush_every}" if args.flush_every else "")
+                  + (f"_decay{args.residual_decay:g}" if args.residual_decay != 1 else "")
+                  + (f"_lr{args.lr_scale:g}x" if args.lr_scale != 1 else "")
+                  + ("_meanv" if args.second_moment != "own" else ""))
         record = {"workload": args.workload, "method": method, "workers": size,
                   "seed": args.seed, "steps": steps, "parameters": n, "curve": curve,
                   # entries of the update over the run, as a share of dense's entries (the
@@ -238,7 +263,9 @@ def main(argv=None):
                   "replicas_identical": len(set(digests)) == 1, "median_step_seconds": 0.0,
                   "train_seconds": 0.0, "options": {"mode": mode, "density": args.density,
                                                "flush_every": args.flush_every,
-                                               "residual_decay": args.residual_decay},
+                                               "residual_decay": args.residual_decay,
+                                               "lr_scale": args.lr_scale,
+                                               "second_moment": args.second_moment},
                   "seconds": time.perf_counter() - started}
         os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
         with open(args.jsonl, "a") as f:
