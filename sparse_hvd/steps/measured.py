@@ -245,15 +245,13 @@ class MeasuredChoiceStep(SynchronousStep):
         if len(self.plans) < 2:
             return super().run(grads_and_vars)
         phase, in_trial, candidate, branch = self._due()
-        # a trial's step of the plan traced here: dense keeps the residuals (``plan_step``)
-        self._holding = tf.logical_and(in_trial, tf.equal(candidate, branch))
-        if self.traced is None:
-            ended = tf.switch_case(branch, [plan_step(self, plan, grads_and_vars, self._holding)
+        if self.traced is None:  # in a trial the branch is the candidate's
+            ended = tf.switch_case(branch, [plan_step(self, plan, grads_and_vars, in_trial)
                                             for plan in self.plans])
         else:
             index = self.first_mode() if self.traced == FIRST else self.traced
-            self._holding = tf.logical_and(in_trial, tf.equal(candidate, index))
-            ended = plan_step(self, self.plans[index], grads_and_vars, self._holding)()
+            trial_step = tf.logical_and(in_trial, tf.equal(candidate, index))
+            ended = plan_step(self, self.plans[index], grads_and_vars, trial_step)()
             # a trial step due for another candidate waits until a step traced for it (only
             # when one call runs several steps: the callback re-traces before each call)
             put_off = tf.logical_and(in_trial, tf.not_equal(candidate, index))

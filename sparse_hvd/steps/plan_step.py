@@ -30,10 +30,10 @@ from ..feedback import local_update
 from .strategies import SynchronousStep
 
 
-def plan_step(step, plan, grads_and_vars, holding):
+def plan_step(step, plan, grads_and_vars, trial_step):
     """The step of ``step`` (a ``MeasuredChoiceStep``) with ``plan``, as a callable for a
     ``tf.switch_case`` branch: ``(its end's timestamp, its exchange's seconds)``.
-    ``holding``: a boolean tensor, whether this step is a trial's step of this plan."""
+    ``trial_step``: a boolean tensor, whether this step is a trial's step of this plan."""
     opt = step.optimizer
     update_cut = opt.sparsify == "update"
 
@@ -85,10 +85,10 @@ def plan_step(step, plan, grads_and_vars, holding):
         else:
             went_ahead, exchanged = tf.cond(
                 step.clear, lambda: run_with(plan.clear_routes),
-                lambda: tf.cond(holding, lambda: hold(plan.held_routes),
+                lambda: tf.cond(trial_step, lambda: hold(plan.held_routes),
                                 lambda: flush(plan.routes)))
             written = [step.clear.assign(tf.logical_or(
-                step.clear, tf.logical_and(went_ahead, tf.logical_not(holding))))]
+                step.clear, tf.logical_and(went_ahead, tf.logical_not(trial_step))))]
         # an explicit edge: after lowering, nothing else orders the step's end after its
         # writes (``went_ahead`` exists only once they are done)
         with tf.control_dependencies(written):

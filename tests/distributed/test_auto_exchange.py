@@ -319,9 +319,11 @@ def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod
     _same_everywhere(hvd, weights, name)
 
 
-@pytest.mark.parametrize("inner,compression", [
-    ("sgd", "none"), ("sgd", "float16"), ("momentum", "none")])
-def test_a_trials_dense_turn_keeps_the_residuals(hvd, monkeypatch, inner, compression):
+@pytest.mark.parametrize("inner,compression,per_mode", [
+    ("sgd", "none", False), ("sgd", "float16", False), ("momentum", "none", False),
+    ("momentum", "none", True)])
+def test_a_trials_dense_turn_keeps_the_residuals(hvd, monkeypatch, inner, compression,
+                                                 per_mode):
     """The allgather chosen, then re-checked (``RECHECK_STEPS`` 8): the re-trial's dense turn
     (its first 4 steps, after sparse ones) sends the gradients whole and leaves every
     sparse-route residual as it was (with 16-bit values, plus each step's rounding error
@@ -330,7 +332,8 @@ def test_a_trials_dense_turn_keeps_the_residuals(hvd, monkeypatch, inner, compre
     velocity the mean of the ranks' own, then every step is Keras' SGD on the averaged
     gradient from that one velocity (the residuals, which hold steps, kept). Computed in
     NumPy from every rank's state, checked on every rank; then the sparse steps go on and
-    nothing is lost."""
+    nothing is lost. In one function with every candidate a branch, or (``per_mode``) one
+    function per mode."""
     import keras
 
     if hvd.gloo_enabled() and not os.environ.get("SPARSE_HVD_FULL_SUITE"):
@@ -342,10 +345,11 @@ def test_a_trials_dense_turn_keeps_the_residuals(hvd, monkeypatch, inner, compre
     first_decision = CANDIDATES * turn
     retrial = first_decision + 8
     steps = retrial + CANDIDATES * turn + 2
-    name = f"auto_trial_holds_{inner}_{compression}"
+    name = f"auto_trial_holds_{inner}_{compression}_{per_mode}"
     snapshots = []
     optimizer, weights, _ = train(name, steps, inner=keras.optimizers.SGD(lr, momentum),
-                                  compression=compression, snapshots=snapshots)
+                                  compression=compression, snapshots=snapshots,
+                                  per_mode=per_mode)
     decisions = optimizer.exchange_decisions
     assert [(d[0], d[2]) for d in decisions] == [
         (first_decision, "allgather"), (retrial + CANDIDATES * turn - 1, "allgather")]
