@@ -38,12 +38,13 @@ simplest form). It costs 1/H of dense's bytes on top of the sparse steps.
 (an entry's late sum is applied at most about 1/(1 - g) steps' worth).
 ``--density 1`` with ``local`` is dense training (every entry sent each step): the probe's own
 dense control, e.g. at another learning rate.
-``--lr-scale s`` (any mode) and ``--second-moment mean_estimate`` (``local_adam``): each worker's Adam
-sees its own gradient of a batch N times smaller than the step's, whose noise variance is N
-times the mean gradient's, so its second moment is larger than dense Adam's and its steps
-smaller where the gradient is mostly noise (up to sqrt(N) smaller). ``s`` scales the learning
-rate; ``mean_estimate`` takes v - m^2 (bias-corrected) as the worker's noise and divides it by
-N: ``m^2 + (v - m^2) / N`` estimates the second moment of the workers' mean gradient.
+``--lr-scale s`` (any mode) and ``--second-moment mean_estimate`` (``local_adam``): each
+worker's Adam sees its own gradient of a batch N times smaller than the step's, whose noise
+variance is N times the mean gradient's, so its second moment is larger than dense Adam's and
+its steps smaller where the gradient is mostly noise (up to sqrt(N) smaller). ``s`` scales the
+learning rate; ``mean_estimate`` takes v - m^2 (bias-corrected) as the worker's noise and
+divides it by N: ``m^2 + (v - m^2) / N`` estimates the second moment of the workers' mean
+gradient.
 
 The residual is what was not sent: r_w = c_w - sent_w. The inner optimizer (the workload's,
 with the benchmark's schedule) applies the update. Writes a record in the format of
@@ -251,7 +252,8 @@ def main(argv=None):
     digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in variables)).hexdigest()
     digests = hvd.allgather_object(digest, name="probe.digests")
     if rank == 0:
-        method = (f"probe_{mode}" + (f"_d{args.density:g}" if args.density != 0.01 else "") + (f"_flush{args.flush_every}" if args.flush_every else "")
+        method = (f"probe_{mode}" + (f"_d{args.density:g}" if args.density != 0.01 else "")
+                  + (f"_flush{args.flush_every}" if args.flush_every else "")
                   + (f"_decay{args.residual_decay:g}" if args.residual_decay != 1 else "")
                   + (f"_lr{args.lr_scale:g}x" if args.lr_scale != 1 else "")
                   + ("_meanv" if args.second_moment != "own" else ""))

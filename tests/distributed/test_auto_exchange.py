@@ -340,7 +340,8 @@ def test_a_trials_dense_turn_keeps_the_residuals(hvd, monkeypatch, inner, compre
         pytest.skip("the MPI job runs these (the suite's time budget)")
     monkeypatch.setattr(measured, "RECHECK_STEPS", 8)
     monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index("allgather"))
-    lr, momentum, size = (1.0, 0.0, hvd.size()) if inner == "sgd" else (0.1, 0.9, hvd.size())
+    lr, momentum = (1.0, 0.0) if inner == "sgd" else (0.1, 0.9)
+    size = hvd.size()
     turn = measured.TRIAL_STEPS
     first_decision = CANDIDATES * turn
     retrial = first_decision + 8
