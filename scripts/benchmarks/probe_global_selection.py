@@ -36,6 +36,13 @@ longer than H steps (the periodic error reset of CSER, Xie et al. NeurIPS 2020, 
 simplest form). It costs 1/H of dense's bytes on top of the sparse steps.
 ``--residual-decay g``: the residual kept is g x (c_w - sent_w), so what is held back fades
 (an entry's late sum is applied at most about 1/(1 - g) steps' worth).
+``--compressor sign`` (``local`` and ``local_adam``): not a choice of entries but of their
+precision. Every entry is sent every step as its sign, each variable's signs scaled by the mean
+magnitude of its compensated vector (error feedback of the scaled sign: EF-SignSGD, Karimireddy
+et al. ICML 2019; the compression of 1-bit Adam, Tang et al. ICML 2021), what was not sent
+kept in the residual. One bit an entry (1/32 of dense's float32 values, no index), about what
+the default's 1% with its warm-up moves (0.04 of dense's bytes): an entry waits for no other,
+its size is what lags. No warm-up (``--density`` is not used).
 ``--density 1`` with ``local`` is dense training (every entry sent each step): the probe's own
 dense control, e.g. at another learning rate.
 ``--lr-scale s`` (any mode) and ``--second-moment mean_estimate`` (``local_adam``): each
@@ -95,8 +102,13 @@ def main(argv=None):
     parser.add_argument("--second-moment", choices=("own", "mean_estimate"), default="own",
                         help="local_adam: Adam's second moment, the worker's own, or its "
                              "estimate for the workers' mean gradient (see the module doc)")
+    parser.add_argument("--compressor", choices=("topk", "sign"), default="topk",
+                        help="local, local_adam: the top-K entries, or every entry's scaled "
+                             "sign (see the module doc)")
     parser.add_argument("--jsonl", required=True, help="append the run's record here")
     args = parser.parse_args(argv)
+    if args.compressor == "sign" and args.mode not in ("local", "local_adam"):
+        parser.error("--compressor sign goes with --mode local or local_adam")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     started = time.perf_counter()
     import sparse_hvd
@@ -175,6 +187,11 @@ def main(argv=None):
         threshold = tf.math.top_k(magnitude, k, sorted=True).values[-1]
         return tf.cast(magnitude >= threshold, tf.float32)
 
+    def scaled_signs(flat):
+        """Each variable's part of ``flat`` as its signs times its mean magnitude."""
+        parts = tf.split(flat, sizes)
+        return tf.concat([tf.sign(p) * tf.reduce_mean(tf.abs(p)) for p in parts], 0)
+
     def apply(flat, subtract):
         """Subtract ``flat`` (an update) from the weights, or give it to the inner optimizer
         as their gradient."""
@@ -203,6 +220,12 @@ def main(argv=None):
             apply(tracked, subtract=mode == "ef21_update")
             return loss, tf.reduce_sum(tf.cast(tf.not_equal(sent, 0.0), tf.float32))
         compensated = flat + residual
+        if args.compressor == "sign":
+            sent = scaled_signs(compensated)
+            residual.assign(compensated - sent)
+            update = hvd.allreduce(sent, op=hvd.Average, name="probe.signs")
+            apply(update, subtract=mode == "local_adam")
+            return loss, tf.constant(n / 32.0)  # a bit an entry, in float32 values' worth
         if mode in ("local", "local_adam"):
             mask = top_mask(tf.abs(compensated), k)
         elif mode == "oracle":
@@ -256,7 +279,8 @@ def main(argv=None):
                   + (f"_flush{args.flush_every}" if args.flush_every else "")
                   + (f"_decay{args.residual_decay:g}" if args.residual_decay != 1 else "")
                   + (f"_lr{args.lr_scale:g}x" if args.lr_scale != 1 else "")
-                  + ("_meanv" if args.second_moment != "own" else ""))
+                  + ("_meanv" if args.second_moment != "own" else "")
+                  + ("_sign" if args.compressor != "topk" else ""))
         record = {"workload": args.workload, "method": method, "workers": size,
                   "seed": args.seed, "steps": steps, "parameters": n, "curve": curve,
                   # entries of the update over the run, as a share of dense's entries (the
@@ -267,7 +291,8 @@ def main(argv=None):
                                                "flush_every": args.flush_every,
                                                "residual_decay": args.residual_decay,
                                                "lr_scale": args.lr_scale,
-                                               "second_moment": args.second_moment},
+                                               "second_moment": args.second_moment,
+                                               "compressor": args.compressor},
                   "seconds": time.perf_counter() - started}
         os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
         with open(args.jsonl, "a") as f:

@@ -24,14 +24,29 @@ def apply_averages(opt, grads, variables=None):
     grads = [g if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in grads]
     if opt.sparsify == "update":
         local_update.apply_averages(opt, grads, variables, opt._routes,
-                                    lambda g, v: inner_step(opt, g, v))
+                                    lambda g, v: inner_step(opt, g, v),
+                                    opt._loss_scaling.count_finite_step)
     else:
         inner_step(opt, grads, variables)
 
 
 def inner_step(opt, grads, variables):
     """The inner optimizer's step on averaged true gradients."""
-    clipped_already = opt.clipping == "local"  # before the exchange
-    with (clipping_rules.switched_off(opt._clipper) if clipped_already
-          else contextlib.nullcontext()):
+    with _local_clipping_off(opt):
         opt.inner_optimizer.apply(opt._loss_scaling.rescale(grads), variables)
+
+
+def own_step(opt, grads, variables):
+    """``sparsify="update"``: the inner optimizer's step on this rank's own true gradients
+    (known finite), past an inner LossScaleOptimizer: its scale and its count of finite steps
+    move once a step, by the job's finiteness, when the averages are applied
+    (``feedback.loss_scaling``, step 4)."""
+    with _local_clipping_off(opt):
+        opt._loss_scaling.base_optimizer.apply(list(grads), variables)
+
+
+def _local_clipping_off(opt):
+    """The inner optimizer's clipping off where each rank clipped before the exchange."""
+    if opt.clipping == "local":
+        return clipping_rules.switched_off(opt._clipper)
+    return contextlib.nullcontext()

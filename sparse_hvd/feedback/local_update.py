@@ -59,18 +59,19 @@ import tensorflow as tf
 from . import nonfinite
 
 
-def local_updates(opt, grads, variables, inner_step):
+def local_updates(opt, grads, variables, own_step):
     """Steps 1-3 for dense true gradients ``grads`` of ``variables``: the inner optimizer's
-    updates (weights and the step count left as they were). ``inner_step(opt, grads,
-    variables)`` is the inner optimizer's step as the averages get it
-    (``feedback.application.inner_step``: loss scaling, clipping off after local clipping)."""
+    updates (weights and the step count left as they were). ``own_step(opt, grads,
+    variables)`` is the inner optimizer's step on this rank's gradient
+    (``feedback.application.own_step``: past an inner LossScaleOptimizer, clipping off after
+    local clipping)."""
     inner = opt.inner_optimizer
 
     def step():
         before = [tf.identity(v) for v in variables]
         with tf.control_dependencies(before):
             with _moving_average_off(opt._clipper):
-                inner_step(opt, list(grads), variables)
+                own_step(opt, list(grads), variables)
         updates = [b - tf.identity(v) for b, v in zip(before, variables)]
         with tf.control_dependencies(updates):
             for variable, value in zip(variables, before):
@@ -119,11 +120,13 @@ def share_own_state(opt, name):
     return tf.group(written)
 
 
-def apply_averages(opt, averages, variables, routes, apply_inner):
+def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_step):
     """Step 4: subtract the averaged updates of the cut variables (sparse or flushed) from
     them (then their constraints, as Keras applies them after a step), hand the dense-route
     variables' averaged gradients to ``apply_inner`` (the inner optimizer, as without
-    sparse_hvd), and count the step once."""
+    sparse_hvd), and count the step once: by ``apply_inner``, or else by
+    ``count_finite_step`` (an inner LossScaleOptimizer's count toward a larger scale) and the
+    step count."""
     chosen = [routes[opt._get_variable_index(v)] for v in variables]
     cut = [route.sparse or route.flushed for route in chosen]
     for average, variable, sparse in zip(averages, variables, cut):
@@ -136,6 +139,7 @@ def apply_averages(opt, averages, variables, routes, apply_inner):
     if whole:  # the inner optimizer counts the step (and moves its EMA of every variable)
         apply_inner([g for g, _ in whole], [v for _, v in whole])
         return
+    count_finite_step()
     _moving_average_step(opt._clipper)
     opt.inner_optimizer.iterations.assign_add(1)
 

@@ -9,7 +9,12 @@ multiplying by a power of two is exact both ways:
    LossScaleOptimizer, which divides by it and checks for overflow itself;
 3. a step skipped on every rank for non-finite gradients must still lower the scale, or the
    next steps would overflow again: :meth:`LossScaling.report_overflow` takes the inner
-   optimizer's own non-finite path with one NaN gradient.
+   optimizer's own non-finite path with one NaN gradient;
+4. with ``sparsify="update"`` each rank first steps on its own gradient: that step goes to the
+   optimizer inside the LossScaleOptimizer (:attr:`LossScaling.base_optimizer`), so that the
+   scale's count of finite steps moves once a step, on every rank alike (by the job's
+   finiteness, not by this rank's); a step in which no variable reaches the LossScaleOptimizer
+   counts by :meth:`LossScaling.count_finite_step`.
 
 Without an inner LossScaleOptimizer each of these does nothing.
 """
@@ -46,6 +51,29 @@ class LossScaling:
     def scale(self):
         """The current scale (a power of two), or None."""
         return self.inner_optimizer.dynamic_scale if self.active else None
+
+    @property
+    def base_optimizer(self):
+        """The optimizer that steps the weights: inside the LossScaleOptimizer, or the inner."""
+        return self.inner_optimizer.inner_optimizer if self.active else self.inner_optimizer
+
+    def count_finite_step(self):
+        """Keras' rule for a step whose gradients were finite on every rank: the
+        ``dynamic_growth_steps``-th such step in a row doubles the scale and restarts the count
+        (for a step that reached the weights without the LossScaleOptimizer's ``apply``)."""
+        if not self.active:
+            return
+        optimizer = self.inner_optimizer
+        due = tf.equal(optimizer.step_counter, optimizer.dynamic_growth_steps - 1)
+
+        def grow():
+            optimizer.step_counter.assign(0)
+            optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 2.0)
+
+        def count():
+            optimizer.step_counter.assign_add(1)
+
+        tf.cond(due, grow, count)
 
     def unscale(self, grad):
         """Step 1: a true gradient from a scaled one (dense or IndexedSlices)."""

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from ..runtime import startup as runtime
 from . import clipping as clipping_rules
-from .application import inner_step
+from .application import own_step
 from .local_update import local_updates
 from .payload import PayloadBuilder
 
@@ -111,7 +111,7 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
            if opt.sparsify == "update" else [])
     if cut:
         updates = local_updates(opt, [prepared[i][-1] for i in cut],
-                                [grads_and_vars[prepared[i][0]][1] for i in cut], inner_step)
+                                [grads_and_vars[prepared[i][0]][1] for i in cut], own_step)
         for i, update in zip(cut, updates):
             prepared[i] = prepared[i][:-1] + (update,)
     budgets = {index: opt.density_policy.k(index, route.num_elements, step)

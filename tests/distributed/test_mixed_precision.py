@@ -31,3 +31,54 @@ def test_an_overflow_on_the_last_rank_skips_the_step_and_halves_the_scale_everyw
     mine = digest([variable.numpy(), inner.dynamic_scale.numpy()])
     assert set(gather(hvd, mine, name=f"mixed_overflow.digest.{exchange}")) == {mine}
     assert np.all(np.isfinite(optimizer.residuals[0].numpy()))
+
+
+def _expected_scales(initial, growth_steps, overflow_at, steps):
+    """Keras' rule, once per step of the job: an overflow on any rank halves the scale and
+    restarts the count; the growth_steps-th finite step in a row doubles it."""
+    scale, counter, scales = initial, 0, []
+    for t in range(steps):
+        if t in overflow_at:
+            scale, counter = scale / 2, 0
+        elif counter == growth_steps - 1:
+            scale, counter = scale * 2, 0
+        else:
+            counter += 1
+        scales.append(scale)
+    return scales
+
+
+@pytest.mark.parametrize("with_dense_route", [True, False])
+def test_under_the_update_cut_the_scale_moves_once_a_step_and_alike_on_every_rank(
+        hvd, with_dense_route):
+    """With ``sparsify="update"`` each rank steps the inner optimizer on its own gradient
+    first; that local step must not count toward the scale's growth (else a step with
+    variables sent whole counts twice, and at a growth step an overflow on one rank leaves
+    the ranks with different scales)."""
+    rank, size = hvd.rank(), hvd.size()
+    shapes = [(50, 40), (10,)] if with_dense_route else [(50, 40)]  # (10,): sent whole
+    variables = [keras.Variable(np.full(s, 0.5, "float32")) for s in shapes]
+    inner = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01, momentum=0.9), initial_scale=256.0, dynamic_growth_steps=2)
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        inner, density=0.1, warmup_steps=0, exchange="allgather",
+        name=f"mixed_update_{with_dense_route}")
+    assert optimizer.sparsify == "update"
+    optimizer.build(variables)
+    step = tf.function(lambda gs: optimizer.apply_gradients(zip(gs, variables)))
+
+    steps, overflow_at = 6, {3}  # step 3 is a growth step: the count is 1 before it
+    expected = _expected_scales(256.0, 2, overflow_at, steps)
+    for t in range(steps):
+        grads = [np.random.RandomState(10 * t + rank).randn(*s).astype("float32")
+                 for s in shapes]
+        if t in overflow_at and rank == size - 1:
+            grads[0][3, 4] = np.inf  # only the last rank overflows
+        scale = float(inner.dynamic_scale.numpy())
+        step([tf.constant(g * scale) for g in grads])
+        assert float(inner.dynamic_scale.numpy()) == expected[t], (t, rank)
+
+    assert inner.iterations.numpy() == steps - len(overflow_at)
+    mine = digest([v.numpy() for v in variables] + [inner.dynamic_scale.numpy(),
+                                                    inner.step_counter.numpy()])
+    assert set(gather(hvd, mine, name=f"mixed_update.digest.{with_dense_route}")) == {mine}
