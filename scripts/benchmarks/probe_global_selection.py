@@ -21,6 +21,8 @@ entries:
   runs Adam on its own gradient (its own moments) and its Adam *update* is compensated, cut
   locally and averaged; the mean is subtracted from the weights (DGC's local momentum, for
   Adam).
+* ``local_update`` (any workload): the same with the workload's own Keras optimizer run on
+  each worker's gradient (its SGD momentum or Adam moments; the library's ``sparsify="update"``).
 * ``ef21`` (any workload): not error feedback but gradient *tracking* (EF21, Richtarik et al.
   NeurIPS 2021): each worker keeps h_w, its estimate of its own gradient, and sends the top-K
   of g_w - h_w; h_w moves by what it sent and every rank keeps h = mean_w h_w by adding the
@@ -36,7 +38,7 @@ longer than H steps (the periodic error reset of CSER, Xie et al. NeurIPS 2020, 
 simplest form). It costs 1/H of dense's bytes on top of the sparse steps.
 ``--residual-decay g``: the residual kept is g x (c_w - sent_w), so what is held back fades
 (an entry's late sum is applied at most about 1/(1 - g) steps' worth).
-``--compressor sign`` (``local`` and ``local_adam``): not a choice of entries but of their
+``--compressor sign`` (``local``, ``local_adam``, ``local_update``): not a choice of entries but of their
 precision. Every entry is sent every step as its sign, each variable's signs scaled by the mean
 magnitude of its compensated vector (error feedback of the scaled sign: EF-SignSGD, Karimireddy
 et al. ICML 2019; the compression of 1-bit Adam, Tang et al. ICML 2021), what was not sent
@@ -74,7 +76,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-MODES = ("local", "oracle", "leader", "union", "local_adam", "ef21", "ef21_update")
+MODES = ("local", "oracle", "leader", "union", "local_adam", "local_update", "ef21",
+         "ef21_update")
+CUT_UPDATES = ("local_adam", "local_update")  # modes whose cut vector is a step, subtracted
 WARMUP_START, WARMUP_STEPS = 0.10, 200  # the library's default warm-up
 
 
@@ -107,8 +111,8 @@ def main(argv=None):
                              "sign (see the module doc)")
     parser.add_argument("--jsonl", required=True, help="append the run's record here")
     args = parser.parse_args(argv)
-    if args.compressor == "sign" and args.mode not in ("local", "local_adam"):
-        parser.error("--compressor sign goes with --mode local or local_adam")
+    if args.compressor == "sign" and args.mode not in ("local",) + CUT_UPDATES:
+        parser.error("--compressor sign goes with --mode local, local_adam or local_update")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     started = time.perf_counter()
     import sparse_hvd
@@ -152,7 +156,7 @@ def main(argv=None):
         taken = tf.Variable(0.0, trainable=False)
         beta_1, beta_2, epsilon = 0.9, 0.999, 1e-7  # Keras Adam's defaults
 
-    if mode == "ef21_update":
+    if mode in ("ef21_update", "local_update"):
         local_optimizer = inner_optimizer(keras, settings["inner"], steps)
         local_optimizer.build(variables)
 
@@ -210,7 +214,7 @@ def main(argv=None):
         flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0)
         if mode == "local_adam":
             flat = local_adam_step(flat)
-        elif mode == "ef21_update":
+        elif mode in ("ef21_update", "local_update"):
             flat = local_update(grads)
         if mode.startswith("ef21"):  # track: send the top-K of what h_w misses
             difference = flat - estimate
@@ -224,9 +228,9 @@ def main(argv=None):
             sent = scaled_signs(compensated)
             residual.assign(compensated - sent)
             update = hvd.allreduce(sent, op=hvd.Average, name="probe.signs")
-            apply(update, subtract=mode == "local_adam")
+            apply(update, subtract=mode in CUT_UPDATES)
             return loss, tf.constant(n / 32.0)  # a bit an entry, in float32 values' worth
-        if mode in ("local", "local_adam"):
+        if mode in ("local",) + CUT_UPDATES:
             mask = top_mask(tf.abs(compensated), k)
         elif mode == "oracle":
             mean = hvd.allreduce(compensated, op=hvd.Average, name="probe.oracle")
@@ -242,7 +246,7 @@ def main(argv=None):
         residual.assign((compensated - sent) * args.residual_decay)
         update = hvd.allreduce(sent, op=hvd.Average, name="probe.update")
         # what moved: the entries of the update (indices and values of the union)
-        apply(update, subtract=mode == "local_adam")
+        apply(update, subtract=mode in CUT_UPDATES)
         return loss, tf.reduce_sum(tf.cast(tf.not_equal(update, 0.0), tf.float32))
 
     @tf.function(jit_compile=False)
