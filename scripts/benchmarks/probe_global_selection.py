@@ -44,7 +44,18 @@ magnitude of its compensated vector (error feedback of the scaled sign: EF-SignS
 et al. ICML 2019; the compression of 1-bit Adam, Tang et al. ICML 2021), what was not sent
 kept in the residual. One bit an entry (1/32 of dense's float32 values, no index), about what
 the default's 1% with its warm-up moves (0.04 of dense's bytes): an entry waits for no other,
-its size is what lags. No warm-up (``--density`` is not used).
+its size is what lags. No warm-up (``--density`` is not used). Each worker receives every
+other's signs (an allgather: (N-1)/8 bytes an entry, N/64 of a ring allreduce's float32).
+``--compressor sign2``: the same in two phases whose traffic stays 1/32 of dense's at any N
+(the compressed allreduce of 1-bit Adam): each worker sends the signs of chunk j of the
+flat vector to worker j (a reduce-scatter), the owner averages them, adds its own residual,
+sends that chunk's scaled signs to all (an allgather) and keeps what they missed. The scales
+are per segment (a variable's part of a chunk). Every rank here computes every owner's part
+from the same averages (an allreduce stands in for the reduce-scatter), so the owners'
+residuals are one vector kept alike on every rank. An exact zero stays zero in both (on a
+wire of one bit it would travel as + or -, or need a mark of its own: an embedding's rows that
+no batch has touched are the exact zeros); ``--one-bit`` sends it as + (what a wire of one bit
+an entry carries).
 ``--density 1`` with ``local`` is dense training (every entry sent each step): the probe's own
 dense control, e.g. at another learning rate.
 ``--lr-scale s`` (any mode) and ``--second-moment mean_estimate`` (``local_adam``): each
@@ -106,12 +117,14 @@ def main(argv=None):
     parser.add_argument("--second-moment", choices=("own", "mean_estimate"), default="own",
                         help="local_adam: Adam's second moment, the worker's own, or its "
                              "estimate for the workers' mean gradient (see the module doc)")
-    parser.add_argument("--compressor", choices=("topk", "sign"), default="topk",
+    parser.add_argument("--compressor", choices=("topk", "sign", "sign2"), default="topk",
                         help="local, local_adam: the top-K entries, or every entry's scaled "
                              "sign (see the module doc)")
+    parser.add_argument("--one-bit", action="store_true",
+                        help="sign, sign2: an exact zero travels as + (one bit an entry)")
     parser.add_argument("--jsonl", required=True, help="append the run's record here")
     args = parser.parse_args(argv)
-    if args.compressor == "sign" and args.mode not in ("local",) + CUT_UPDATES:
+    if args.compressor != "topk" and args.mode not in ("local",) + CUT_UPDATES:
         parser.error("--compressor sign goes with --mode local, local_adam or local_update")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     started = time.perf_counter()
@@ -191,10 +204,19 @@ def main(argv=None):
         threshold = tf.math.top_k(magnitude, k, sorted=True).values[-1]
         return tf.cast(magnitude >= threshold, tf.float32)
 
+    # segments: each variable's part of each of the N chunks (sign2), or each variable (sign)
+    bounds = np.cumsum([0] + sizes)
+    cuts = (np.union1d(bounds, np.linspace(0, n, size + 1).round().astype(int))
+            if args.compressor == "sign2" else bounds)
+    segment_of = tf.constant(np.searchsorted(cuts, np.arange(n), side="right") - 1, tf.int32)
+    segments = len(cuts) - 1
+    owners_residual = tf.Variable(tf.zeros([n]), trainable=False)  # sign2: every owner's
+
     def scaled_signs(flat):
-        """Each variable's part of ``flat`` as its signs times its mean magnitude."""
-        parts = tf.split(flat, sizes)
-        return tf.concat([tf.sign(p) * tf.reduce_mean(tf.abs(p)) for p in parts], 0)
+        """``flat``'s signs, each segment's times the segment's mean magnitude."""
+        scales = tf.math.unsorted_segment_mean(tf.abs(flat), segment_of, segments)
+        signs = tf.where(flat >= 0, 1.0, -1.0) if args.one_bit else tf.sign(flat)
+        return signs * tf.gather(scales, segment_of)
 
     def apply(flat, subtract):
         """Subtract ``flat`` (an update) from the weights, or give it to the inner optimizer
@@ -224,10 +246,14 @@ def main(argv=None):
             apply(tracked, subtract=mode == "ef21_update")
             return loss, tf.reduce_sum(tf.cast(tf.not_equal(sent, 0.0), tf.float32))
         compensated = flat + residual
-        if args.compressor == "sign":
+        if args.compressor != "topk":
             sent = scaled_signs(compensated)
             residual.assign(compensated - sent)
             update = hvd.allreduce(sent, op=hvd.Average, name="probe.signs")
+            if args.compressor == "sign2":  # the owners' signs of the averages
+                owned = update + owners_residual
+                update = scaled_signs(owned)
+                owners_residual.assign(owned - update)
             apply(update, subtract=mode in CUT_UPDATES)
             return loss, tf.constant(n / 32.0)  # a bit an entry, in float32 values' worth
         if mode in ("local",) + CUT_UPDATES:
@@ -284,7 +310,8 @@ def main(argv=None):
                   + (f"_decay{args.residual_decay:g}" if args.residual_decay != 1 else "")
                   + (f"_lr{args.lr_scale:g}x" if args.lr_scale != 1 else "")
                   + ("_meanv" if args.second_moment != "own" else "")
-                  + ("_sign" if args.compressor != "topk" else ""))
+                  + (f"_{args.compressor}" if args.compressor != "topk" else "")
+                  + ("_1bit" if args.one_bit else ""))
         record = {"workload": args.workload, "method": method, "workers": size,
                   "seed": args.seed, "steps": steps, "parameters": n, "curve": curve,
                   # entries of the update over the run, as a share of dense's entries (the
@@ -296,7 +323,8 @@ def main(argv=None):
                                                "residual_decay": args.residual_decay,
                                                "lr_scale": args.lr_scale,
                                                "second_moment": args.second_moment,
-                                               "compressor": args.compressor},
+                                               "compressor": args.compressor,
+                                               "one_bit": args.one_bit},
                   "seconds": time.perf_counter() - started}
         os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
         with open(args.jsonl, "a") as f:
