@@ -38,24 +38,25 @@ longer than H steps (the periodic error reset of CSER, Xie et al. NeurIPS 2020, 
 simplest form). It costs 1/H of dense's bytes on top of the sparse steps.
 ``--residual-decay g``: the residual kept is g x (c_w - sent_w), so what is held back fades
 (an entry's late sum is applied at most about 1/(1 - g) steps' worth).
-``--compressor sign`` (``local``, ``local_adam``, ``local_update``): not a choice of entries but of their
-precision. Every entry is sent every step as its sign, each variable's signs scaled by the mean
-magnitude of its compensated vector (error feedback of the scaled sign: EF-SignSGD, Karimireddy
-et al. ICML 2019; the compression of 1-bit Adam, Tang et al. ICML 2021), what was not sent
-kept in the residual. One bit an entry (1/32 of dense's float32 values, no index), about what
-the default's 1% with its warm-up moves (0.04 of dense's bytes): an entry waits for no other,
-its size is what lags. No warm-up (``--density`` is not used). Each worker receives every
-other's signs (an allgather: (N-1)/8 bytes an entry, N/64 of a ring allreduce's float32).
+``--compressor sign`` (``local``, ``local_adam``, ``local_update``): not a choice of entries
+but of their precision. Every entry is sent every step as its sign, each variable's signs
+scaled by the mean magnitude of its compensated vector (error feedback of the scaled sign:
+EF-SignSGD, Karimireddy et al. ICML 2019; the compression of 1-bit Adam, Tang et al. ICML
+2021), what was not sent kept in the residual. One bit an entry (1/32 of dense's float32
+values, no index), about what the default's 1% with its warm-up moves (0.04 of dense's bytes):
+an entry waits for no other, its size is what lags. No warm-up (``--density`` is not used).
+Each worker receives every other's signs (an allgather: (N-1)/8 bytes an entry, N/64 of a ring
+allreduce's float32).
 ``--compressor sign2``: the same in two phases whose traffic stays 1/32 of dense's at any N
-(the compressed allreduce of 1-bit Adam): each worker sends the signs of chunk j of the
-flat vector to worker j (a reduce-scatter), the owner averages them, adds its own residual,
-sends that chunk's scaled signs to all (an allgather) and keeps what they missed. The scales
-are per segment (a variable's part of a chunk). Every rank here computes every owner's part
-from the same averages (an allreduce stands in for the reduce-scatter), so the owners'
-residuals are one vector kept alike on every rank. An exact zero stays zero in both (on a
-wire of one bit it would travel as + or -, or need a mark of its own: an embedding's rows that
-no batch has touched are the exact zeros); ``--one-bit`` sends it as + (what a wire of one bit
-an entry carries).
+(the compressed allreduce of 1-bit Adam): each worker sends the signs of chunk j of the flat
+vector to worker j (a reduce-scatter), the owner averages them, adds its own residual, sends
+that chunk's scaled signs to all (an allgather) and keeps what they missed. The scales are per
+segment (a variable's part of a chunk). Every rank here computes every owner's part from the
+same averages (an allreduce stands in for the reduce-scatter), so the owners' residuals are one
+vector kept alike on every rank. An exact zero stays zero in both (on a wire of one bit it
+would travel as + or -, or need a mark of its own: an embedding's rows that no batch has
+touched are the exact zeros); ``--one-bit`` sends it as + (what a wire of one bit an entry
+carries).
 ``--density 1`` with ``local`` is dense training (every entry sent each step): the probe's own
 dense control, e.g. at another learning rate.
 ``--lr-scale s`` (any mode) and ``--second-moment mean_estimate`` (``local_adam``): each
@@ -118,14 +119,15 @@ def main(argv=None):
                         help="local_adam: Adam's second moment, the worker's own, or its "
                              "estimate for the workers' mean gradient (see the module doc)")
     parser.add_argument("--compressor", choices=("topk", "sign", "sign2"), default="topk",
-                        help="local, local_adam: the top-K entries, or every entry's scaled "
-                             "sign (see the module doc)")
+                        help="local, local_adam, local_update: the top-K entries, or every "
+                             "entry's scaled sign (see the module doc)")
     parser.add_argument("--one-bit", action="store_true",
                         help="sign, sign2: an exact zero travels as + (one bit an entry)")
     parser.add_argument("--jsonl", required=True, help="append the run's record here")
     args = parser.parse_args(argv)
     if args.compressor != "topk" and args.mode not in ("local",) + CUT_UPDATES:
-        parser.error("--compressor sign goes with --mode local, local_adam or local_update")
+        parser.error(f"--compressor {args.compressor} goes with --mode local, local_adam or "
+                     "local_update")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     started = time.perf_counter()
     import sparse_hvd

@@ -35,7 +35,8 @@ def test_an_overflow_on_the_last_rank_skips_the_step_and_halves_the_scale_everyw
 
 def _expected_scales(initial, growth_steps, overflow_at, steps):
     """Keras' rule, once per step of the job: an overflow on any rank halves the scale and
-    restarts the count; the growth_steps-th finite step in a row doubles it."""
+    restarts the count; the growth_steps-th finite step in a row doubles it. Returns the scale
+    after each step and the count after the last."""
     scale, counter, scales = initial, 0, []
     for t in range(steps):
         if t in overflow_at:
@@ -45,7 +46,7 @@ def _expected_scales(initial, growth_steps, overflow_at, steps):
         else:
             counter += 1
         scales.append(scale)
-    return scales
+    return scales, counter
 
 
 @pytest.mark.parametrize("with_dense_route", [True, False])
@@ -68,7 +69,7 @@ def test_under_the_update_cut_the_scale_moves_once_a_step_and_alike_on_every_ran
     step = tf.function(lambda gs: optimizer.apply_gradients(zip(gs, variables)))
 
     steps, overflow_at = 6, {3}  # step 3 is a growth step: the count is 1 before it
-    expected = _expected_scales(256.0, 2, overflow_at, steps)
+    expected, counter = _expected_scales(256.0, 2, overflow_at, steps)
     for t in range(steps):
         grads = [np.random.RandomState(10 * t + rank).randn(*s).astype("float32")
                  for s in shapes]
@@ -79,6 +80,7 @@ def test_under_the_update_cut_the_scale_moves_once_a_step_and_alike_on_every_ran
         assert float(inner.dynamic_scale.numpy()) == expected[t], (t, rank)
 
     assert inner.iterations.numpy() == steps - len(overflow_at)
+    assert inner.step_counter.numpy() == counter
     mine = digest([v.numpy() for v in variables] + [inner.dynamic_scale.numpy(),
                                                     inner.step_counter.numpy()])
     assert set(gather(hvd, mine, name=f"mixed_update.digest.{with_dense_route}")) == {mine}
