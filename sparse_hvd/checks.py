@@ -198,9 +198,37 @@ def _refusal(name, cls, staleness, policy, compression):
                 "moves every layer in one collective. Use a constant or warm-up density, or "
                 "exchange='allgather' with grouping='layerwise'.")
     if compression.enabled and not cls.compression_capable:
-        return (f"`compression` cannot be combined with exchange={name!r}: its owners sum and "
-                "select in the gradients' own dtype. Use exchange='allgather'.")
+        return (f"`compression` cannot be combined with exchange={name!r}, which codes its "
+                "values its own way (not as 16-bit floats). Use compression='none', or "
+                "exchange='allgather'.")
     return None
+
+
+def check_entries_chosen_by_exchange(exchange, grouping, sparsifier, budget,
+                                     momentum_correction, dense_fallback):
+    """An exchange that sends every entry of a cut variable in its own code (``chooses_entries``:
+    ``exchange="sign"``) leaves nothing for a sparsifier or a model-wide budget to choose;
+    DGC's masking would clear every entry's velocity, and the dense fallback times a top-k
+    exchange it would not run. Returns whether ``exchange`` is such an exchange."""
+    from .exchanges import exchange_class
+
+    if exchange == "auto" or not exchange_class(exchange, grouping).chooses_entries:
+        return False
+    from .selection.sparsifiers import get_sparsifier, serialize_sparsifier
+
+    default = serialize_sparsifier(get_sparsifier("topk"))
+    offending = [(serialize_sparsifier(sparsifier) != default, "sparsifier",
+                  "leave `sparsifier` at its default"),
+                 (budget == "model", "budget='model'", "use budget=None or 'layer'"),
+                 (bool(momentum_correction), "momentum_correction",
+                  "wrap SGD(momentum=...) without momentum_correction (sparsify='update')"),
+                 (dense_fallback, "dense_fallback", "leave dense_fallback=False")]
+    for refused, argument, instead in offending:
+        if refused:
+            raise ValueError(
+                f"exchange={exchange!r} sends every entry of each cut variable in its own code, "
+                f"so it cannot be combined with `{argument}`: {instead}.")
+    return True
 
 
 def warn_about_poor_combinations(optimizer, policy, grouping, density):
@@ -288,6 +316,7 @@ class Settings(NamedTuple):
     candidates: tuple  # the exchanges that can run these settings ("auto" chooses among them)
     budget: str  # "layer" or "model"
     sparsify: str  # "gradient" or "update"
+    selector: object  # what selects each step: the sparsifier, or the exchange's own code
 
 
 def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_steps,
@@ -326,6 +355,13 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     wire_compression = Compression(compression)
     candidates = exchange_candidates(exchange, grouping, staleness, policy, wire_compression)
     check_boolean(average_aggregated_gradients, "average_aggregated_gradients")
+    if check_entries_chosen_by_exchange(exchange, grouping, chosen_sparsifier, budget,
+                                        momentum_correction, dense_fallback):
+        from .exchanges import exchange_class
+
+        selector, budget = exchange_class(exchange, grouping).selector, "layer"
+    else:
+        selector = chosen_sparsifier
     budget = resolve_budget(budget, grouping, policy)
     return Settings(keras_accumulation, chosen_sparsifier, policy, process_set, wire_compression,
-                    candidates, budget, sparsify)
+                    candidates, budget, sparsify, selector)

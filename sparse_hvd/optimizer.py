@@ -170,6 +170,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         self.density_policy = policy
         self.warmup_steps = getattr(policy, "warmup_steps", 0)
         self.sparsifier = settings.sparsifier
+        self._selector = settings.selector  # exchange="sign": its own, else the sparsifier
         self.error_feedback = bool(error_feedback)
         self.momentum_correction = float(momentum_correction)
         self.momentum_masking = bool(momentum_masking)
@@ -222,6 +223,9 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         self._feedback.build(self, var_list, self.process_set)
         self._routes = [route_for(v, self.density, self.min_elements, self._compression)
                         for v in var_list]
+        if self._exchange.chooses_entries:  # exchange="sign": routed by size only
+            self._routes = [route._replace(sparse=route.num_elements >= self.min_elements)
+                            for route in self._routes]
         if not self._exchange.sends_selections:  # exchange="dense"
             self._routes = [route._replace(sparse=False) for route in self._routes]
         checks.check_index_range(var_list, self._routes)

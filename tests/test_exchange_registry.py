@@ -20,7 +20,9 @@ from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 
 def test_every_exchange_is_registered_with_its_groupings():
     assert set(available()) == {"dense", "allgather", "compact_allgather", "sparse_allreduce",
-                                "plain_sparse_allreduce"}
+                                "plain_sparse_allreduce", "sign"}
+    assert groupings_of("sign") == ("grouped",)
+    assert exchange_class("sign").chooses_entries and not exchange_class("sign").auto_candidate
     assert set(groupings_of("allgather")) == {"grouped", "layerwise"}
     assert set(groupings_of("compact_allgather")) == {"grouped", "layerwise"}
     assert set(groupings_of("sparse_allreduce")) == {"grouped", "layerwise"}

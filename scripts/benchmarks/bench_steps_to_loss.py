@@ -176,6 +176,9 @@ METHODS = {
                  {"density": {"class_name": "adaptive", "config": {
                      "density": 0.01, "min_density": 0.001, "max_density": 0.1}},
                   "grouping": "layerwise"}),
+    "sign": ("exchange='sign': every entry of each worker's compensated update (gradient for "
+             "a plain SGD) as its sign and one mean magnitude per variable, 1/32 of dense's "
+             "bytes sent", {"exchange": "sign"}),
     "small_dense": ("top-k 1%, variables under 16,384 entries dense (Paddle's rule)",
                     {"density": 0.01, "min_elements": 16384, **OLD}),
 }

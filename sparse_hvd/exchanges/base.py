@@ -18,7 +18,10 @@ which ``sparse_hvd.checks`` reads (never the class's name):
 * ``returns_unsent``: it may apply less than was sent, and hands back what goes to the residuals;
 * ``sends_selections``: it moves sparse selections (else every variable is routed densely);
 * ``auto_candidate``: ``exchange="auto"`` may choose it (not an exchange that only changes
-  how the same averages travel, when another registered one does it better).
+  how the same averages travel, when another registered one does it better);
+* ``chooses_entries``: it sends every entry of a cut variable in its own code, selected by
+  its ``selector`` (a sparsifier with error feedback's fused pass), not by ``sparsifier``,
+  ``density`` or ``budget`` (``exchange="sign"``).
 
 The header every grouped exchange sends first (:func:`header`, read by
 :func:`checked_headers`): one int32 row per rank, ``[all finite, lockstep fields, ...]``, the
@@ -151,6 +154,8 @@ class Exchange:
     # bytes: exchange="auto" tries it only where its fewer bytes could pay for that (None: always)
     builds_on = None
     auto_candidate = True  # exchange="auto" may choose it
+    chooses_entries = False  # True: ``selector`` makes the selections (every entry, coded)
+    selector = None
     coded = False  # its indices and values travel coded (index_coding, value_coding)
     grouping_reason = ""  # why the other grouping is not registered (for the message)
 

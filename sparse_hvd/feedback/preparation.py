@@ -116,7 +116,7 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
             prepared[i] = prepared[i][:-1] + (update,)
     budgets = {index: opt.density_policy.k(index, route.num_elements, step)
                for _, index, route, rows, _ in prepared if route.sparse and not rows}
-    sparsifier = model_wide_sparsifier(opt, prepared, budgets) or opt.sparsifier
+    sparsifier = model_wide_sparsifier(opt, prepared, budgets) or opt._selector
     for position, index, route, rows, grad in prepared:
         if rows:
             builder.add_rows(position, index, route, grad)

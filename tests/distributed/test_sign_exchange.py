@@ -1,0 +1,106 @@
+"""``exchange="sign"`` on every rank: each rank sends the sign of every entry of its
+compensated update (or gradient) and its mean magnitude; the mean over the ranks of
+``scale * sign`` is applied everywhere and ``c - scale * sign`` stays in each rank's residual
+(an independent NumPy computation of every rank's part, on every rank)."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparse_hvd
+from conftest import digest, gather
+from helpers import NumpyAdam
+
+BIG, SMALL = (70, 50), (50,)  # 3500 entries (not a multiple of 32): cut; 50: the dense route
+LR, EPSILON, STEPS = 0.01, 0.5, 5
+
+
+def _gradients(rank, step):
+    rng = np.random.RandomState(1000 * step + rank)
+    big = rng.randn(*BIG)
+    # no entry near zero, whose update the weights' float32 could round to 0 (sent as +) ...
+    big = (np.sign(big) * (0.1 + np.abs(big))).astype("float32")
+    big.flat[:7] = 0.0  # ... but exact zeros, which travel as +
+    return [big, rng.randn(*SMALL).astype("float32")]
+
+
+def _signed(compensated):
+    """What one rank sends for a compensated float32 vector: its mean magnitude, signed."""
+    scale = np.float32(np.mean(np.abs(compensated)))
+    return np.where(compensated < 0, -scale, scale).astype("float32")
+
+
+@pytest.mark.parametrize("inner", ["adam", "sgd"])
+def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
+    rank, size = hvd.rank(), hvd.size()
+    start = [np.linspace(-1, 1, math.prod(s)).astype("float32").reshape(s) for s in (BIG, SMALL)]
+    variables = [keras.Variable(w) for w in start]
+    inner_optimizer = (keras.optimizers.Adam(LR, epsilon=EPSILON) if inner == "adam"
+                       else keras.optimizers.SGD(LR))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        inner_optimizer, exchange="sign", name=f"sign_{inner}")
+    assert optimizer.sparsify == ("update" if inner == "adam" else "gradient")
+
+    @tf.function(jit_compile=False)
+    def step(big, small):
+        optimizer.apply_gradients(zip([big, small], variables))
+
+    adams = [NumpyAdam(math.prod(BIG), LR, EPSILON) for _ in range(size)]  # each rank's own
+    shared = NumpyAdam(math.prod(SMALL), LR, EPSILON)  # the dense route's, on the average
+    residuals = [np.zeros(math.prod(BIG), "float32") for _ in range(size)]  # as TF keeps them
+    expected = [w.astype("float64").ravel() for w in start]
+    for number in range(STEPS):
+        step(*map(tf.constant, _gradients(rank, number)))
+        every = [_gradients(r, number) for r in range(size)]  # every rank's, computed here
+        sent = np.zeros_like(expected[0])
+        for r in range(size):
+            own = every[r][0].ravel().astype("float64")
+            cut = adams[r].update(own) if inner == "adam" else own
+            compensated = cut.astype("float32") + residuals[r]  # in float32, as on the ranks
+            signed = _signed(compensated)
+            residuals[r] = compensated - signed
+            sent += signed.astype("float64")
+        mean_small = sum(g[1].astype("float64") for g in every).ravel() / size
+        if inner == "adam":
+            expected[0] = expected[0] - sent / size
+            expected[1] = expected[1] - shared.update(mean_small)
+        else:
+            expected[0] = expected[0] - LR * sent / size
+            expected[1] = expected[1] - LR * mean_small
+    for variable, value in zip(variables, expected):
+        np.testing.assert_allclose(variable.numpy().ravel(), value, rtol=0, atol=2e-5,
+                                   err_msg=f"rank {rank}")
+    np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residuals[rank],
+                               rtol=0, atol=2e-5, err_msg=f"rank {rank}")
+    # what one rank sent per step: the dense route's float32s, then one scale word and
+    # ceil(3500 / 32) = 110 words of signs
+    per_step = 4 * math.prod(SMALL) + 4 * (1 + math.ceil(math.prod(BIG) / 32))
+    assert optimizer.communication_stats()["bytes_sent"] == STEPS * per_step
+    digests = gather(hvd, digest([v.numpy() for v in variables]), name=f"sign.{inner}")
+    assert all(d == digests[0] for d in digests), digests
+    steps = gather(hvd, int(optimizer.iterations.numpy()), name=f"sign.{inner}.steps")
+    assert steps == [STEPS] * size
+
+
+def test_a_step_not_finite_on_one_rank_is_skipped_everywhere(hvd):
+    rank, size = hvd.rank(), hvd.size()
+    start = np.linspace(-1, 1, math.prod(BIG)).astype("float32").reshape(BIG)
+    variable = keras.Variable(start)
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(LR), exchange="sign", name="sign_nan")
+
+    @tf.function(jit_compile=False)
+    def step(gradient):
+        optimizer.apply_gradients([(gradient, variable)])
+
+    gradient = _gradients(rank, 0)[0]
+    if rank == size - 1:
+        gradient[3, 4] = np.nan
+    step(tf.constant(gradient))
+    np.testing.assert_array_equal(variable.numpy(), start)
+    np.testing.assert_array_equal(optimizer.residuals[0].numpy(), 0.0)
+    assert int(optimizer.iterations.numpy()) == 0
+    assert optimizer.communication_stats()["skipped_steps"] == 1

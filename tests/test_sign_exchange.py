@@ -1,0 +1,105 @@
+"""``exchange="sign"`` in one process: the sign words, the scaled-sign selection and its
+residual, the settings it refuses (each naming the argument), its config and a one-worker step
+in closed form. Every rank's part: tests/distributed/test_sign_exchange.py."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparse_hvd
+from sparse_hvd.exchanges.sign import ScaledSign, SignAllgather, pack_signs, unpack_signs
+from sparse_hvd.feedback.error_feedback import compensate_and_select
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 100])
+def test_sign_words_hold_one_bit_an_entry_little_endian_and_read_back(n):
+    rng = np.random.RandomState(n)
+    values = rng.randn(n).astype("float32")
+    values[0] = 0.0  # + on the wire
+    words = pack_signs(tf.constant(values)).numpy()
+    assert words.shape == (math.ceil(n / 32),)
+    bits = np.unpackbits(words.view("<u4").view(np.uint8), bitorder="little")[:n]
+    np.testing.assert_array_equal(bits, (values < 0).astype(np.uint8))
+    signs = unpack_signs(tf.constant(words[None, :]), n).numpy()
+    np.testing.assert_array_equal(signs[0], np.where(values < 0, -1.0, 1.0))
+
+
+def test_the_selection_is_every_entry_at_the_mean_magnitude_and_the_rest_is_kept():
+    grad = tf.constant([0.5, -1.5, 0.0, 2.0])
+    residual = tf.constant([0.5, 0.5, -0.25, 0.0])
+    selection, remainder = compensate_and_select(grad, residual, ScaledSign(), k=1)
+    compensated = np.array([1.0, -1.0, -0.25, 2.0], "float32")
+    scale = np.mean(np.abs(compensated))  # 1.0625
+    np.testing.assert_array_equal(selection.indices.numpy(), np.arange(4))
+    np.testing.assert_array_equal(selection.values.numpy(), [scale, -scale, -scale, scale])
+    np.testing.assert_array_equal(remainder.numpy(), compensated - selection.values.numpy())
+
+
+def test_pack_then_unpack_averages_every_ranks_scaled_signs_in_rank_order():
+    rng = np.random.RandomState(0)
+    sizes = [40, 7]
+    ranks = [[rng.randn(n).astype("float32") for n in sizes] for _ in range(3)]
+    selected = [[ScaledSign()(tf.constant(v), 0) for v in rank] for rank in ranks]
+    rows = tf.stack([SignAllgather.pack(rank) for rank in selected])
+    assert rows.shape == (3, 2 + 2 + 1)  # two scales, then 2 and 1 words of signs
+    averages = SignAllgather.unpack(rows, selected[0], sizes)
+    for j in range(2):
+        expected = np.zeros(sizes[j], "float32")
+        for rank in selected:  # rank order, each rank's own scale
+            expected += rank[j].values.numpy()
+        np.testing.assert_array_equal(averages[j].numpy(), expected / np.float32(3))
+
+
+@pytest.mark.parametrize("arguments,named", [
+    ({"sparsifier": "randomk"}, "`sparsifier`"),
+    ({"budget": "model"}, "`budget='model'`"),
+    ({"momentum_correction": 0.9}, "`momentum_correction`"),
+    ({"dense_fallback": True}, "`dense_fallback`"),
+    ({"grouping": "layerwise"}, "grouping='layerwise'"),
+    ({"compression": "float16"}, "`compression`"),
+    ({"staleness": 1}, "`staleness`"),
+    ({"density": sparse_hvd.AdaptiveDensity(0.01)}, "AdaptiveDensity"),
+])
+def test_settings_the_sign_exchange_cannot_take_are_refused_by_name(arguments, named):
+    with pytest.raises(ValueError, match=f"exchange='sign'.*{re_escape(named)}|"
+                                         f"{re_escape(named)}.*exchange='sign'"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), exchange="sign",
+                                              **arguments)
+
+
+def re_escape(text):
+    import re
+    return re.escape(text)
+
+
+def test_its_config_round_trips_and_auto_never_chooses_it():
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(1e-3),
+                                                      exchange="sign", name="signs")
+    config = optimizer.get_config()
+    clone = sparse_hvd.SparseDistributedOptimizer.from_config(config)
+    assert clone.get_config() == config and clone.exchange == "sign"
+    assert (clone.budget, clone.sparsify) == ("layer", "update")
+    assert "sign" not in sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(0.1))._exchange_candidates
+
+
+def test_one_worker_applies_its_own_scaled_signs_and_keeps_the_rest():
+    """With one worker no collective runs: SGD moves each entry of a cut variable by the
+    learning rate times the mean magnitude, signed; a variable under ``min_elements`` gets its
+    gradient; the residual is what the signs left out."""
+    big = np.linspace(-1.0, 2.0, 2048).astype("float32")  # cut: at least min_elements
+    small = np.array([1.0, -2.0], "float32")
+    variables = [keras.Variable(np.zeros_like(big)), keras.Variable(np.zeros_like(small))]
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                      exchange="sign", name="one_sign")
+    optimizer.apply_gradients(zip([tf.constant(big), tf.constant(small)], variables))
+    scale = np.float32(np.mean(np.abs(big)))
+    sent = np.where(big < 0, -scale, scale).astype("float32")
+    np.testing.assert_allclose(variables[0].numpy(), -np.float32(0.1) * sent, rtol=1e-6)
+    np.testing.assert_allclose(variables[1].numpy(), -0.1 * small, rtol=1e-6)
+    np.testing.assert_allclose(optimizer.residuals[0].numpy(), big - sent, rtol=0, atol=1e-6)
+    assert [r.sparse for r in optimizer._routes] == [True, False]
+    assert isinstance(optimizer._selector, ScaledSign) and optimizer.sparsifier.name == "topk"
