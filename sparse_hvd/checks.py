@@ -316,6 +316,7 @@ class Settings(NamedTuple):
     candidates: tuple  # the exchanges that can run these settings ("auto" chooses among them)
     budget: str  # "layer" or "model"
     sparsify: str  # "gradient" or "update"
+    second_moment: str  # "own" or "mean_estimate"
     selector: object  # what selects each step: the sparsifier, or the exchange's own code
 
 
@@ -323,14 +324,16 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
                      sparsifier, min_elements, error_feedback, momentum_correction,
                      momentum_masking, budget, clipping, grouping, nonfinite, staleness,
                      dense_fallback, exchange, compression, backward_passes_per_step,
-                     average_aggregated_gradients, process_set, sparsify=None) -> Settings:
+                     average_aggregated_gradients, process_set, sparsify=None,
+                     second_moment=None) -> Settings:
     """Every check of ``SparseDistributedOptimizer``'s arguments, in the order their errors are
     raised, and the objects the arguments stand for."""
     from .exchanges.compression import Compression
     from .feedback import clipping as clipping_rules
     from .feedback.accumulation import take_over_keras_accumulation
     from .runtime import startup
-    from .selection.defaults import resolve_budget, resolve_density, resolve_sparsify
+    from .selection.defaults import (resolve_budget, resolve_density, resolve_second_moment,
+                                     resolve_sparsify)
     from .selection.sparsifiers import get_sparsifier
 
     check_backend()
@@ -344,6 +347,7 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     check_momentum_correction(momentum_correction, optimizer)
     sparsify = resolve_sparsify(sparsify, optimizer)
     check_sparsify(sparsify, momentum_correction)
+    second_moment = resolve_second_moment(second_moment, sparsify, optimizer)
     check_nonfinite(nonfinite)
     check_staleness(staleness, policy)
     check_boolean(error_feedback, "error_feedback")
@@ -364,4 +368,4 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
         selector = chosen_sparsifier
     budget = resolve_budget(budget, grouping, policy)
     return Settings(keras_accumulation, chosen_sparsifier, policy, process_set, wire_compression,
-                    candidates, budget, sparsify, selector)
+                    candidates, budget, sparsify, second_moment, selector)

@@ -25,7 +25,6 @@ from .feedback import application
 from .feedback.accumulation import LocalAccumulation
 from .feedback.error_feedback import ErrorFeedback
 from .feedback.loss_scaling import LossScaling
-from .feedback.payload import route_for
 from .feedback.preparation import with_tensor_parts
 from .feedback.state import LocalState
 from .monitoring.stats import EMPTY, CommunicationCounters, layer_stats
@@ -41,7 +40,7 @@ from .wrapping import InnerOptimizerFacade, no_automatic_dependency_tracking, wr
 SETTINGS = ("density", "sparsifier", "min_elements", "error_feedback", "momentum_correction",
             "momentum_masking", "warmup_steps", "budget", "clipping", "grouping", "nonfinite",
             "staleness", "dense_fallback", "exchange", "compression", "backward_passes_per_step",
-            "average_aggregated_gradients", "sparsify")
+            "average_aggregated_gradients", "sparsify", "second_moment")
 
 @keras.saving.register_keras_serializable(package="sparse_hvd")
 class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimizers.Optimizer):
@@ -109,6 +108,8 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             that update is cut, error-fed and averaged (``feedback.local_update``);
             ``"gradient"``: the average goes to the inner optimizer. None (default): "gradient"
             for a plain SGD, else "update" (``selection.defaults``).
+        second_moment: with ``sparsify="update"`` and Adam: ``"own"`` (each worker's) or
+            ``"mean_estimate"`` (corrected for its N times smaller batch; ``local_update``).
         process_set: a Horovod process set (or an mpi4py communicator registered with
             ``sparse_hvd.init(process_sets=[...])``); the whole job by default. Not serialised.
         name: the optimizer's name; it prefixes its collectives' names, so two of these
@@ -145,6 +146,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         backward_passes_per_step=1,
         average_aggregated_gradients=False,
         sparsify=None,
+        second_moment=None,
         process_set=None,
         name=None,
         **kwargs,
@@ -159,7 +161,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             dense_fallback=dense_fallback, exchange=exchange, compression=compression,
             backward_passes_per_step=backward_passes_per_step,
             average_aggregated_gradients=average_aggregated_gradients, process_set=process_set,
-            sparsify=sparsify)
+            sparsify=sparsify, second_moment=second_moment)
         keras_accumulation, policy = settings.keras_accumulation, settings.policy
         process_set, wire_compression = settings.process_set, settings.compression
         candidates = settings.candidates
@@ -174,7 +176,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         self.error_feedback = bool(error_feedback)
         self.momentum_correction = float(momentum_correction)
         self.momentum_masking = bool(momentum_masking)
-        self.sparsify = settings.sparsify
+        self.sparsify, self.second_moment = settings.sparsify, settings.second_moment
         self.budget = settings.budget
         self.clipping = clipping
         self.nonfinite = nonfinite
@@ -221,13 +223,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         checks.check_not_wrapped_in_loss_scaling(self)
         var_list = list(var_list)
         self._feedback.build(self, var_list, self.process_set)
-        self._routes = [route_for(v, self.density, self.min_elements, self._compression)
-                        for v in var_list]
-        if self._exchange.chooses_entries:  # exchange="sign": routed by size only
-            self._routes = [route._replace(sparse=route.num_elements >= self.min_elements)
-                            for route in self._routes]
-        if not self._exchange.sends_selections:  # exchange="dense"
-            self._routes = [route._replace(sparse=False) for route in self._routes]
+        self._routes = self._exchange.routes_for(var_list, self.density, self.min_elements)
         checks.check_index_range(var_list, self._routes)
         self._counters = CommunicationCounters(len(var_list))
         self._step.build(var_list, self._routes)
@@ -393,7 +389,8 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         config = dict(config)
         config.setdefault("warmup_steps", 0)  # written before the warm-up default existed
         config.setdefault("budget", "layer")  # written before the model-wide default
-        config.setdefault("sparsify", "gradient")  # written before the option existed
+        config.setdefault("sparsify", "gradient")  # written before the options existed
+        config.setdefault("second_moment", "own")
         inner = keras.saving.deserialize_keras_object(
             config.pop("optimizer"), custom_objects=custom_objects
         )

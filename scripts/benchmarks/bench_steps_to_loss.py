@@ -179,6 +179,11 @@ METHODS = {
     "sign": ("exchange='sign': every entry of each worker's compensated update (gradient for "
              "a plain SGD) as its sign and one mean magnitude per variable, 1/32 of dense's "
              "bytes sent", {"exchange": "sign"}),
+    "sign_mean": ("exchange='sign' with second_moment='mean_estimate': each worker's Adam "
+                  "second moment corrected for its N times smaller batch",
+                  {"exchange": "sign", "second_moment": "mean_estimate"}),
+    "update_mean": ("the defaults (the update cut at 1%) with second_moment='mean_estimate'",
+                    {"density": 0.01, "second_moment": "mean_estimate"}),
     "small_dense": ("top-k 1%, variables under 16,384 entries dense (Paddle's rule)",
                     {"density": 0.01, "min_elements": 16384, **OLD}),
 }

@@ -39,7 +39,7 @@ from ..feedback import nonfinite
 from .averaging import average_entries, divided, sum_rows_in_order
 from . import index_coding, value_coding
 from .compression import NONE
-from ..feedback.payload import INDEX_BYTES, Payload, entries_in
+from ..feedback.payload import INDEX_BYTES, Payload, entries_in, route_for
 from ..selection.sparsifiers import Selection
 
 # Dense-route gradients travel in a grouped exchange's allgather while (workers x their
@@ -175,6 +175,13 @@ class Exchange:
     @property
     def size(self) -> int:
         return runtime.size(self.process_set)
+
+    def routes_for(self, variables, density, min_elements):
+        """Each variable's route with this exchange (``payload.route_for``): sparse where its
+        selection at ``density`` is worth it, none with an exchange that sends no selections."""
+        routes = [route_for(v, density, min_elements, self.compression) for v in variables]
+        return [route if self.sends_selections else route._replace(sparse=False)
+                for route in routes]
 
     def build(self, optimizer, routes):
         """Create the exchange's own state as ``optimizer``'s variables (none by default)."""

@@ -26,9 +26,10 @@ An allgather: a worker receives (N - 1) n / 8 bytes per variable of n entries, N
 ring allreduce of float32 moves per worker (2 (N - 1) / N of 4 n bytes): less up to 64
 workers. It chooses what it sends itself, so ``sparsifier``, ``density`` (only the routes:
 variables under ``min_elements`` go dense) and ``budget`` do not apply; it does not combine
-with ``momentum_correction`` (masking would clear every entry's velocity), ``compression``,
-``staleness``, ``AdaptiveDensity``, ``dense_fallback`` or ``grouping="layerwise"``
-(``sparse_hvd.checks``). ``exchange="auto"`` never chooses it: it changes what is averaged,
+with ``momentum_correction`` (masking would clear every entry's velocity), ``staleness``,
+``AdaptiveDensity``, ``dense_fallback`` or ``grouping="layerwise"`` (``sparse_hvd.checks``).
+With ``compression`` the scales travel rounded to 16 bits (the rounding error kept in the
+residual, as for any value), and so do the small dense-route gradients. ``exchange="auto"`` never chooses it: it changes what is averaged,
 not only how it travels.
 """
 
@@ -89,7 +90,6 @@ class SignAllgather(Exchange):
     """Steps 1-3 of the module doc."""
 
     layer_budgets = False
-    compression_capable = False
     staleness = False
     auto_candidate = False
     chooses_entries = True
@@ -103,6 +103,11 @@ class SignAllgather(Exchange):
     @property
     def traced(self) -> bool:
         return self._layout is not None
+
+    def routes_for(self, variables, density, min_elements):
+        """Sparse (cut and signed) from ``min_elements`` entries on, whatever the density."""
+        return [route._replace(sparse=route.num_elements >= min_elements)
+                for route in super().routes_for(variables, density, min_elements)]
 
     def sent_bytes_per_entry(self, density, value_bytes):
         return 1 / 8

@@ -33,16 +33,28 @@ def _signed(compensated):
     return np.where(compensated < 0, -scale, scale).astype("float32")
 
 
-@pytest.mark.parametrize("inner", ["adam", "sgd"])
+def _mean_estimate_step(adam, size):
+    """NumpyAdam's step just taken, its second moment replaced by the estimate of the mean
+    gradient's (``second_moment="mean_estimate"``)."""
+    first, second = 1 - adam.beta_1 ** adam.t, 1 - adam.beta_2 ** adam.t
+    m_hat, v_hat = adam.m / first, adam.v / second
+    v_mean = (m_hat ** 2 + np.maximum(v_hat - m_hat ** 2, 0) / size) * second
+    alpha = adam.lr * np.sqrt(second) / first
+    return adam.m * alpha / (np.sqrt(v_mean) + adam.epsilon)
+
+
+@pytest.mark.parametrize("inner", ["adam", "adam_mean_estimate", "sgd"])
 def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
     rank, size = hvd.rank(), hvd.size()
     start = [np.linspace(-1, 1, math.prod(s)).astype("float32").reshape(s) for s in (BIG, SMALL)]
     variables = [keras.Variable(w) for w in start]
-    inner_optimizer = (keras.optimizers.Adam(LR, epsilon=EPSILON) if inner == "adam"
+    adam = inner.startswith("adam")
+    inner_optimizer = (keras.optimizers.Adam(LR, epsilon=EPSILON) if adam
                        else keras.optimizers.SGD(LR))
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        inner_optimizer, exchange="sign", name=f"sign_{inner}")
-    assert optimizer.sparsify == ("update" if inner == "adam" else "gradient")
+        inner_optimizer, exchange="sign", name=f"sign_{inner}",
+        second_moment="mean_estimate" if inner == "adam_mean_estimate" else None)
+    assert optimizer.sparsify == ("update" if adam else "gradient")
 
     @tf.function(jit_compile=False)
     def step(big, small):
@@ -58,13 +70,15 @@ def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
         sent = np.zeros_like(expected[0])
         for r in range(size):
             own = every[r][0].ravel().astype("float64")
-            cut = adams[r].update(own) if inner == "adam" else own
+            cut = adams[r].update(own) if adam else own
+            if inner == "adam_mean_estimate":
+                cut = _mean_estimate_step(adams[r], size)
             compensated = cut.astype("float32") + residuals[r]  # in float32, as on the ranks
             signed = _signed(compensated)
             residuals[r] = compensated - signed
             sent += signed.astype("float64")
         mean_small = sum(g[1].astype("float64") for g in every).ravel() / size
-        if inner == "adam":
+        if adam:
             expected[0] = expected[0] - sent / size
             expected[1] = expected[1] - shared.update(mean_small)
         else:
