@@ -99,7 +99,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             per worker; what is not applied goes back to the residual), ``"dense"`` (Horovod's
             allreduce of every gradient) and more (``sparse_hvd.exchanges``).
         compression: ``"none"`` (default), ``"float16"`` or ``"bfloat16"``: values travel as
-            16-bit floats and each rank's rounding error stays in its residual.
+            16-bit floats, each rank's rounding error kept in its residual.
         backward_passes_per_step: B >= 1 (Horovod's): B backward passes are added up locally
             and exchanged once; ``iterations`` counts exchanges (``feedback.accumulation``).
         average_aggregated_gradients: with B > 1, divide the sum of the B passes by B.
@@ -108,16 +108,14 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             that update is cut, error-fed and averaged (``feedback.local_update``);
             ``"gradient"``: the average goes to the inner optimizer. None (default): "gradient"
             for a plain SGD, else "update" (``selection.defaults``).
-        second_moment: with ``sparsify="update"`` and Adam: ``"own"`` (each worker's) or
-            ``"mean_estimate"`` (corrected for its N times smaller batch; ``local_update``).
+        second_moment: Adam under the update cut: ``"own"`` or ``"mean_estimate"`` (README).
         process_set: a Horovod process set (or an mpi4py communicator registered with
             ``sparse_hvd.init(process_sets=[...])``); the whole job by default. Not serialised.
         name: the optimizer's name; it prefixes its collectives' names, so two of these
             optimizers in one job need different names (Keras' automatic names are fine).
 
-    The README says more of each (what it costs and what was measured), and "Combinations"
-    lists the three pairs of options that are refused. Use ``jit_compile=False``: Horovod's
-    collectives cannot be XLA-compiled.
+    The README says more of each (what it costs, what was measured, what is refused). Use
+    ``jit_compile=False``: Horovod's collectives cannot be XLA-compiled.
 
     The base optimizer's options (``clipnorm``, ``weight_decay``, ``use_ema``, ...) are the
     inner optimizer's and act on the averaged gradient (with ``sparsify="update"``: on each
