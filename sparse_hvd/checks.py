@@ -5,6 +5,7 @@ at construction (or at build), before any collective could start and hang on a m
 """
 
 import sys
+import warnings
 from typing import NamedTuple, Optional
 
 import keras
@@ -166,23 +167,29 @@ def check_staleness(staleness, policy):
 GROUPINGS = ("grouped", "layerwise")
 
 
-def exchange_candidates(exchange, grouping, staleness, policy, compression):
+def exchange_candidates(exchange, grouping, staleness, policy, compression, signs=False):
     """The registered exchanges that can run these settings, by their capabilities
     (``sparse_hvd.exchanges``): ``exchange`` itself, or for ``"auto"`` every one that can
-    (what it chooses among). Raises a ValueError naming the setting an exchange cannot take."""
+    (what it chooses among): with ``signs`` those that choose their entries and dense, else
+    the others. The one to start with first (the allgather, else the first that sends
+    selections). Raises a ValueError naming the setting an exchange cannot take."""
     from .exchanges import available, exchange_class, groupings_of
 
     if grouping not in GROUPINGS:
         raise ValueError(f"`grouping` must be one of {GROUPINGS}, got {grouping!r}")
     names = ((exchange,) if exchange != "auto"
              else tuple(name for name in available() if grouping in groupings_of(name)
-                        and exchange_class(name, grouping).auto_candidate))
+                        and exchange_class(name, grouping).auto_candidate
+                        and (exchange_class(name, grouping).chooses_entries == signs
+                             or not exchange_class(name, grouping).sends_selections)))
+    names = sorted(names, key=lambda name: (name != "allgather",
+                                            not exchange_class(name, grouping).sends_selections))
     # exchange_class names the exchanges and groupings there are
     refusals = {name: _refusal(name, exchange_class(name, grouping), staleness, policy,
                                compression) for name in names}
     candidates = tuple(name for name in names if refusals[name] is None)
     if not candidates:  # auto: the default exchange's reason is the one to give
-        raise ValueError(refusals[exchange if exchange != "auto" else "allgather"])
+        raise ValueError(refusals[exchange if exchange != "auto" else names[0]])
     return candidates
 
 
@@ -233,8 +240,6 @@ def check_entries_chosen_by_exchange(exchange, grouping, sparsifier, budget,
 
 def warn_about_poor_combinations(optimizer, policy, grouping, density):
     """Warnings for settings that work but are unlikely to be what the user wants."""
-    import warnings
-
     if isinstance(optimizer, keras.optimizers.Adafactor) and density < 1:
         warnings.warn(
             "Adafactor's factored second moments become 0/0 where a whole row or column of "
@@ -284,8 +289,6 @@ def check_backward_passes(passes):
 def check_some_gradient(grads, variables):
     """Keras' behaviour for missing gradients: an error when there is none at all, a warning
     naming the variables without one."""
-    import warnings
-
     if grads and all(g is None for g in grads):
         raise ValueError("No gradients provided for any variable.")
     missing = [getattr(v, "path", None) or getattr(v, "name", "?")
@@ -318,6 +321,8 @@ class Settings(NamedTuple):
     sparsify: str  # "gradient" or "update"
     second_moment: str  # "own" or "mean_estimate"
     selector: object  # what selects each step: the sparsifier, or the exchange's own code
+    exchange: str  # "auto" or the exchange named
+    signs: bool  # exchange=None with Adam: every entry's sign (``defaults.one_bit_by_default``)
 
 
 def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_steps,
@@ -332,7 +337,8 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     from .feedback import clipping as clipping_rules
     from .feedback.accumulation import take_over_keras_accumulation
     from .runtime import startup
-    from .selection.defaults import (resolve_budget, resolve_density, resolve_second_moment,
+    from .selection.defaults import (DENSITY, one_bit_by_default, resolve_budget,
+                                     resolve_density, resolve_exchange, resolve_second_moment,
                                      resolve_sparsify)
     from .selection.sparsifiers import get_sparsifier
 
@@ -357,15 +363,24 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     check_process_set(process_set)
     check_backward_passes(backward_passes_per_step)
     wire_compression = Compression(compression)
-    candidates = exchange_candidates(exchange, grouping, staleness, policy, wire_compression)
+    signs = one_bit_by_default(exchange, optimizer, sparsify, density, chosen_sparsifier,
+                               budget, grouping, staleness, dense_fallback)
+    exchange = resolve_exchange(exchange)
+    candidates = exchange_candidates(exchange, grouping, staleness, policy, wire_compression,
+                                     signs)
     check_boolean(average_aggregated_gradients, "average_aggregated_gradients")
-    if check_entries_chosen_by_exchange(exchange, grouping, chosen_sparsifier, budget,
-                                        momentum_correction, dense_fallback):
+    selector = chosen_sparsifier
+    if signs or check_entries_chosen_by_exchange(exchange, grouping, chosen_sparsifier, budget,
+                                                 momentum_correction, dense_fallback):
         from .exchanges import exchange_class
+        from .selection.density import ConstantDensity
 
-        selector, budget = exchange_class(exchange, grouping).selector, "layer"
-    else:
-        selector = chosen_sparsifier
+        selector = exchange_class("sign" if signs else exchange, grouping).selector
+        budget, policy = "layer", ConstantDensity(policy.final_density)  # nothing to warm up
+        if signs and density != DENSITY:
+            warnings.warn(f"density={density!r} does not apply: with Adam, exchange=None sends "
+                          "every entry's sign (README, 'One bit an entry'); pass "
+                          "exchange='auto' for top-k at that density.", stacklevel=4)
     budget = resolve_budget(budget, grouping, policy)
     return Settings(keras_accumulation, chosen_sparsifier, policy, process_set, wire_compression,
-                    candidates, budget, sparsify, second_moment, selector)
+                    candidates, budget, sparsify, second_moment, selector, exchange, signs)

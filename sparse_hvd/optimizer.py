@@ -32,7 +32,6 @@ from .runtime import consistency, lockstep
 from .selection.density import serialize_density_policy
 from .selection.routing import route_densely_where_faster
 from .selection.sparsifiers import serialize_sparsifier
-from .selection.defaults import resolve_exchange
 from .steps import DelayedStep, MeasuredChoiceStep, SynchronousStep
 from .wrapping import InnerOptimizerFacade, no_automatic_dependency_tracking, write_through
 
@@ -149,7 +148,6 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         name=None,
         **kwargs,
     ):
-        exchange = resolve_exchange(exchange)
         settings = checks.checked_settings(
             optimizer, SparseDistributedOptimizer, kwargs, density=density,
             warmup_steps=warmup_steps, sparsifier=sparsifier, min_elements=min_elements,
@@ -182,19 +180,18 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         self.dense_fallback = bool(dense_fallback)
         self.min_elements = min_elements
         self.process_set = process_set
-        self.exchange = exchange
+        self.exchange = exchange  # as given: None is the default (checks.Settings.signs)
         self.compression = wire_compression.name
         self._compression = wire_compression  # the one object every stage uses
         self._exchange_candidates = candidates  # exchange="auto" chooses among them at build
-        first = "allgather" if "allgather" in candidates else candidates[0]
-        self._exchange = create_exchange(first, grouping, name=self._prefix,
+        self._exchange = create_exchange(candidates[0], grouping, name=self._prefix,
                                          process_set=process_set, compression=wire_compression)
         self._feedback = ErrorFeedback(self.error_feedback, self.momentum_correction,
                                        self.momentum_masking)
         self._loss_scaling = LossScaling(optimizer)
         # how a step runs (sparse_hvd.steps), chosen once
         self._step = (DelayedStep(self, staleness) if staleness
-                      else MeasuredChoiceStep(self) if exchange == "auto"
+                      else MeasuredChoiceStep(self) if settings.exchange == "auto"
                       else SynchronousStep(self))
         self.backward_passes_per_step = int(backward_passes_per_step)
         self.average_aggregated_gradients = bool(average_aggregated_gradients)

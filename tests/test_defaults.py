@@ -262,10 +262,14 @@ def test_the_default_exchange_is_the_timed_choice_and_round_trips():
     from sparse_hvd.steps import MeasuredChoiceStep, SynchronousStep
 
     optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), density=0.01)
-    assert optimizer.exchange == "auto" and isinstance(optimizer._step, MeasuredChoiceStep)
+    # None is kept as given: with Adam it means signs (tests/test_sign_exchange.py)
+    assert optimizer.exchange is None and isinstance(optimizer._step, MeasuredChoiceStep)
     config = optimizer.get_config()
-    assert config["exchange"] == "auto"
-    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).exchange == "auto"
+    assert config["exchange"] is None
+    clone = sparse_hvd.SparseDistributedOptimizer.from_config(config)
+    assert clone.exchange is None and isinstance(clone._step, MeasuredChoiceStep)
+    named = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), exchange="auto")
+    assert isinstance(named._step, MeasuredChoiceStep) and named.get_config()["exchange"] == "auto"
     fixed = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), exchange="allgather")
     assert type(fixed._step) is SynchronousStep
     # one worker: nothing to choose, the step is the allgather's and no collective runs

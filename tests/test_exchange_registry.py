@@ -22,7 +22,7 @@ def test_every_exchange_is_registered_with_its_groupings():
     assert set(available()) == {"dense", "allgather", "compact_allgather", "sparse_allreduce",
                                 "plain_sparse_allreduce", "sign"}
     assert groupings_of("sign") == ("grouped",)
-    assert exchange_class("sign").chooses_entries and not exchange_class("sign").auto_candidate
+    assert exchange_class("sign").chooses_entries
     assert set(groupings_of("allgather")) == {"grouped", "layerwise"}
     assert set(groupings_of("compact_allgather")) == {"grouped", "layerwise"}
     assert set(groupings_of("sparse_allreduce")) == {"grouped", "layerwise"}
@@ -69,6 +69,11 @@ def test_auto_chooses_among_the_exchanges_whose_capabilities_fit():
     assert set(checks.exchange_candidates("auto", "layerwise", 0, AdaptiveDensity(),
                                       Compression())) == {
         "allgather", "compact_allgather", "sparse_allreduce", "dense"}
+    # signs: the exchange that chooses its entries, or dense; it starts with the one that sends
+    assert checks.exchange_candidates("auto", "grouped", 0, constant, Compression(),
+                                      signs=True) == ("sign", "dense")
+    assert checks.exchange_candidates("auto", "grouped", 0, constant, Compression())[0] == \
+        "allgather"
 
 
 def test_auto_takes_the_fastest_and_dense_unless_a_sparse_exchange_clearly_wins():

@@ -74,15 +74,60 @@ def re_escape(text):
     return re.escape(text)
 
 
-def test_its_config_round_trips_and_auto_never_chooses_it():
+def test_its_config_round_trips():
     optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(1e-3),
                                                       exchange="sign", name="signs")
     config = optimizer.get_config()
     clone = sparse_hvd.SparseDistributedOptimizer.from_config(config)
     assert clone.get_config() == config and clone.exchange == "sign"
     assert (clone.budget, clone.sparsify) == ("layer", "update")
-    assert "sign" not in sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(0.1))._exchange_candidates
+
+
+def _chooses_signs(optimizer):
+    return (isinstance(optimizer._selector, ScaledSign)
+            and optimizer._exchange_candidates == ("sign", "dense"))
+
+
+@pytest.mark.convergence_defaults
+@pytest.mark.parametrize("inner", [keras.optimizers.Adam, keras.optimizers.AdamW])
+def test_with_adam_the_default_exchange_chooses_between_signs_and_dense(inner):
+    optimizer = sparse_hvd.SparseDistributedOptimizer(inner(1e-3), name="adam_default")
+    assert _chooses_signs(optimizer) and optimizer._exchange.method == "sign"
+    assert type(optimizer._step).__name__ == "MeasuredChoiceStep"
+    assert (optimizer.budget, optimizer.density_policy.warmup_steps if hasattr(
+        optimizer.density_policy, "warmup_steps") else 0) == ("layer", 0)
+    config = optimizer.get_config()
+    assert config["exchange"] is None
+    clone = sparse_hvd.SparseDistributedOptimizer.from_config(config)
+    assert _chooses_signs(clone) and clone.get_config() == config
+
+
+@pytest.mark.convergence_defaults
+@pytest.mark.parametrize("inner,arguments", [
+    (keras.optimizers.SGD, {}),  # plain SGD: the gradient cut, top-k
+    (keras.optimizers.SGD, {"density": 0.01}),
+    (lambda lr: keras.optimizers.SGD(lr, momentum=0.9), {}),
+    (keras.optimizers.Nadam, {}),  # not measured: top-k
+    (keras.optimizers.Adam, {"exchange": "auto"}),  # the previous default, by name
+    (keras.optimizers.Adam, {"sparsify": "gradient"}),
+    (keras.optimizers.Adam, {"budget": "model"}),
+    (keras.optimizers.Adam, {"grouping": "layerwise"}),
+    (keras.optimizers.Adam, {"staleness": 1}),
+    (keras.optimizers.Adam, {"density": sparse_hvd.WarmupDensity(0.01)}),
+    (keras.optimizers.Adam, {"sparsifier": "randomk"}),
+])
+def test_anything_else_keeps_top_k(inner, arguments):
+    optimizer = sparse_hvd.SparseDistributedOptimizer(inner(1e-3), name="keeps", **arguments)
+    assert not _chooses_signs(optimizer)
+    assert "sign" not in optimizer._exchange_candidates
+
+
+@pytest.mark.convergence_defaults
+def test_a_density_that_does_not_apply_to_signs_is_warned_about():
+    with pytest.warns(UserWarning, match="density=0.001 does not apply.*exchange='auto'"):
+        optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(1e-3),
+                                                          density=0.001, name="warned")
+    assert _chooses_signs(optimizer)
 
 
 @pytest.mark.parametrize("compression", ["none", "float16"])

@@ -91,7 +91,6 @@ class SignAllgather(Exchange):
 
     layer_budgets = False
     staleness = False
-    auto_candidate = False
     chooses_entries = True
     grouping_reason = "its one allgather carries every variable's signs."
     selector = ScaledSign()
@@ -109,11 +108,13 @@ class SignAllgather(Exchange):
         return [route._replace(sparse=route.num_elements >= min_elements)
                 for route in super().routes_for(variables, density, min_elements)]
 
+    # the callers count entries at ``density`` (``Exchange``); this one sends every entry at
+    # 1/8 byte, whatever the density: 1 / (8 density) bytes for each of those
     def sent_bytes_per_entry(self, density, value_bytes):
-        return 1 / 8
+        return 1 / (8 * density)
 
     def wire_bytes_per_entry(self, density, value_bytes):
-        return (self.size - 1) / 8
+        return (self.size - 1) * self.sent_bytes_per_entry(density, value_bytes)
 
     def _average_many(self, payload: Payload, sizes, step):
         size = self.size

@@ -69,11 +69,33 @@ WARMUP_INITIAL_DENSITY = 0.10  # 0.25 before this release (see the docstring)
 BUDGET = "model"  # what budget=None means with the grouped exchanges
 BUDGETS = ("layer", "model")
 EXCHANGE = "auto"  # what exchange=None means
+DENSITY = 0.01  # the constructor's default density
+ONE_BIT = True  # exchange=None sends every entry's sign with Adam (one_bit_by_default)
 
 
 def resolve_exchange(exchange) -> str:
     """The exchange for the optimizer's ``exchange`` argument (None: :data:`EXCHANGE`)."""
     return EXCHANGE if exchange is None else exchange
+
+
+def one_bit_by_default(exchange, optimizer, sparsify, density, sparsifier, budget, grouping,
+                       staleness, dense_fallback) -> bool:
+    """Whether ``exchange=None`` sends every entry's sign (``exchange="auto"`` between
+    ``"sign"`` and ``"dense"``): with a Keras Adam (AdamW too) under the update cut, unless an
+    argument asks for a choice of entries (a density policy object, a sparsifier, a budget of
+    the whole model) or for what the sign exchange does not run (``grouping="layerwise"``,
+    ``staleness``, ``dense_fallback``). ``exchange="auto"`` named explicitly keeps top-k."""
+    from .sparsifiers import get_sparsifier, serialize_sparsifier
+
+    if not ONE_BIT or exchange is not None or sparsify != "update":
+        return False
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return (isinstance(optimizer, keras.optimizers.Adam)
+            and isinstance(density, (int, float)) and not isinstance(density, bool)
+            and serialize_sparsifier(sparsifier) == serialize_sparsifier(get_sparsifier("topk"))
+            and budget in (None, "layer") and grouping == "grouped" and not staleness
+            and not dense_fallback)
 
 
 def resolve_density(density, warmup_steps) -> DensityPolicy:
