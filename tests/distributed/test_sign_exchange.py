@@ -118,3 +118,44 @@ def test_a_step_not_finite_on_one_rank_is_skipped_everywhere(hvd):
     np.testing.assert_array_equal(optimizer.residuals[0].numpy(), 0.0)
     assert int(optimizer.iterations.numpy()) == 0
     assert optimizer.communication_stats()["skipped_steps"] == 1
+
+
+@pytest.mark.convergence_defaults
+@pytest.mark.parametrize("forced", ["sign", "dense"])
+def test_with_adam_the_default_times_signs_against_dense_and_runs_the_choice(
+        hvd, monkeypatch, forced):
+    """``exchange=None`` with Adam: a trial of the sign exchange and dense, one decision on
+    every rank (forced here), then the chosen one runs (the layer statistics say so);
+    replicas stay identical through the switches."""
+    import sparse_hvd.steps.measured as measured
+
+    monkeypatch.setattr(measured, "ABORT_AFTER", np.inf)
+    monkeypatch.setattr(measured, "sparse_can_win", lambda step, compute, margin: True)
+    monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index(forced))
+    rank = hvd.rank()
+    variables = [keras.Variable(np.zeros(s, "float32")) for s in (BIG, SMALL)]
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.Adam(LR, epsilon=EPSILON), name=f"sign_default_{forced}")
+
+    @tf.function(jit_compile=False)
+    def step(big, small):
+        optimizer.apply_gradients(zip([big, small], variables))
+
+    steps = 1 + 2 * measured.TRIAL_STEPS + 3
+    stats = []
+    for number in range(steps):
+        step(*map(tf.constant, _gradients(rank, number)))
+        stats.append(optimizer.layer_stats()[variables[0].path])
+    assert [plan.name for plan in optimizer._step.plans] == ["sign", "dense"]
+    (_, times, choice), = optimizer.exchange_decisions
+    assert choice == forced and set(times) == {"sign", "dense"}
+    assert stats[0]["exchange"] == "dense"  # before the trial
+    assert stats[-1]["exchange"] == forced
+    assert stats[-1]["last_density"] == 1.0  # every entry: its sign, or its value
+    everyone = gather(hvd, (sorted(times), choice), name=f"sign_default_{forced}.decisions")
+    assert all(e == everyone[0] for e in everyone), everyone
+    digests = gather(hvd, digest([v.numpy() for v in variables]),
+                     name=f"sign_default_{forced}.digests")
+    assert all(d == digests[0] for d in digests), digests
+    if forced == "sign":  # the residuals hold what the signs left out
+        assert np.any(optimizer.residuals[0].numpy())
