@@ -224,17 +224,17 @@ def check_entries_chosen_by_exchange(exchange, grouping, sparsifier, budget,
     from .selection.sparsifiers import get_sparsifier, serialize_sparsifier
 
     default = serialize_sparsifier(get_sparsifier("topk"))
-    offending = [(serialize_sparsifier(sparsifier) != default, "sparsifier",
+    offending = [(serialize_sparsifier(sparsifier) != default, f"sparsifier={sparsifier.name!r}",
                   "leave `sparsifier` at its default"),
                  (budget == "model", "budget='model'", "use budget=None or 'layer'"),
-                 (bool(momentum_correction), "momentum_correction",
+                 (bool(momentum_correction), f"momentum_correction={momentum_correction!r}",
                   "wrap SGD(momentum=...) without momentum_correction (sparsify='update')"),
-                 (dense_fallback, "dense_fallback", "leave dense_fallback=False")]
-    for refused, argument, instead in offending:
+                 (dense_fallback, "dense_fallback=True", "leave dense_fallback=False")]
+    for refused, setting, instead in offending:
         if refused:
             raise ValueError(
                 f"exchange={exchange!r} sends every entry of each cut variable in its own code, "
-                f"so it cannot be combined with `{argument}`: {instead}.")
+                f"so it cannot be combined with `{setting}`: {instead}.")
     return True
 
 

@@ -17,7 +17,7 @@ import itertools
 FACTORS = {
     "sparsifier": ("topk", "approx_topk", "randomk", "threshold"),
     "density": ("constant", "warmup", "adaptive"),
-    "exchange": ("allgather", "compact_allgather", "sparse_allreduce", "dense", "auto"),
+    "exchange": ("allgather", "compact_allgather", "sparse_allreduce", "dense", "auto", "sign"),
     "grouping": ("grouped", "layerwise"),
     "staleness": (0, 1),
     "compression": ("none", "float16"),
@@ -36,6 +36,17 @@ REFUSED = (
     ("staleness", 1, "density", "adaptive"),
     ("staleness", 1, "exchange", "sparse_allreduce"),
     ("momentum_correction", 0.9, "sparsify", "update"),
+    # the sign exchange sends every entry's sign: nothing for a sparsifier or a budget to
+    # choose, no velocity to mask, no per-layer or delayed variant of it
+    ("exchange", "sign", "sparsifier", "approx_topk"),
+    ("exchange", "sign", "sparsifier", "randomk"),
+    ("exchange", "sign", "sparsifier", "threshold"),
+    ("exchange", "sign", "density", "adaptive"),
+    ("exchange", "sign", "grouping", "layerwise"),
+    ("exchange", "sign", "staleness", 1),
+    ("exchange", "sign", "momentum_correction", 0.9),
+    ("exchange", "sign", "dense_fallback", True),
+    ("exchange", "sign", "budget", "model"),
 )
 
 

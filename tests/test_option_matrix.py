@@ -33,7 +33,8 @@ def test_the_refused_pairs_are_refused_naming_both(refused):
     a, x, b, y = refused
     base = dict(COMBINATIONS[0], **{a: x, b: y})
     words = {"staleness": "staleness", "density": "AdaptiveDensity", "grouping": "layerwise",
-             "momentum_correction": "momentum_correction", "sparsify": "sparsify"}
+             "momentum_correction": "momentum_correction", "sparsify": "sparsify",
+             "dense_fallback": "dense_fallback"}
     first, second = (words.get(a, x), words.get(b, y))
     with pytest.raises(ValueError, match=f"(?s)(?=.*{first})(?=.*{second})"):
         make_optimizer(base, "refused")

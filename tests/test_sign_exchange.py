@@ -54,10 +54,10 @@ def test_pack_then_unpack_averages_every_ranks_scaled_signs_in_rank_order():
 
 
 @pytest.mark.parametrize("arguments,named", [
-    ({"sparsifier": "randomk"}, "`sparsifier`"),
+    ({"sparsifier": "randomk"}, "`sparsifier='randomk'`"),
     ({"budget": "model"}, "`budget='model'`"),
-    ({"momentum_correction": 0.9}, "`momentum_correction`"),
-    ({"dense_fallback": True}, "`dense_fallback`"),
+    ({"momentum_correction": 0.9}, "`momentum_correction=0.9`"),
+    ({"dense_fallback": True}, "`dense_fallback=True`"),
     ({"grouping": "layerwise"}, "grouping='layerwise'"),
     ({"staleness": 1}, "`staleness`"),
     ({"density": sparse_hvd.AdaptiveDensity(0.01)}, "AdaptiveDensity"),
