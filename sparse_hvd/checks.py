@@ -337,7 +337,7 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     from .feedback import clipping as clipping_rules
     from .feedback.accumulation import take_over_keras_accumulation
     from .runtime import startup
-    from .selection.defaults import (DENSITY, one_bit_by_default, resolve_budget,
+    from .selection.defaults import (one_bit_by_default, resolve_budget,
                                      resolve_density, resolve_exchange, resolve_second_moment,
                                      resolve_sparsify)
     from .selection.sparsifiers import get_sparsifier
@@ -377,10 +377,6 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
 
         selector = exchange_class("sign" if signs else exchange, grouping).selector
         budget, policy = "layer", ConstantDensity(policy.final_density)  # nothing to warm up
-        if signs and density != DENSITY:
-            warnings.warn(f"density={density!r} does not apply: with Adam, exchange=None sends "
-                          "every entry's sign (README, 'One bit an entry'); pass "
-                          "exchange='auto' for top-k at that density.", stacklevel=4)
     budget = resolve_budget(budget, grouping, policy)
     return Settings(keras_accumulation, chosen_sparsifier, policy, process_set, wire_compression,
                     candidates, budget, sparsify, second_moment, selector, exchange, signs)

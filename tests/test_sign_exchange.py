@@ -91,6 +91,7 @@ def _chooses_signs(optimizer):
 @pytest.mark.convergence_defaults
 @pytest.mark.parametrize("inner", [keras.optimizers.Adam, keras.optimizers.AdamW])
 def test_with_adam_the_default_exchange_chooses_between_signs_and_dense(inner):
+    assert _chooses_signs(sparse_hvd.SparseDistributedOptimizer(inner(1e-3), density=0.01))
     optimizer = sparse_hvd.SparseDistributedOptimizer(inner(1e-3), name="adam_default")
     assert _chooses_signs(optimizer) and optimizer._exchange.method == "sign"
     assert type(optimizer._step).__name__ == "MeasuredChoiceStep"
@@ -114,20 +115,14 @@ def test_with_adam_the_default_exchange_chooses_between_signs_and_dense(inner):
     (keras.optimizers.Adam, {"grouping": "layerwise"}),
     (keras.optimizers.Adam, {"staleness": 1}),
     (keras.optimizers.Adam, {"density": sparse_hvd.WarmupDensity(0.01)}),
+    (keras.optimizers.Adam, {"density": 0.001}),  # a density of one's own: top-k at it
+    (keras.optimizers.Adam, {"density": 1.0}),  # every entry exactly
     (keras.optimizers.Adam, {"sparsifier": "randomk"}),
 ])
 def test_anything_else_keeps_top_k(inner, arguments):
     optimizer = sparse_hvd.SparseDistributedOptimizer(inner(1e-3), name="keeps", **arguments)
     assert not _chooses_signs(optimizer)
     assert "sign" not in optimizer._exchange_candidates
-
-
-@pytest.mark.convergence_defaults
-def test_a_density_that_does_not_apply_to_signs_is_warned_about():
-    with pytest.warns(UserWarning, match="density=0.001 does not apply.*exchange='auto'"):
-        optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(1e-3),
-                                                          density=0.001, name="warned")
-    assert _chooses_signs(optimizer)
 
 
 @pytest.mark.parametrize("compression", ["none", "float16"])

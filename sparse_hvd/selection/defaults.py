@@ -81,10 +81,12 @@ def resolve_exchange(exchange) -> str:
 def one_bit_by_default(exchange, optimizer, sparsify, density, sparsifier, budget, grouping,
                        staleness, dense_fallback) -> bool:
     """Whether ``exchange=None`` sends every entry's sign (``exchange="auto"`` between
-    ``"sign"`` and ``"dense"``): with a Keras Adam (AdamW too) under the update cut, unless an
-    argument asks for a choice of entries (a density policy object, a sparsifier, a budget of
-    the whole model) or for what the sign exchange does not run (``grouping="layerwise"``,
-    ``staleness``, ``dense_fallback``). ``exchange="auto"`` named explicitly keeps top-k."""
+    ``"sign"`` and ``"dense"``): with a Keras Adam (AdamW too) under the update cut at the
+    default ``density`` (:data:`DENSITY`), unless an argument asks for a choice of entries (a
+    sparsifier, a budget of the whole model) or for what the sign exchange does not run
+    (``grouping="layerwise"``, ``staleness``, ``dense_fallback``). Any other density (a
+    number or a policy) asks for top-k at that density, and so does ``exchange="auto"``
+    named explicitly."""
     from .sparsifiers import get_sparsifier, serialize_sparsifier
 
     if not ONE_BIT or exchange is not None or sparsify != "update":
@@ -93,7 +95,7 @@ def one_bit_by_default(exchange, optimizer, sparsify, density, sparsifier, budge
         optimizer = optimizer.inner_optimizer
     return (isinstance(optimizer, keras.optimizers.Adam)
             and isinstance(density, (int, float)) and not isinstance(density, bool)
-            and serialize_sparsifier(sparsifier) == serialize_sparsifier(get_sparsifier("topk"))
+            and density == DENSITY and serialize_sparsifier(sparsifier) == serialize_sparsifier(get_sparsifier("topk"))
             and budget in (None, "layer") and grouping == "grouped" and not staleness
             and not dense_fallback)
 
