@@ -147,3 +147,24 @@ def test_one_worker_applies_its_own_scaled_signs_and_keeps_the_rest(compression)
     np.testing.assert_allclose(optimizer.residuals[0].numpy(), big - sent, rtol=0, atol=1e-6)
     assert [r.sparse for r in optimizer._routes] == [True, False]
     assert isinstance(optimizer._selector, ScaledSign) and optimizer.sparsifier.name == "topk"
+
+
+@pytest.mark.parametrize("ranks,n", [(1, 5), (3, 100), (4, 70_001), (2, 131_072)])
+def test_the_native_sum_of_the_signs_is_the_tensorflow_paths_bits(ranks, n):
+    """kernels/sign_sum.cc against the TensorFlow ops of ``SignAllgather.unpack`` (shards of
+    64K entries: n over one shard, ending inside a word)."""
+    from helpers import native_op
+    from sparse_hvd import kernels
+    from sparse_hvd.exchanges.averaging import divided, sum_rows_in_order
+
+    native = native_op(kernels.sign_sum)
+    rng = np.random.RandomState(n)
+    values = [rng.randn(n).astype("float32") for _ in range(ranks)]
+    words = tf.stack([pack_signs(tf.constant(v)) for v in values])
+    scales = tf.constant(rng.uniform(0.1, 2.0, ranks).astype("float32"))
+    expected = divided(sum_rows_in_order(unpack_signs(words, n) * scales[:, None]), ranks)
+    got = native(words, scales, num_elements=n)
+    np.testing.assert_array_equal(got.numpy().view(np.uint32), expected.numpy().view(np.uint32))
+    signs = np.where(np.stack(values) < 0, -1.0, 1.0).astype("float32")
+    np.testing.assert_allclose(got.numpy(), (signs * scales.numpy()[:, None]).sum(0) / ranks,
+                               rtol=1e-6, atol=1e-6)

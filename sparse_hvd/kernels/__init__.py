@@ -27,6 +27,8 @@
 * ``sampled_magnitudes()``: the ``SparseHvdSampledMagnitudes`` op (sampled_magnitudes.cc:
   ``|gradient + residual|`` at the blocks the model-wide budget samples, for every variable
   in one op);
+* ``sign_sum()``: the ``SparseHvdSignSum`` op (sign_sum.cc: one variable's average from every
+  rank's sign bits and scale, summed in rank order, in one pass; ``exchange="sign"``);
 * ``watch_enter()``, ``watch_leave()`` and ``watch_table()``: the ``SparseHvdWatchEnter`` and
   ``SparseHvdWatchLeave`` ops and the C functions that read their table (watch.cc: the stall
   watchdog's brackets around a traced step's collectives).
@@ -176,6 +178,11 @@ def kth_largest():
 def sampled_magnitudes():
     """The native op of the model-wide budget's sampled magnitudes, or None."""
     return _op("sparse_hvd_sampled_magnitudes")
+
+
+def sign_sum():
+    """The native sign-summing op of the sign exchange, or None."""
+    return _op("sparse_hvd_sign_sum")
 
 
 def watch_enter():

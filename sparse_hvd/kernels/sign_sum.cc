@@ -1,0 +1,110 @@
+// SparseHvdSignSum: one variable's average from every rank's sign bits and scale
+// (sparse_hvd/exchanges/sign.py, step 3), in one pass over the output.
+//
+// The TensorFlow path unpacks every rank's bits into a [ranks, n] tensor of +-1, multiplies
+// each row by its rank's scale and adds the rows: several passes over ranks x n entries.
+// Here each output entry is made once:
+//
+//   1. in shards of 64K entries on the CPU worker threads, entry i starts at 0.0f;
+//   2. rank by rank, in rank order, it adds -scale[r] where bit i of rank r's words is set,
+//      else scale[r] (the same additions, in the same order, as the TensorFlow path's
+//      ``sum_rows_in_order``: the same bits);
+//   3. it is divided by the number of ranks (IEEE division, as ``tf.math.divide_no_nan`` for
+//      a divisor of 1 or more).
+//
+// Bits are little-endian: bit i is bit i % 32 of word i / 32.
+
+#include <algorithm>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace sparse_hvd {
+
+using absl::InvalidArgumentError;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+
+REGISTER_OP("SparseHvdSignSum")
+    .Attr("num_elements: int >= 0")
+    .Input("words: int32")   // [ranks, words]: each rank's sign bits
+    .Input("scales: float")  // [ranks]: each rank's scale
+    .Output("average: float")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      int64_t n = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_elements", &n));
+      c->set_output(0, c->Vector(n));
+      return tsl::OkStatus();
+    });
+
+constexpr int64_t kShard = 1 << 16;  // a multiple of 32: a shard starts at a word
+
+// Steps 1-3 for the ``count`` (at most 32) entries of one word: ``bits`` is rank 0's word,
+// rank r's is ``width`` words further on. Each entry is added up in a register and written
+// once.
+inline void SumWord(const uint32_t* bits, int64_t width, int64_t ranks, const float* scale,
+                    float divisor, float* out, int64_t count) {
+  alignas(64) float sums[32] = {0.0f};  // step 1
+  alignas(64) uint32_t lanes[32];
+  for (int64_t r = 0; r < ranks; ++r) {  // step 2, rank by rank
+    const uint32_t word = bits[r * width];
+    const float plus = scale[r], minus = -scale[r];
+    // the word's bit b in lane b, by masks rather than shifts by b (plain SSE2 has no
+    // per-lane shift), so that the compiler can add several lanes at once
+    for (int b = 0; b < 32; ++b) lanes[b] = word & (1u << b);
+    for (int b = 0; b < 32; ++b) sums[b] += lanes[b] ? minus : plus;
+  }
+  for (int64_t b = 0; b < count; ++b) out[b] = sums[b] / divisor;  // step 3
+}
+
+class SignSumOp : public OpKernel {
+ public:
+  explicit SignSumOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("num_elements", &num_elements_));
+  }
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& words = context->input(0);
+    const Tensor& scales = context->input(1);
+    OP_REQUIRES(context, words.dims() == 2 && scales.dims() == 1 &&
+                             scales.dim_size(0) == words.dim_size(0),
+                InvalidArgumentError("words must be [ranks, words] and scales [ranks]"));
+    const int64_t ranks = words.dim_size(0), width = words.dim_size(1);
+    const int64_t n = num_elements_;
+    OP_REQUIRES(context, width == (n + 31) / 32,
+                InvalidArgumentError(absl::StrCat("expected ", (n + 31) / 32,
+                                                  " words a rank for ", n,
+                                                  " entries, got ", width)));
+    OP_REQUIRES(context, ranks >= 1, InvalidArgumentError("no ranks"));
+    Tensor* average = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({n}), &average));
+    const uint32_t* bits = reinterpret_cast<const uint32_t*>(words.flat<int32_t>().data());
+    const float* scale = scales.flat<float>().data();
+    float* out = average->flat<float>().data();
+    const float divisor = static_cast<float>(ranks);
+    auto* pool = context->device()->tensorflow_cpu_worker_threads();
+    const int64_t shards = (n + kShard - 1) / kShard;
+    tensorflow::Shard(pool->num_threads, pool->workers, shards, kShard * ranks,
+                      [&](int64_t first, int64_t last) {
+                        const int64_t end = std::min(n, last * kShard);
+                        for (int64_t word = first * kShard / 32; word * 32 < end; ++word) {
+                          SumWord(bits + word, width, ranks, scale, divisor, out + word * 32,
+                                  std::min<int64_t>(32, end - word * 32));
+                        }
+                      });
+  }
+
+ private:
+  int64_t num_elements_ = 0;
+};
+
+REGISTER_KERNEL_BUILDER(Name("SparseHvdSignSum").Device(tensorflow::DEVICE_CPU), SignSumOp);
+
+}  // namespace sparse_hvd
