@@ -182,8 +182,9 @@ def exchange_candidates(exchange, grouping, staleness, policy, compression, sign
                         and exchange_class(name, grouping).auto_candidate
                         and (exchange_class(name, grouping).chooses_entries == signs
                              or not exchange_class(name, grouping).sends_selections)))
-    names = sorted(names, key=lambda name: (name != "allgather",
-                                            not exchange_class(name, grouping).sends_selections))
+    first = min(names, key=lambda name: (name != "allgather",
+                                         not exchange_class(name, grouping).sends_selections))
+    names = (first,) + tuple(name for name in names if name != first)
     # exchange_class names the exchanges and groupings there are
     refusals = {name: _refusal(name, exchange_class(name, grouping), staleness, policy,
                                compression) for name in names}
