@@ -32,8 +32,9 @@ variables under ``min_elements`` go dense) and ``budget`` do not apply; it does 
 with ``momentum_correction`` (masking would clear every entry's velocity), ``staleness``,
 ``AdaptiveDensity``, ``dense_fallback`` or ``grouping="layerwise"`` (``sparse_hvd.checks``).
 With ``compression`` the scales travel rounded to 16 bits (the rounding error kept in the
-residual, as for any value), and so do the small dense-route gradients. ``exchange="auto"`` never chooses it: it changes what is averaged,
-not only how it travels.
+residual, as for any value), and so do the small dense-route gradients. ``exchange="auto"``
+chooses between it and dense where ``exchange=None`` means signs (with Adam), never between
+it and the top-k exchanges: it changes what is averaged, not only how it travels.
 """
 
 import tensorflow as tf
@@ -168,7 +169,7 @@ class SignAllgather(Exchange):
 
     def _announce(self, step, state):
         """The exchange of a rank that sends nothing, with ``state`` in its header."""
-        words, tensors = self._layout
+        _, tensors = self._layout
         gathered = collectives.grouped_allgather(
             [header(True, step, state), tf.zeros([0], tf.int32)]
             + [tf.zeros([0], tf.int32)] * tensors, name=f"{self.name}.signs",
