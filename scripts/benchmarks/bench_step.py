@@ -18,6 +18,8 @@ Methods (``--methods``, comma-separated):
   ``psar_<sparsifier>@<d>``: with ``exchange="plain_sparse_allreduce"`` (int32 indices, raw
   values);
   ``compact_<sparsifier>@<d>``: with ``exchange="compact_allgather"`` (coded indices);
+  ``sign@<d>``: ``exchange="sign"`` (every entry's sign and a scale per variable; ``d`` is
+  not used);
   ``<sparsifier>_model@<d>``: with one budget for the whole model (``budget="model"``, the
   default of the grouped exchanges); ``<...>_update@<d>`` (last): with ``sparsify="update"``
   (each worker's inner optimizer step is cut, ``feedback.local_update``). Every sparse row
@@ -187,6 +189,8 @@ def worker(args):
             if name.startswith("compact_"):
                 exchange, name = "compact_allgather", name[len("compact_"):]
                 sparsifier = name
+            if name == "sign":  # every entry's sign (the density is not used)
+                exchange, sparsifier = "sign", "topk"
             if name in ("auto", "auto_cond"):  # the default: the fastest, one model budget
                 exchange, budget, sparsifier = "auto", "model", "topk"
             nonfinite = "skip"
