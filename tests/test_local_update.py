@@ -2,6 +2,7 @@
 cut and error-fed (``sparse_hvd.feedback.local_update``)."""
 
 import math
+import re
 
 import keras
 import numpy as np
@@ -214,3 +215,22 @@ def test_the_inner_optimizers_moving_average_follows_the_applied_weights(mode):
             continue
         ema = applied if ema is None else 0.5 * ema + 0.5 * applied
         np.testing.assert_allclose(average, ema, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("inner,arguments,message", [
+    (keras.optimizers.SGD, {}, "sparsify='update' and a keras.optimizers.Adam"),
+    (keras.optimizers.Adam, {"sparsify": "gradient"}, "got sparsify='gradient'"),
+    (keras.optimizers.AdamW, {}, "without weight_decay or amsgrad"),
+    (lambda lr: keras.optimizers.Adam(lr, amsgrad=True), {}, "without weight_decay or amsgrad"),
+])
+def test_the_mean_estimate_is_refused_where_it_cannot_act(inner, arguments, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sparse_hvd.SparseDistributedOptimizer(inner(0.1), second_moment="mean_estimate",
+                                              **arguments)
+    with pytest.raises(ValueError, match="`second_moment` must be one of"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(0.1), second_moment="v")
+    plain = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(0.1),
+                                                  second_moment="mean_estimate")
+    assert plain.second_moment == "mean_estimate"
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(
+        plain.get_config()).second_moment == "mean_estimate"

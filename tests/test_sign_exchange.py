@@ -3,6 +3,7 @@ residual, the settings it refuses (each naming the argument), its config and a o
 in closed form. Every rank's part: tests/distributed/test_sign_exchange.py."""
 
 import math
+import re
 
 import keras
 import numpy as np
@@ -63,15 +64,10 @@ def test_pack_then_unpack_averages_every_ranks_scaled_signs_in_rank_order():
     ({"density": sparse_hvd.AdaptiveDensity(0.01)}, "AdaptiveDensity"),
 ])
 def test_settings_the_sign_exchange_cannot_take_are_refused_by_name(arguments, named):
-    with pytest.raises(ValueError, match=f"exchange='sign'.*{re_escape(named)}|"
-                                         f"{re_escape(named)}.*exchange='sign'"):
+    with pytest.raises(ValueError, match=f"exchange='sign'.*{re.escape(named)}|"
+                                         f"{re.escape(named)}.*exchange='sign'"):
         sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), exchange="sign",
                                               **arguments)
-
-
-def re_escape(text):
-    import re
-    return re.escape(text)
 
 
 def test_its_config_round_trips():
@@ -95,8 +91,10 @@ def test_with_adam_the_default_exchange_chooses_between_signs_and_dense(inner):
     optimizer = sparse_hvd.SparseDistributedOptimizer(inner(1e-3), name="adam_default")
     assert _chooses_signs(optimizer) and optimizer._exchange.method == "sign"
     assert type(optimizer._step).__name__ == "MeasuredChoiceStep"
-    assert (optimizer.budget, optimizer.density_policy.warmup_steps if hasattr(
-        optimizer.density_policy, "warmup_steps") else 0) == ("layer", 0)
+    # nothing to warm up or to budget over the model; each worker's own second moment
+    assert optimizer.budget == "layer" and optimizer.warmup_steps == 0
+    assert type(optimizer.density_policy).__name__ == "ConstantDensity"
+    assert optimizer.second_moment == "own"
     config = optimizer.get_config()
     assert config["exchange"] is None
     clone = sparse_hvd.SparseDistributedOptimizer.from_config(config)
