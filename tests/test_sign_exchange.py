@@ -166,3 +166,17 @@ def test_the_native_sum_of_the_signs_is_the_tensorflow_paths_bits(ranks, n):
     signs = np.where(np.stack(values) < 0, -1.0, 1.0).astype("float32")
     np.testing.assert_allclose(got.numpy(), (signs * scales.numpy()[:, None]).sum(0) / ranks,
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 70_001])
+def test_the_native_packing_is_the_tensorflow_paths_words_and_scale(n):
+    """kernels/sign_sum.cc's pack against ``pack_signs`` and the largest magnitude."""
+    from helpers import native_op
+    from sparse_hvd import kernels
+
+    native = native_op(kernels.sign_pack)
+    values = ScaledSign()(tf.constant(np.random.RandomState(n).randn(n).astype("float32")),
+                          0).values
+    words, scale = native(values)
+    np.testing.assert_array_equal(words.numpy(), pack_signs(values).numpy())
+    assert scale.numpy() == np.max(np.abs(values.numpy())) and words.shape == ((n + 31) // 32,)

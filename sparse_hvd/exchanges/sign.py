@@ -18,8 +18,9 @@ Adam's normalised update does not need and SGD's does).
    ``sent = scale`` where ``c >= 0`` and ``-scale`` elsewhere (an exact zero travels as +,
    one bit has no room for it), residual ``c - sent``;
 2. pack: each variable's sign bits (1: negative) in int32 words, after one word per variable
-   holding its scale's bits, and the header (``base.header``) and the small dense-route
-   gradients (``base.pack_dense``): one ``grouped_allgather`` per step;
+   holding its scale's bits (on CPU in one native pass, ``kernels/sign_sum.cc``), and the
+   header (``base.header``) and the small dense-route gradients (``base.pack_dense``): one
+   ``grouped_allgather`` per step;
 3. unpack: every rank in this step (the header, else every rank raises), then for each
    variable every rank's ``scale * (1 - 2 bit)``, summed in rank order from zero (the same
    bits on every rank) and divided by the number of workers: on CPU in one native pass
@@ -143,10 +144,17 @@ class SignAllgather(Exchange):
         """One rank's words: each selection's scale (float32 bits), then each one's signs."""
         if not selections:
             return tf.zeros([0], tf.int32)
-        scales = tf.stack([tf.cast(tf.reduce_max(tf.abs(s.values)), tf.float32)
-                           for s in selections])
-        return tf.concat([tf.bitcast(scales, tf.int32)]
-                         + [pack_signs(s.values) for s in selections], 0)
+        native = kernels.sign_pack()
+        scales, words = [], []
+        for selection in selections:
+            values = tf.cast(tf.reshape(selection.values, [-1]), tf.float32)
+            if native is not None:  # the same words and scale in one pass (sign_sum.cc)
+                own, scale = native(values)
+            else:
+                own, scale = pack_signs(values), tf.reduce_max(tf.abs(values))
+            words.append(own)
+            scales.append(scale)
+        return tf.concat([tf.bitcast(tf.stack(scales), tf.int32)] + words, 0)
 
     @staticmethod
     def unpack(rows, selections, sizes):

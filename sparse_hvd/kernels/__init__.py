@@ -27,8 +27,9 @@
 * ``sampled_magnitudes()``: the ``SparseHvdSampledMagnitudes`` op (sampled_magnitudes.cc:
   ``|gradient + residual|`` at the blocks the model-wide budget samples, for every variable
   in one op);
-* ``sign_sum()``: the ``SparseHvdSignSum`` op (sign_sum.cc: one variable's average from every
-  rank's sign bits and scale, summed in rank order, in one pass; ``exchange="sign"``);
+* ``sign_sum()`` and ``sign_pack()``: the ``SparseHvdSignSum`` and ``SparseHvdSignPack`` ops
+  (sign_sum.cc: one variable's average from every rank's sign bits and scale, summed in rank
+  order, in one pass; one rank's sign bits and scale in one pass; ``exchange="sign"``);
 * ``watch_enter()``, ``watch_leave()`` and ``watch_table()``: the ``SparseHvdWatchEnter`` and
   ``SparseHvdWatchLeave`` ops and the C functions that read their table (watch.cc: the stall
   watchdog's brackets around a traced step's collectives).
@@ -183,6 +184,11 @@ def sampled_magnitudes():
 def sign_sum():
     """The native sign-summing op of the sign exchange, or None."""
     return _op("sparse_hvd_sign_sum")
+
+
+def sign_pack():
+    """The native sign-packing op of the sign exchange, or None."""
+    return _op("sparse_hvd_sign_pack")
 
 
 def watch_enter():

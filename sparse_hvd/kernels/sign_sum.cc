@@ -1,3 +1,8 @@
+// SparseHvdSignPack: one rank's sign bits of a variable's scaled signs and their magnitude
+// (sparse_hvd/exchanges/sign.py, step 2), in one pass: bit i of word i / 32 (little-endian)
+// is set where value i is negative, and ``scale`` is the largest |value| (every value is
+// +-scale; an exact maximum, in any order). The TensorFlow path takes several passes.
+//
 // SparseHvdSignSum: one variable's average from every rank's sign bits and scale
 // (sparse_hvd/exchanges/sign.py, step 3), in one pass over the output.
 //
@@ -15,6 +20,7 @@
 // Bits are little-endian: bit i is bit i % 32 of word i / 32.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
@@ -106,5 +112,51 @@ class SignSumOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("SparseHvdSignSum").Device(tensorflow::DEVICE_CPU), SignSumOp);
+
+REGISTER_OP("SparseHvdSignPack")
+    .Input("values: float")  // [n]: one rank's scaled signs of a variable
+    .Output("words: int32")  // [(n + 31) / 32]
+    .Output("scale: float")  // the largest |value|
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      tensorflow::shape_inference::DimensionHandle n = c->Dim(c->input(0), 0);
+      if (c->ValueKnown(n)) {
+        c->set_output(0, c->Vector((c->Value(n) + 31) / 32));
+      } else {
+        c->set_output(0, c->Vector(c->UnknownDim()));
+      }
+      c->set_output(1, c->Scalar());
+      return tsl::OkStatus();
+    });
+
+class SignPackOp : public OpKernel {
+ public:
+  explicit SignPackOp(OpKernelConstruction* context) : OpKernel(context) {}
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& values = context->input(0);
+    OP_REQUIRES(context, values.dims() == 1, InvalidArgumentError("values must be 1-D"));
+    const int64_t n = values.dim_size(0), width = (n + 31) / 32;
+    Tensor* words = nullptr;
+    Tensor* scale = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({width}), &words));
+    OP_REQUIRES_OK(context, context->allocate_output(1, TensorShape({}), &scale));
+    const float* in = values.flat<float>().data();
+    uint32_t* out = reinterpret_cast<uint32_t*>(words->flat<int32_t>().data());
+    float largest = 0.0f;
+    for (int64_t word = 0; word < width; ++word) {
+      const int64_t begin = word * 32, count = std::min<int64_t>(32, n - begin);
+      uint32_t bits = 0;
+      for (int64_t b = 0; b < count; ++b) {
+        const float value = in[begin + b];
+        bits |= static_cast<uint32_t>(value < 0.0f) << b;
+        largest = std::max(largest, std::fabs(value));
+      }
+      out[word] = bits;
+    }
+    scale->scalar<float>()() = largest;
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("SparseHvdSignPack").Device(tensorflow::DEVICE_CPU), SignPackOp);
 
 }  // namespace sparse_hvd
