@@ -180,3 +180,25 @@ def test_the_native_packing_is_the_tensorflow_paths_words_and_scale(n):
     words, scale = native(values)
     np.testing.assert_array_equal(words.numpy(), pack_signs(values).numpy())
     assert scale.numpy() == np.max(np.abs(values.numpy())) and words.shape == ((n + 31) // 32,)
+
+
+@pytest.mark.parametrize("n", [1, 33, 70_001])
+def test_the_native_compensation_sends_the_mean_magnitude_signed_and_keeps_the_rest(n):
+    """kernels/sign_sum.cc's error-feedback step: c = gradient + residual, the mean |c| (in
+    double) signed, and c minus it, exactly."""
+    from helpers import native_op
+    from sparse_hvd import kernels
+
+    native = native_op(kernels.compensate_sign)
+    rng = np.random.RandomState(n)
+    grad, residual = (rng.randn(n).astype("float32") for _ in range(2))
+    sent, remainder = (t.numpy() for t in native(tf.constant(grad), tf.constant(residual)))
+    compensated = grad + residual
+    scale = np.float32(np.abs(compensated).astype("float64").mean())
+    np.testing.assert_array_equal(sent, np.where(compensated < 0, -scale, scale))
+    np.testing.assert_array_equal(remainder, compensated - sent)
+    selection, kept = compensate_and_select(tf.constant(grad), tf.constant(residual),
+                                            ScaledSign(), k=1)  # the path the optimizer takes
+    np.testing.assert_array_equal(selection.values.numpy(), sent)
+    np.testing.assert_array_equal(kept.numpy(), remainder)
+    np.testing.assert_array_equal(selection.indices.numpy(), np.arange(n))

@@ -14,9 +14,9 @@ so it is what ``exchange=None`` sends with Adam (``selection.defaults.one_bit_by
 With SGD it is far worse than top-k (probes: a sign's scale carries no per-entry size, which
 Adam's normalised update does not need and SGD's does).
 
-1. select (:class:`ScaledSign`, the error feedback's fused pass): ``scale = mean |c|``,
-   ``sent = scale`` where ``c >= 0`` and ``-scale`` elsewhere (an exact zero travels as +,
-   one bit has no room for it), residual ``c - sent``;
+1. select (:class:`ScaledSign`, the error feedback's fused pass; on CPU two native passes):
+   ``scale = mean |c|``, ``sent = scale`` where ``c >= 0`` and ``-scale`` elsewhere (an exact
+   zero travels as +, one bit has no room for it), residual ``c - sent``;
 2. pack: each variable's sign bits (1: negative) in int32 words, after one word per variable
    holding its scale's bits (on CPU in one native pass, ``kernels/sign_sum.cc``), and the
    header (``base.header``) and the small dense-route gradients (``base.pack_dense``): one
@@ -67,6 +67,10 @@ class ScaledSign(Sparsifier):
         return Selection(scaled_signs(flat), tf.range(tf.size(flat, out_type=tf.int32)))
 
     def fused_compensate_select(self, flat_grad, flat_residual, k):
+        native = kernels.compensate_sign() if flat_grad.dtype == tf.float32 else None
+        if native is not None:  # two passes (kernels/sign_sum.cc)
+            sent, remainder = native(flat_grad, tf.cast(flat_residual, tf.float32))
+            return Selection(sent, tf.range(tf.size(sent, out_type=tf.int32))), remainder
         compensated = flat_grad + tf.cast(flat_residual, flat_grad.dtype)
         selection = self(compensated, k)
         return selection, compensated - selection.values

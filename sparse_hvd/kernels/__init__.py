@@ -27,9 +27,10 @@
 * ``sampled_magnitudes()``: the ``SparseHvdSampledMagnitudes`` op (sampled_magnitudes.cc:
   ``|gradient + residual|`` at the blocks the model-wide budget samples, for every variable
   in one op);
-* ``sign_sum()`` and ``sign_pack()``: the ``SparseHvdSignSum`` and ``SparseHvdSignPack`` ops
-  (sign_sum.cc: one variable's average from every rank's sign bits and scale, summed in rank
-  order, in one pass; one rank's sign bits and scale in one pass; ``exchange="sign"``);
+* ``compensate_sign()``, ``sign_pack()`` and ``sign_sum()``: the ``SparseHvdCompensateSign``,
+  ``SparseHvdSignPack`` and ``SparseHvdSignSum`` ops (sign_sum.cc, ``exchange="sign"``: error
+  feedback's scaled signs in two passes; one rank's sign bits and scale in one pass; one
+  variable's average from every rank's bits and scale, summed in rank order, in one pass);
 * ``watch_enter()``, ``watch_leave()`` and ``watch_table()``: the ``SparseHvdWatchEnter`` and
   ``SparseHvdWatchLeave`` ops and the C functions that read their table (watch.cc: the stall
   watchdog's brackets around a traced step's collectives).
@@ -184,6 +185,11 @@ def sampled_magnitudes():
 def sign_sum():
     """The native sign-summing op of the sign exchange, or None."""
     return _op("sparse_hvd_sign_sum")
+
+
+def compensate_sign():
+    """The native compensate-and-sign op of the sign exchange, or None."""
+    return _op("sparse_hvd_compensate_sign")
 
 
 def sign_pack():

@@ -1,3 +1,10 @@
+// SparseHvdCompensateSign: error feedback's step for the scaled signs (step 1), in two passes:
+// c = gradient + residual and the sum of |c| (in double, in index order), scale = that sum
+// over n, rounded to float; then sent = -scale where c < 0, else scale, and the remainder
+// c - sent. The TensorFlow path (``scaled_signs``) takes about five passes; its mean is
+// float32's reduction, which may differ in the last bit: each rank sends its own scale, so
+// replicas stay identical either way.
+//
 // SparseHvdSignPack: one rank's sign bits of a variable's scaled signs and their magnitude
 // (sparse_hvd/exchanges/sign.py, step 2), in one pass: bit i of word i / 32 (little-endian)
 // is set where value i is negative, and ``scale`` is the largest |value| (every value is
@@ -112,6 +119,51 @@ class SignSumOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("SparseHvdSignSum").Device(tensorflow::DEVICE_CPU), SignSumOp);
+
+REGISTER_OP("SparseHvdCompensateSign")
+    .Input("gradient: float")  // [n]
+    .Input("residual: float")  // [n]
+    .Output("sent: float")     // [n]: +-scale
+    .Output("remainder: float")  // [n]: c - sent
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      c->set_output(1, c->input(0));
+      return tsl::OkStatus();
+    });
+
+class CompensateSignOp : public OpKernel {
+ public:
+  explicit CompensateSignOp(OpKernelConstruction* context) : OpKernel(context) {}
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& gradient = context->input(0);
+    const Tensor& residual = context->input(1);
+    OP_REQUIRES(context, gradient.dims() == 1 && gradient.shape() == residual.shape(),
+                InvalidArgumentError("gradient and residual must be 1-D and alike"));
+    const int64_t n = gradient.dim_size(0);
+    Tensor* sent = nullptr;
+    Tensor* remainder = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, gradient.shape(), &sent));
+    OP_REQUIRES_OK(context, context->allocate_output(1, gradient.shape(), &remainder));
+    const float* g = gradient.flat<float>().data();
+    const float* r = residual.flat<float>().data();
+    float* s = sent->flat<float>().data();
+    float* c = remainder->flat<float>().data();  // holds c until the second pass
+    double total = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      c[i] = g[i] + r[i];
+      total += std::fabs(c[i]);
+    }
+    const float scale = n > 0 ? static_cast<float>(total / static_cast<double>(n)) : 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = c[i] < 0.0f ? -scale : scale;
+      c[i] -= s[i];
+    }
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("SparseHvdCompensateSign").Device(tensorflow::DEVICE_CPU),
+                        CompensateSignOp);
 
 REGISTER_OP("SparseHvdSignPack")
     .Input("values: float")  // [n]: one rank's scaled signs of a variable
