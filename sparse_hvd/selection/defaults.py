@@ -99,9 +99,10 @@ def one_bit_by_default(exchange, optimizer, sparsify, density, sparsifier, budge
         return False
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
+    default_sparsifier = serialize_sparsifier(get_sparsifier("topk"))
     return (isinstance(optimizer, keras.optimizers.Adam)
             and isinstance(density, (int, float)) and not isinstance(density, bool)
-            and density == DENSITY and serialize_sparsifier(sparsifier) == serialize_sparsifier(get_sparsifier("topk"))
+            and density == DENSITY and serialize_sparsifier(sparsifier) == default_sparsifier
             and budget in (None, "layer") and grouping == "grouped" and not staleness
             and not dense_fallback)
 
