@@ -222,10 +222,9 @@ def check_entries_chosen_by_exchange(exchange, grouping, sparsifier, budget,
 
     if exchange == "auto" or not exchange_class(exchange, grouping).chooses_entries:
         return False
-    from .selection.sparsifiers import get_sparsifier, serialize_sparsifier
+    from .selection.defaults import is_default_sparsifier
 
-    default = serialize_sparsifier(get_sparsifier("topk"))
-    offending = [(serialize_sparsifier(sparsifier) != default, f"sparsifier={sparsifier.name!r}",
+    offending = [(not is_default_sparsifier(sparsifier), f"sparsifier={sparsifier.name!r}",
                   "leave `sparsifier` at its default"),
                  (budget == "model", "budget='model'", "use budget=None or 'layer'"),
                  (bool(momentum_correction), f"momentum_correction={momentum_correction!r}",
@@ -376,7 +375,7 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
         from .exchanges import exchange_class
         from .selection.density import ConstantDensity
 
-        selector = exchange_class("sign" if signs else exchange, grouping).selector
+        selector = exchange_class(candidates[0], grouping).selector  # the one that chooses
         budget, policy = "layer", ConstantDensity(policy.final_density)  # nothing to warm up
     budget = resolve_budget(budget, grouping, policy)
     return Settings(keras_accumulation, chosen_sparsifier, policy, process_set, wire_compression,

@@ -41,12 +41,13 @@ it and the top-k exchanges: it changes what is averaged, not only how it travels
 import tensorflow as tf
 
 from .. import kernels
-from ..runtime import collectives, lockstep
+from ..runtime import collectives
 from ..feedback.payload import Payload
 from ..selection.sparsifiers import Selection, Sparsifier
 from .averaging import divided, sum_rows_in_order
-from .base import Exchange, checked_headers, header, register
-from .bit_packing import words_for
+from .base import checked_headers, header, register
+from .bit_packing import pack_fields, words_for
+from .fused_allgather import FusedAllgather
 
 
 def scaled_signs(flat):
@@ -79,11 +80,7 @@ class ScaledSign(Sparsifier):
 def pack_signs(values) -> tf.Tensor:
     """``values``' sign bits (1 where negative), little-endian in int32 words."""
     n = values.shape.num_elements()  # static: the layout's lengths are the same every step
-    bits = tf.cast(tf.reshape(values, [-1]) < 0, tf.int64)
-    padded = tf.pad(bits, [[0, words_for(n) * 32 - n]])
-    words = tf.reduce_sum(tf.bitwise.left_shift(tf.reshape(padded, [-1, 32]),
-                                                tf.range(32, dtype=tf.int64)), 1)
-    return tf.bitcast(tf.cast(words, tf.uint32), tf.int32)
+    return pack_fields(tf.cast(tf.reshape(values, [-1]) < 0, tf.int64), 1, words_for(n))
 
 
 def unpack_signs(words, n) -> tf.Tensor:
@@ -96,22 +93,15 @@ def unpack_signs(words, n) -> tf.Tensor:
 
 
 @register("sign", grouping="grouped")
-class SignAllgather(Exchange):
-    """Steps 1-3 of the module doc."""
+class SignAllgather(FusedAllgather):
+    """Steps 1-3 of the module doc: the fused allgather's one collective (its lockstep
+    announcement and bytes on the wire too), carrying signs instead of selections."""
 
     layer_budgets = False
     staleness = False
     chooses_entries = True
     grouping_reason = "its one allgather carries every variable's signs."
     selector = ScaledSign()
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._layout = None  # (sign words, dense tensors): what _announce sends
-
-    @property
-    def traced(self) -> bool:
-        return self._layout is not None
 
     def routes_for(self, variables, density, min_elements):
         """Sparse (cut and signed) from ``min_elements`` entries on, whatever the density."""
@@ -123,21 +113,18 @@ class SignAllgather(Exchange):
     def sent_bytes_per_entry(self, density, value_bytes):
         return 1 / (8 * density)
 
-    def wire_bytes_per_entry(self, density, value_bytes):
-        return (self.size - 1) * self.sent_bytes_per_entry(density, value_bytes)
-
     def _average_many(self, payload: Payload, sizes, step):
         size = self.size
         dense = list(payload.dense.items)
         dense_groups, dense_words = self.pack_dense(dense)
         words = self.pack(payload.sparse.items)  # step 2
-        self._layout = (words.shape[0], len(dense_words))
+        self._layout = (0, 1 + len(dense_words))  # no header fields of its own
         self._sent = self.coded_bytes_sent(payload, tf.size(words))
         gathered = collectives.grouped_allgather(
             [header(payload.finite_here(), step), words] + dense_words,
-            name=f"{self.name}.signs", process_set=self.process_set, step=step)
+            name=f"{self.name}.fused", process_set=self.process_set, step=step)
         gathered, finite, _ = checked_headers(gathered, size)  # step 3
-        rows = tf.reshape(gathered[1], [size, self._layout[0]])
+        rows = tf.reshape(gathered[1], [size, words.shape[0]])
         sparse = self.unpack(rows, payload.sparse.items, sizes)
         averaged_dense = self.unpack_dense(dense, dense_groups, gathered[2:],
                                            payload.dense.keys, step)
@@ -178,12 +165,3 @@ class SignAllgather(Exchange):
             averages.append(tf.cast(average, selection.values.dtype))
             start += width
         return averages
-
-    def _announce(self, step, state):
-        """The exchange of a rank that sends nothing, with ``state`` in its header."""
-        _, tensors = self._layout
-        gathered = collectives.grouped_allgather(
-            [header(True, step, state), tf.zeros([0], tf.int32)]
-            + [tf.zeros([0], tf.int32)] * tensors, name=f"{self.name}.signs",
-            process_set=self.process_set)
-        return lockstep.check(tf.reshape(gathered[0], [self.size, -1])[:, 1:1 + lockstep.WIDTH])

@@ -93,18 +93,23 @@ def one_bit_by_default(exchange, optimizer, sparsify, density, sparsifier, budge
     (``grouping="layerwise"``, ``staleness``, ``dense_fallback``). Any other density (a
     number or a policy) asks for top-k at that density, and so does ``exchange="auto"``
     named explicitly."""
-    from .sparsifiers import get_sparsifier, serialize_sparsifier
-
     if not ONE_BIT or exchange is not None or sparsify != "update":
         return False
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
-    default_sparsifier = serialize_sparsifier(get_sparsifier("topk"))
     return (isinstance(optimizer, keras.optimizers.Adam)
             and isinstance(density, (int, float)) and not isinstance(density, bool)
-            and density == DENSITY and serialize_sparsifier(sparsifier) == default_sparsifier
+            and density == DENSITY and is_default_sparsifier(sparsifier)
             and budget in (None, "layer") and grouping == "grouped" and not staleness
             and not dense_fallback)
+
+
+def is_default_sparsifier(sparsifier) -> bool:
+    """Whether ``sparsifier`` is the constructor's default, top-k with its default settings
+    (nothing the user chose: an exchange that chooses its entries may stand in for it)."""
+    from .sparsifiers import get_sparsifier, serialize_sparsifier
+
+    return serialize_sparsifier(sparsifier) == serialize_sparsifier(get_sparsifier("topk"))
 
 
 def resolve_density(density, warmup_steps) -> DensityPolicy:

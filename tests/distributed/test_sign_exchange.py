@@ -97,6 +97,7 @@ def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
     assert all(d == digests[0] for d in digests), digests
     steps = gather(hvd, int(optimizer.iterations.numpy()), name=f"sign.{inner}.steps")
     assert steps == [STEPS] * size
+    optimizer.assert_same_step()  # the lockstep announcement of the fused allgather's layout
 
 
 def test_a_step_not_finite_on_one_rank_is_skipped_everywhere(hvd):
