@@ -65,7 +65,10 @@ variance is N times the mean gradient's, so its second moment is larger than den
 its steps smaller where the gradient is mostly noise (up to sqrt(N) smaller). ``s`` scales the
 learning rate; ``mean_estimate`` takes v - m^2 (bias-corrected) as the worker's noise and
 divides it by N: ``m^2 + (v - m^2) / N`` estimates the second moment of the workers' mean
-gradient.
+gradient. ``noise_estimate`` does the same with q, the beta_2 average of m_hat^2, in place of
+m^2: v and q share one horizon, so a mean that was larger some hundred steps ago (v still holds
+it, m^2 no longer) is not taken for noise; ``max(v - (1 - 1/N) s, v / N)`` with
+``s = (v - q)(1 + beta_1) / (2 beta_1)``, the noise variance if it were stationary.
 
 The residual is what was not sent: r_w = c_w - sent_w. The inner optimizer (the workload's,
 with the benchmark's schedule) applies the update. Writes a record in the format of
@@ -115,7 +118,8 @@ def main(argv=None):
                         help="keep this share of what was not sent (1: error feedback)")
     parser.add_argument("--lr-scale", type=float, default=1.0,
                         help="the learning rate's peak times this")
-    parser.add_argument("--second-moment", choices=("own", "mean_estimate"), default="own",
+    parser.add_argument("--second-moment", choices=("own", "mean_estimate", "noise_estimate"),
+                        default="own",
                         help="local_adam: Adam's second moment, the worker's own, or its "
                              "estimate for the workers' mean gradient (see the module doc)")
     parser.add_argument("--compressor", choices=("topk", "sign", "sign2"), default="topk",
@@ -168,6 +172,7 @@ def main(argv=None):
         schedule = learning_rate(keras, settings["inner"]["lr"], steps)
         first = tf.Variable(tf.zeros([n]), trainable=False)
         second = tf.Variable(tf.zeros([n]), trainable=False)
+        explained = tf.Variable(tf.zeros([n]), trainable=False)  # noise_estimate: q
         taken = tf.Variable(0.0, trainable=False)
         beta_1, beta_2, epsilon = 0.9, 0.999, 1e-7  # Keras Adam's defaults
 
@@ -200,6 +205,14 @@ def main(argv=None):
             v_hat = second / (1 - tf.pow(beta_2, taken))
             noise = tf.maximum(v_hat - tf.square(m_hat), 0.0)
             moment = (tf.square(m_hat) + noise / size) * (1 - tf.pow(beta_2, taken))
+        elif args.second_moment == "noise_estimate":
+            # as above, but what the first moment explains is averaged over v's own horizon
+            # (q: the beta_2 average of m_hat^2), so a mean that was larger before is not
+            # taken for noise; stationary, v_hat - q_hat = sigma^2 (2 beta_1 / (1 + beta_1))
+            m_hat = first / (1 - tf.pow(beta_1, taken))
+            explained.assign(explained + (tf.square(m_hat) - explained) * (1 - beta_2))
+            noise = tf.maximum(second - explained, 0.0) * (1 + beta_1) / (2 * beta_1)
+            moment = tf.maximum(second - noise * (1 - 1 / size), second / size)
         return first * alpha / (tf.sqrt(moment) + epsilon)
 
     def top_mask(magnitude, k):
@@ -311,7 +324,8 @@ def main(argv=None):
                   + (f"_flush{args.flush_every}" if args.flush_every else "")
                   + (f"_decay{args.residual_decay:g}" if args.residual_decay != 1 else "")
                   + (f"_lr{args.lr_scale:g}x" if args.lr_scale != 1 else "")
-                  + ("_meanv" if args.second_moment != "own" else "")
+                  + {"own": "", "mean_estimate": "_meanv",
+                     "noise_estimate": "_noisev"}[args.second_moment]
                   + (f"_{args.compressor}" if args.compressor != "topk" else "")
                   + ("_1bit" if args.one_bit else ""))
         record = {"workload": args.workload, "method": method, "workers": size,

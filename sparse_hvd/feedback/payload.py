@@ -78,6 +78,7 @@ class Payload(NamedTuple):
     bytes_sent: tf.Tensor  # int64: this rank's payload in bytes
     capped: tf.Tensor  # int64: selections a payload cap cut short
     budgets: tuple = ()  # the density policy's k of each selection in ``sparse``
+    ready_times: tuple = ()  # timestamps each selection waited for, once its input existed
 
     @property
     def selected(self):
@@ -106,6 +107,16 @@ class PayloadBuilder:
         self._bytes_sent = tf.constant(0, tf.int64)
         self._capped = tf.constant(0, tf.int64)
         self._budgets = []
+        self._ready_times = []
+
+    def ready_time(self, gradient) -> tf.Tensor:
+        """A timestamp taken once ``gradient`` exists; the caller runs the gradient's
+        selection under a control dependency on it, so the selection's time is measured from
+        there (a timestamp that only depends on the gradients may run after the selections)."""
+        with tf.control_dependencies([gradient]):
+            stamp = tf.timestamp()
+        self._ready_times.append(stamp)
+        return stamp
 
     def _add(self, kind, position, key, item, route: Route, values, sent, bytes_sent,
              finite=None):
@@ -150,7 +161,8 @@ class PayloadBuilder:
         return Payload(
             sparse=parts["sparse"], dense=parts["dense"], rows=parts["rows"],
             state_updates=tuple(self._state_updates), local_finite=tuple(self._local_finite),
-            gradients=tuple(self._gradients), sent_per_variable=tuple(self._sent),
+            gradients=tuple(self._gradients), ready_times=tuple(self._ready_times),
+            sent_per_variable=tuple(self._sent),
             dense_bytes=self._dense_bytes, bytes_sent=self._bytes_sent, capped=self._capped,
             budgets=tuple(self._budgets),
         )

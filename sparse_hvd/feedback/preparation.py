@@ -122,8 +122,9 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
             builder.add_rows(position, index, route, grad)
         elif route.sparse:
             k = budgets[index]
-            selection, updates = opt._feedback.select(index, grad, sparsifier, k,
-                                                       opt._compression)
+            with tf.control_dependencies([builder.ready_time(grad)]):
+                selection, updates = opt._feedback.select(index, grad, sparsifier, k,
+                                                           opt._compression)
             builder.add_sparse(position, index, route, grad, selection, updates, budget=k)
         elif route.flushed:
             sent, updates = opt._feedback.flush(index, grad, opt._compression)

@@ -48,9 +48,13 @@ class CommunicationCounters:
 
     def record_times(self, payload: Payload, averaged=()):
         """Timestamps taken once the tensors they depend on exist (the data is used later, so
-        Grappler keeps these orderings): gradients -> selections -> ``averaged``."""
-        with tf.control_dependencies(list(payload.gradients)):
-            ready = tf.timestamp()
+        Grappler keeps these orderings): gradients -> selections -> ``averaged``. The first
+        is the latest of the timestamps each selection waited for (``Payload.ready_times``)."""
+        if payload.ready_times:
+            ready = tf.reduce_max(tf.stack(payload.ready_times))
+        else:
+            with tf.control_dependencies(list(payload.gradients)):
+                ready = tf.timestamp()
         with tf.control_dependencies(payload.selected + [ready]):
             chosen = tf.timestamp()
         averaged = [a.values if isinstance(a, tf.IndexedSlices) else a for a in averaged]
