@@ -319,7 +319,7 @@ class Settings(NamedTuple):
     candidates: tuple  # the exchanges that can run these settings ("auto" chooses among them)
     budget: str  # "layer" or "model"
     sparsify: str  # "gradient" or "update"
-    second_moment: str  # "own" or "mean_estimate"
+    second_moment: str  # "own", "mean_estimate" or "noise_estimate"
     selector: object  # what selects each step: the sparsifier, or the exchange's own code
     exchange: str  # "auto" or the exchange named
     signs: bool  # exchange=None with Adam: every entry's sign (``defaults.one_bit_by_default``)

@@ -26,6 +26,7 @@ from .feedback.accumulation import LocalAccumulation
 from .feedback.error_feedback import ErrorFeedback
 from .feedback.loss_scaling import LossScaling
 from .feedback.preparation import with_tensor_parts
+from .feedback.second_moment import SecondMoment
 from .feedback.state import LocalState
 from .monitoring.stats import EMPTY, CommunicationCounters, layer_stats
 from .runtime import consistency, lockstep
@@ -107,7 +108,8 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             that update is cut, error-fed and averaged (``feedback.local_update``);
             ``"gradient"``: the average goes to the inner optimizer. None (default): "gradient"
             for a plain SGD, else "update" (``selection.defaults``).
-        second_moment: Adam under the update cut: ``"own"`` or ``"mean_estimate"`` (README).
+        second_moment: Adam under the update cut: ``"own"``, ``"mean_estimate"`` or
+            ``"noise_estimate"`` (README).
         process_set: a Horovod process set (or an mpi4py communicator registered with
             ``sparse_hvd.init(process_sets=[...])``); the whole job by default. Not serialised.
         name: the optimizer's name; it prefixes its collectives' names, so two of these
@@ -188,6 +190,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
                                          process_set=process_set, compression=wire_compression)
         self._feedback = ErrorFeedback(self.error_feedback, self.momentum_correction,
                                        self.momentum_masking)
+        self._second_moment = SecondMoment(self.second_moment)
         self._loss_scaling = LossScaling(optimizer)
         # how a step runs (sparse_hvd.steps), chosen once
         self._step = (DelayedStep(self, staleness) if staleness
@@ -212,12 +215,13 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
     @no_automatic_dependency_tracking
     def build(self, var_list):
         """Make the optimizer's variables (their order is the checkpoint format: residuals,
-        velocities, the residuals' worker count, the staleness slots, then the inner
-        optimizer's, then a density policy's), fix each variable's route, and check that every
-        rank builds the same."""
+        velocities, the residuals' worker count, the second moment's, the staleness slots, then
+        the inner optimizer's, then a density policy's), fix each variable's route, and check
+        that every rank builds the same."""
         checks.check_not_wrapped_in_loss_scaling(self)
         var_list = list(var_list)
         self._feedback.build(self, var_list, self.process_set)
+        self._second_moment.build(self, var_list)
         self._routes = self._exchange.routes_for(var_list, self.density, self.min_elements)
         checks.check_index_range(var_list, self._routes)
         self._counters = CommunicationCounters(len(var_list))
@@ -329,8 +333,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
                     "`optimizer.build(trainable_variables)` first."
                 )
             trainable_variables = self._trainable_variables
-        trainable_variables = list(trainable_variables)
-        grads = list(grads)
+        trainable_variables = list(trainable_variables)  # ``grads``: a list (``apply``)
         checks.check_gradients_match_variables(grads, trainable_variables)
         checks.check_some_gradient(grads, trainable_variables)
         grads = [with_tensor_parts(g) for g in grads]
@@ -343,8 +346,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             self.rescale_residuals_after_restore()
         return [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
 
-    def _num_elements(self):
-        return [route.num_elements for route in self._routes]
+    _num_elements = lambda self: [route.num_elements for route in self._routes]  # noqa: E731
 
     def _policy_step(self):
         """The step the density policy sees: exchanged steps with staleness, else applied ones."""

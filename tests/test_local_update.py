@@ -217,20 +217,41 @@ def test_the_inner_optimizers_moving_average_follows_the_applied_weights(mode):
         np.testing.assert_allclose(average, ema, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("correction", ["mean_estimate", "noise_estimate"])
 @pytest.mark.parametrize("inner,arguments,message", [
     (keras.optimizers.SGD, {}, "sparsify='update' and a keras.optimizers.Adam"),
     (keras.optimizers.Adam, {"sparsify": "gradient"}, "got sparsify='gradient'"),
     (keras.optimizers.AdamW, {}, "without weight_decay or amsgrad"),
     (lambda lr: keras.optimizers.Adam(lr, amsgrad=True), {}, "without weight_decay or amsgrad"),
 ])
-def test_the_mean_estimate_is_refused_where_it_cannot_act(inner, arguments, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        sparse_hvd.SparseDistributedOptimizer(inner(0.1), second_moment="mean_estimate",
+def test_a_second_moment_correction_is_refused_where_it_cannot_act(inner, arguments, message,
+                                                                   correction):
+    with pytest.raises(ValueError, match=re.escape(f"`second_moment={correction!r}`")
+                       + ".*" + re.escape(message)):
+        sparse_hvd.SparseDistributedOptimizer(inner(0.1), second_moment=correction,
                                               **arguments)
     with pytest.raises(ValueError, match="`second_moment` must be one of"):
         sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(0.1), second_moment="v")
     plain = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(0.1),
-                                                  second_moment="mean_estimate")
-    assert plain.second_moment == "mean_estimate"
+                                                  second_moment=correction)
+    assert plain.second_moment == correction
     assert sparse_hvd.SparseDistributedOptimizer.from_config(
-        plain.get_config()).second_moment == "mean_estimate"
+        plain.get_config()).second_moment == correction
+
+
+def test_the_noise_estimate_keeps_one_explained_moment_per_variable_and_no_other_state():
+    """Its q is a variable of the optimizer per model variable, zero at the start, after the
+    residuals' worker count; the other settings add none."""
+    model_variables = [keras.Variable(np.zeros(s, "float32")) for s in ((6, 5), (5,))]
+    sizes = {}
+    for correction in ("own", "mean_estimate", "noise_estimate"):
+        optimizer = sparse_hvd.SparseDistributedOptimizer(
+            keras.optimizers.Adam(0.1), second_moment=correction, name=f"q_{correction}")
+        optimizer.build(model_variables)
+        sizes[correction] = len(optimizer.variables)
+        named = [v for v in optimizer.variables if "explained_moment" in v.path]
+        assert len(named) == (2 if correction == "noise_estimate" else 0)
+        for q, variable in zip(named, model_variables):
+            assert q.shape == variable.shape
+            np.testing.assert_array_equal(q.numpy(), 0.0)
+    assert sizes["own"] == sizes["mean_estimate"] == sizes["noise_estimate"] - 2

@@ -182,6 +182,10 @@ METHODS = {
     "sign_mean": ("exchange='sign' with second_moment='mean_estimate': each worker's Adam "
                   "second moment corrected for its N times smaller batch",
                   {"exchange": "sign", "second_moment": "mean_estimate"}),
+    "sign_noise": ("exchange='sign' with second_moment='noise_estimate': each worker's Adam "
+                   "second moment corrected for its N times smaller batch, the noise read "
+                   "over the second moment's own horizon",
+                   {"exchange": "sign", "second_moment": "noise_estimate"}),
     "update_mean": ("the defaults (the update cut at 1%) with second_moment='mean_estimate'",
                     {"density": 0.01, "second_moment": "mean_estimate"}),
     "small_dense": ("top-k 1%, variables under 16,384 entries dense (Paddle's rule)",

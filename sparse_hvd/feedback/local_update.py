@@ -59,51 +59,6 @@ import tensorflow as tf
 from . import nonfinite
 from ..runtime import startup as runtime
 
-SECOND_MOMENTS = ("own", "mean_estimate")
-
-
-def estimates_the_mean(optimizer) -> bool:
-    """Whether ``second_moment="mean_estimate"`` can act on ``optimizer`` (inside a
-    LossScaleOptimizer): a Keras Adam whose step is ``alpha m / (sqrt(v) + epsilon)`` alone,
-    without weight decay or AMSGrad (whose terms the factor below would scale too)."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        optimizer = optimizer.inner_optimizer
-    return (isinstance(optimizer, keras.optimizers.Adam) and not optimizer.amsgrad
-            and not optimizer.weight_decay)
-
-
-def mean_estimate_factors(adam, variables, workers):
-    """``second_moment="mean_estimate"``: what turns each worker's Adam step into one whose
-    second moment estimates that of the workers' mean gradient, per entry.
-
-    A worker's gradient comes from a batch N times smaller than the step's, so its noise
-    variance is N times the mean gradient's and its second moment v larger than dense Adam's:
-    where the gradient is mostly noise, its steps are up to sqrt(N) smaller. After the step
-    (bias-corrected moments, t the step count):
-
-    1. ``m_hat = m / (1 - beta_1^t)``, ``v_hat = v / (1 - beta_2^t)``;
-    2. the part of ``v_hat`` that ``m_hat`` does not explain is taken as noise and divided by
-       N: ``v_mean = (m_hat^2 + max(v_hat - m_hat^2, 0) / N) (1 - beta_2^t)``;
-    3. the step ``alpha m / (sqrt(v) + eps)`` becomes ``alpha m / (sqrt(v_mean) + eps)``:
-       times ``(sqrt(v) + eps) / (sqrt(v_mean) + eps)``.
-
-    The moments themselves stay each worker's own. With one worker nothing is corrected.
-    """
-    factors = []
-    for variable in variables:
-        index = adam._get_variable_index(variable)
-        m = tf.convert_to_tensor(adam._momentums[index])
-        v = tf.convert_to_tensor(adam._velocities[index])
-        t = tf.cast(adam.iterations, v.dtype)  # the step just taken
-        first = 1 - tf.pow(tf.cast(adam.beta_1, v.dtype), t)
-        second = 1 - tf.pow(tf.cast(adam.beta_2, v.dtype), t)
-        m_hat, v_hat = m / first, v / second
-        noise = tf.maximum(v_hat - tf.square(m_hat), 0.0)
-        v_mean = (tf.square(m_hat) + noise / workers) * second
-        epsilon = tf.cast(adam.epsilon, v.dtype)
-        factors.append((tf.sqrt(v) + epsilon) / (tf.sqrt(v_mean) + epsilon))
-    return factors
-
 
 def local_updates(opt, grads, variables, own_step):
     """Steps 1-3 for dense true gradients ``grads`` of ``variables``: the inner optimizer's
@@ -119,10 +74,9 @@ def local_updates(opt, grads, variables, own_step):
             with _moving_average_off(opt._clipper):
                 own_step(opt, list(grads), variables)
         updates = [b - tf.identity(v) for b, v in zip(before, variables)]
-        workers = runtime.size(opt.process_set)
-        if opt.second_moment == "mean_estimate" and workers > 1:
-            updates = [u * f for u, f in zip(updates, mean_estimate_factors(
-                opt._loss_scaling.base_optimizer, variables, workers))]
+        updates = opt._second_moment.corrected(  # second_moment: Adam's v, corrected
+            opt._loss_scaling.base_optimizer, updates, variables,
+            runtime.size(opt.process_set), opt._get_variable_index)
         with tf.control_dependencies(updates):
             for variable, value in zip(variables, before):
                 opt.assign(variable, value)  # through the wrapper, as Keras' rule asks
@@ -135,12 +89,13 @@ def local_updates(opt, grads, variables, own_step):
     return tf.cond(finite, step, lambda: [tf.identity(g) for g in grads])
 
 
-def own_state(inner):
-    """The inner optimizer's state that follows each worker's own gradients with
-    ``sparsify="update"``: its floating-point variables other than the step count, the
-    learning rate and the EMA of the weights, which follows the applied weights (SGD's
-    velocities, Adam's moments), those of the optimizer inside a LossScaleOptimizer (whose
-    loss scale is the same on every rank)."""
+def own_state(opt):
+    """The state that follows each worker's own gradients with ``sparsify="update"``: the
+    inner optimizer's floating-point variables other than the step count, the learning rate
+    and the EMA of the weights, which follows the applied weights (SGD's velocities, Adam's
+    moments), those of the optimizer inside a LossScaleOptimizer (whose loss scale is the same
+    on every rank); and the second moment's correction's (``second_moment``)."""
+    inner = opt.inner_optimizer
     if isinstance(inner, keras.optimizers.LossScaleOptimizer):
         inner = inner.inner_optimizer
     shared = {id(inner.iterations)}
@@ -148,7 +103,8 @@ def own_state(inner):
     if isinstance(getattr(inner, "_learning_rate", None), keras.Variable):
         shared.add(id(inner._learning_rate))
     return [v for v in inner.variables
-            if id(v) not in shared and tf.as_dtype(v.dtype).is_floating]
+            if id(v) not in shared and tf.as_dtype(v.dtype).is_floating
+            ] + opt._second_moment.variables
 
 
 def share_own_state(opt, name):
@@ -159,7 +115,7 @@ def share_own_state(opt, name):
     from ..runtime import collectives
 
     by_dtype = {}
-    for variable in own_state(opt.inner_optimizer):
+    for variable in own_state(opt):
         by_dtype.setdefault(variable.dtype, []).append(variable)
     written = []
     for dtype, variables in sorted(by_dtype.items(), key=lambda item: str(item[0])):

@@ -58,7 +58,7 @@ class LocalState:
             return
         self._feedback.share(self.process_set, name=f"{self._prefix}.share_residuals")
         if self.sparsify == "update":
-            average_variables(local_update.own_state(self.inner_optimizer), self.process_set,
+            average_variables(local_update.own_state(self), self.process_set,
                               name=f"{self._prefix}.share_inner_state")
 
     def save_own_variables(self, store):

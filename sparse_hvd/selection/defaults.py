@@ -153,14 +153,14 @@ def resolve_sparsify(sparsify, optimizer) -> str:
     return "gradient" if plain_sgd else "update"
 
 
-SECOND_MOMENT = "own"  # what second_moment=None means where "mean_estimate" can act
+SECOND_MOMENT = "own"  # what second_moment=None means where a correction can act
 
 
 def resolve_second_moment(second_moment, sparsify, optimizer) -> str:
-    """Each worker's Adam under the update cut: ``"own"`` (its own second moment) or
-    ``"mean_estimate"`` (``feedback.local_update.mean_estimate_factors``). None is
-    :data:`SECOND_MOMENT` where the mean estimate can act, else ``"own"``."""
-    from ..feedback.local_update import SECOND_MOMENTS, estimates_the_mean
+    """Each worker's Adam under the update cut: ``"own"`` (its own second moment),
+    ``"mean_estimate"`` or ``"noise_estimate"`` (``feedback.second_moment``). None is
+    :data:`SECOND_MOMENT` where a correction can act, else ``"own"``."""
+    from ..feedback.second_moment import SECOND_MOMENTS, estimates_the_mean
 
     can_act = sparsify == "update" and estimates_the_mean(optimizer)
     if second_moment is None:
@@ -168,9 +168,9 @@ def resolve_second_moment(second_moment, sparsify, optimizer) -> str:
     if second_moment not in SECOND_MOMENTS:
         raise ValueError(f"`second_moment` must be one of {SECOND_MOMENTS} (or None), got "
                          f"{second_moment!r}")
-    if second_moment == "mean_estimate" and not can_act:
+    if second_moment != "own" and not can_act:
         raise ValueError(
-            "`second_moment='mean_estimate'` corrects each worker's Adam step under "
+            f"`second_moment={second_moment!r}` corrects each worker's Adam step under "
             "sparsify='update': it needs sparsify='update' and a keras.optimizers.Adam "
             f"without weight_decay or amsgrad (got sparsify={sparsify!r} and "
             f"{type(optimizer).__name__})")

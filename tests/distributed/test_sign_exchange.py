@@ -43,7 +43,20 @@ def _mean_estimate_step(adam, size):
     return adam.m * alpha / (np.sqrt(v_mean) + adam.epsilon)
 
 
-@pytest.mark.parametrize("inner", ["adam", "adam_mean_estimate", "sgd"])
+def _noise_estimate_step(adam, explained, size):
+    """NumpyAdam's step just taken, its second moment v replaced by ``v - s (1 - 1/N)`` (at
+    least ``v / N``), the noise s read from v and ``explained``, the beta_2 average of m_hat^2,
+    which this updates (``second_moment="noise_estimate"``)."""
+    m_hat = adam.m / (1 - adam.beta_1 ** adam.t)
+    explained += (m_hat ** 2 - explained) * (1 - adam.beta_2)
+    noise = np.maximum(adam.v - explained, 0) * (1 + adam.beta_1) / (2 * adam.beta_1)
+    v_mean = np.maximum(adam.v - noise * (1 - 1 / size), adam.v / size)
+    second = 1 - adam.beta_2 ** adam.t
+    alpha = adam.lr * np.sqrt(second) / (1 - adam.beta_1 ** adam.t)
+    return adam.m * alpha / (np.sqrt(v_mean) + adam.epsilon)
+
+
+@pytest.mark.parametrize("inner", ["adam", "adam_mean_estimate", "adam_noise_estimate", "sgd"])
 def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
     rank, size = hvd.rank(), hvd.size()
     start = [np.linspace(-1, 1, math.prod(s)).astype("float32").reshape(s) for s in (BIG, SMALL)]
@@ -53,7 +66,7 @@ def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
                        else keras.optimizers.SGD(LR))
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         inner_optimizer, exchange="sign", name=f"sign_{inner}",
-        second_moment="mean_estimate" if inner == "adam_mean_estimate" else None)
+        second_moment=inner[len("adam_"):] if inner.startswith("adam_") else None)
     assert optimizer.sparsify == ("update" if adam else "gradient")
 
     @tf.function(jit_compile=False)
@@ -62,6 +75,7 @@ def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
 
     adams = [NumpyAdam(math.prod(BIG), LR, EPSILON) for _ in range(size)]  # each rank's own
     shared = NumpyAdam(math.prod(SMALL), LR, EPSILON)  # the dense route's, on the average
+    explained = [np.zeros(math.prod(BIG)) for _ in range(size)]  # each rank's q
     residuals = [np.zeros(math.prod(BIG), "float32") for _ in range(size)]  # as TF keeps them
     expected = [w.astype("float64").ravel() for w in start]
     for number in range(STEPS):
@@ -73,6 +87,8 @@ def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
             cut = adams[r].update(own) if adam else own
             if inner == "adam_mean_estimate":
                 cut = _mean_estimate_step(adams[r], size)
+            elif inner == "adam_noise_estimate":
+                cut = _noise_estimate_step(adams[r], explained[r], size)
             compensated = cut.astype("float32") + residuals[r]  # in float32, as on the ranks
             signed = _signed(compensated)
             residuals[r] = compensated - signed
@@ -89,6 +105,9 @@ def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
                                    err_msg=f"rank {rank}")
     np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residuals[rank],
                                rtol=0, atol=2e-5, err_msg=f"rank {rank}")
+    if inner == "adam_noise_estimate":  # the cut variable's q, this rank's own
+        np.testing.assert_allclose(optimizer._second_moment.variables[0].numpy().ravel(),
+                                   explained[rank], rtol=1e-5, atol=0, err_msg=f"rank {rank}")
     # what one rank sent per step: the dense route's float32s, then one scale word and
     # ceil(3500 / 32) = 110 words of signs
     per_step = 4 * math.prod(SMALL) + 4 * (1 + math.ceil(math.prod(BIG) / 32))
