@@ -353,7 +353,6 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     check_momentum_correction(momentum_correction, optimizer)
     sparsify = resolve_sparsify(sparsify, optimizer)
     check_sparsify(sparsify, momentum_correction)
-    second_moment = resolve_second_moment(second_moment, sparsify, optimizer)
     check_nonfinite(nonfinite)
     check_staleness(staleness, policy)
     check_boolean(error_feedback, "error_feedback")
@@ -365,6 +364,8 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     wire_compression = Compression(compression)
     signs = one_bit_by_default(exchange, optimizer, sparsify, density, chosen_sparsifier,
                                budget, grouping, staleness, dense_fallback)
+    second_moment = resolve_second_moment(second_moment, sparsify, optimizer,
+                                          signs=signs or exchange == "sign")
     exchange = resolve_exchange(exchange)
     candidates = exchange_candidates(exchange, grouping, staleness, policy, wire_compression,
                                      signs)

@@ -255,3 +255,39 @@ def test_the_noise_estimate_keeps_one_explained_moment_per_variable_and_no_other
             assert q.shape == variable.shape
             np.testing.assert_array_equal(q.numpy(), 0.0)
     assert sizes["own"] == sizes["mean_estimate"] == sizes["noise_estimate"] - 2
+
+
+def test_a_checkpoint_written_without_the_noise_estimate_loads_with_q_from_adams_v():
+    """Before this release the default with Adam kept no q: such a checkpoint loads into the
+    noise estimate whole (residuals, Adam's moments), and q starts as Adam's v (no noise found
+    yet); a checkpoint with q loads q itself."""
+    start = [np.linspace(-1, 1, 30).astype("float32").reshape(6, 5), np.ones(5, "float32")]
+
+    def trained(correction, name, shift=0.0):
+        variables = [keras.Variable(w) for w in start]
+        optimizer = sparse_hvd.SparseDistributedOptimizer(
+            keras.optimizers.Adam(0.1), second_moment=correction, min_elements=1, name=name)
+        for step in range(3):
+            grads = [tf.constant(np.full(w.shape, step - 0.7 + shift, "float32") + w)
+                     for w in start]
+            optimizer.apply_gradients(zip(grads, variables))
+        return optimizer, variables
+
+    old, _ = trained("own", "written_own")
+    store = {}
+    old.save_own_variables(store)
+    new, _ = trained("noise_estimate", "reads_own", shift=0.5)  # another state before
+    assert len(new.variables) == len(store) + 2
+    new.load_own_variables(store)
+    for restored, saved in zip(new.residuals + new.inner_optimizer.variables,
+                               old.residuals + old.inner_optimizer.variables):
+        np.testing.assert_array_equal(restored.numpy(), saved.numpy())
+    for q, v in zip(new._second_moment.variables, old.inner_optimizer._velocities):
+        np.testing.assert_array_equal(q.numpy(), v.numpy())
+    with_q = {}
+    new.save_own_variables(with_q)
+    again, _ = trained("noise_estimate", "reads_q", shift=0.5)
+    again._second_moment.variables[0].assign(tf.fill([6, 5], 7.0))
+    again.load_own_variables(with_q)
+    for q, saved in zip(again._second_moment.variables, new._second_moment.variables):
+        np.testing.assert_array_equal(q.numpy(), saved.numpy())

@@ -91,10 +91,12 @@ def test_with_adam_the_default_exchange_chooses_between_signs_and_dense(inner):
     optimizer = sparse_hvd.SparseDistributedOptimizer(inner(1e-3), name="adam_default")
     assert _chooses_signs(optimizer) and optimizer._exchange.method == "sign"
     assert type(optimizer._step).__name__ == "MeasuredChoiceStep"
-    # nothing to warm up or to budget over the model; each worker's own second moment
+    # nothing to warm up or to budget over the model; with Adam, the noise estimate (AdamW's
+    # decay would be scaled by it: its own second moment)
     assert optimizer.budget == "layer" and optimizer.warmup_steps == 0
     assert type(optimizer.density_policy).__name__ == "ConstantDensity"
-    assert optimizer.second_moment == "own"
+    plain = not isinstance(optimizer.inner_optimizer, keras.optimizers.AdamW)
+    assert optimizer.second_moment == ("noise_estimate" if plain else "own")
     config = optimizer.get_config()
     assert config["exchange"] is None
     clone = sparse_hvd.SparseDistributedOptimizer.from_config(config)
@@ -121,6 +123,18 @@ def test_anything_else_keeps_top_k(inner, arguments):
     optimizer = sparse_hvd.SparseDistributedOptimizer(inner(1e-3), name="keeps", **arguments)
     assert not _chooses_signs(optimizer)
     assert "sign" not in optimizer._exchange_candidates
+    assert optimizer.second_moment == "own"  # the noise estimate is measured with signs only
+
+
+@pytest.mark.convergence_defaults
+def test_the_sign_exchange_named_with_adam_also_estimates_the_mean_gradients_noise():
+    named = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(1e-3), exchange="sign")
+    assert named.second_moment == "noise_estimate"
+    own = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(1e-3), exchange="sign",
+                                                second_moment="own")
+    assert own.second_moment == "own"
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(
+        own.get_config()).second_moment == "own"
 
 
 @pytest.mark.parametrize("compression", ["none", "float16"])

@@ -70,7 +70,10 @@ class LocalState:
         if self.built and self.use_ema:
             store = without_legacy_ema_copy(store, len(self.variables), self._legacy_ema_at,
                                             len(self._trainable_variables))
+        store, without_q = self._second_moment.with_missing_filled(store, self.variables)
         super().load_own_variables(store)
+        if without_q:
+            self._second_moment.start_from(self._loss_scaling.base_optimizer)
         self._feedback.restored = True  # restored residuals: compare their worker count
 
     def rescale_residuals_after_restore(self):

@@ -153,18 +153,23 @@ def resolve_sparsify(sparsify, optimizer) -> str:
     return "gradient" if plain_sgd else "update"
 
 
-SECOND_MOMENT = "own"  # what second_moment=None means where a correction can act
+SECOND_MOMENT = "own"  # what second_moment=None means where a correction can act ...
+SECOND_MOMENT_WITH_SIGNS = "noise_estimate"  # ... and where every entry's sign is sent
 
 
-def resolve_second_moment(second_moment, sparsify, optimizer) -> str:
+def resolve_second_moment(second_moment, sparsify, optimizer, signs=False) -> str:
     """Each worker's Adam under the update cut: ``"own"`` (its own second moment),
-    ``"mean_estimate"`` or ``"noise_estimate"`` (``feedback.second_moment``). None is
-    :data:`SECOND_MOMENT` where a correction can act, else ``"own"``."""
+    ``"mean_estimate"`` or ``"noise_estimate"`` (``feedback.second_moment``). None is, where a
+    correction can act, :data:`SECOND_MOMENT_WITH_SIGNS` when the exchange sends every entry's
+    sign (``signs``: ``exchange="sign"``, or the default with Adam) and :data:`SECOND_MOMENT`
+    otherwise; else ``"own"``."""
     from ..feedback.second_moment import SECOND_MOMENTS, estimates_the_mean
 
     can_act = sparsify == "update" and estimates_the_mean(optimizer)
     if second_moment is None:
-        return SECOND_MOMENT if can_act else "own"
+        if not can_act:
+            return "own"
+        return SECOND_MOMENT_WITH_SIGNS if signs else SECOND_MOMENT
     if second_moment not in SECOND_MOMENTS:
         raise ValueError(f"`second_moment` must be one of {SECOND_MOMENTS} (or None), got "
                          f"{second_moment!r}")

@@ -182,15 +182,22 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(hvd, exc
     assert len(set(gather(hvd, digest([variable.numpy()]), name=f"{optimizer.name}.digest"))) == 1
 
 
-def test_share_residuals_makes_them_the_mean_and_resuming_continues_exactly(hvd, tmp_path_factory):
+@pytest.mark.parametrize("inner", ["momentum", "adam_signs"])
+def test_share_residuals_makes_them_the_mean_and_resuming_continues_exactly(hvd, tmp_path_factory,
+                                                                            inner):
+    """SGD's momentum with top-k; Adam with the signs and the noise estimate, whose q is each
+    rank's own too."""
     rank, size = hvd.rank(), hvd.size()
     rng = np.random.RandomState(rank)
     x, y = rng.randn(64, 20).astype("float32"), rng.randint(0, 5, 64)
 
     def compiled(model):
-        model.compile(
-            sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), name="resume"),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+        optimizer = (sparse_hvd.SparseDistributedOptimizer(
+            keras.optimizers.SGD(0.05, momentum=0.9), name="resume") if inner == "momentum"
+            else sparse_hvd.SparseDistributedOptimizer(
+                keras.optimizers.Adam(0.01), exchange="sign", name="resume"))
+        model.compile(optimizer, jit_compile=False,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 
     callbacks = [sparse_hvd.BroadcastGlobalVariablesCallback(0), sparse_hvd.ShareResidualsCallback()]
@@ -204,6 +211,12 @@ def test_share_residuals_makes_them_the_mean_and_resuming_continues_exactly(hvd,
     velocities = [v.numpy() for v in each_ranks_inner_state(model.optimizer)]
     assert velocities and all(np.count_nonzero(v) > 0 for v in velocities)
     assert len(set(gather(hvd, digest(velocities), name="resume.velocities"))) == 1
+    explained = [q.numpy() for q in model.optimizer._second_moment.variables]
+    if inner == "adam_signs":  # the noise estimate's q, shared too
+        assert model.optimizer.second_moment == "noise_estimate"
+        cut = [q for q, route in zip(explained, model.optimizer._routes) if route.sparse]
+        assert cut and all(np.count_nonzero(q) > 0 for q in cut)
+    assert len(set(gather(hvd, digest(explained), name="resume.explained"))) == 1
 
     directory = gather(hvd, str(tmp_path_factory.mktemp("resume")), name="resume.dir")[0]
     path = f"{directory}/epoch1.keras"
