@@ -19,7 +19,8 @@ Methods (``--methods``, comma-separated):
   values);
   ``compact_<sparsifier>@<d>``: with ``exchange="compact_allgather"`` (coded indices);
   ``sign@<d>``: ``exchange="sign"`` (every entry's sign and a scale per variable; ``d`` is
-  not used);
+  not used; with ``--inner adam`` and the update cut, the default second moment, the noise
+  estimate); ``sign_own@<d>``: the same with ``second_moment="own"``;
   ``<sparsifier>_model@<d>``: with one budget for the whole model (``budget="model"``, the
   default of the grouped exchanges); ``<...>_update@<d>`` (last): with ``sparsify="update"``
   (each worker's inner optimizer step is cut, ``feedback.local_update``). Every sparse row
@@ -88,6 +89,8 @@ def parse_args(argv=None):
                         "with every worker's link shaped to this rate, e.g. 1gbit; default: "
                         "loopback")
     parser.add_argument("--model", choices=("mlp", "resnet50"), default="mlp")
+    parser.add_argument("--inner", choices=("momentum", "adam"), default="momentum",
+                        help="the inner optimizer: SGD(0.01, momentum=0.9) or Adam(1e-3)")
     parser.add_argument("--methods", default=DEFAULT_METHODS)
     parser.add_argument("--batch-size", type=int, default=None, help="per worker (mlp 64, resnet50 8)")
     parser.add_argument("--image-size", type=int, default=32, help="resnet50 input size")
@@ -169,8 +172,9 @@ def worker(args):
         keras.utils.set_random_seed(0)  # the same weights on every rank and for every method
         model = make_model()
         variables = model.trainable_variables
-        inner = keras.optimizers.SGD(0.01, momentum=0.9)
-        sparse = None
+        inner = (keras.optimizers.Adam(1e-3) if args.inner == "adam"
+                 else keras.optimizers.SGD(0.01, momentum=0.9))
+        sparse, second_moment = None, None
         if name not in DENSE_METHODS:
             grouping, policy, sparsifier, exchange = "grouped", density, name, "allgather"
             budget, sparsify = "layer", "gradient"
@@ -189,8 +193,10 @@ def worker(args):
             if name.startswith("compact_"):
                 exchange, name = "compact_allgather", name[len("compact_"):]
                 sparsifier = name
-            if name == "sign":  # every entry's sign (the density is not used)
+            if name.startswith("sign"):  # every entry's sign (the density is not used)
                 exchange, sparsifier = "sign", "topk"
+                if name == "sign_own":  # Adam's own second moment (not the noise estimate)
+                    second_moment = "own"
             if name in ("auto", "auto_cond"):  # the default: the fastest, one model budget
                 exchange, budget, sparsifier = "auto", "model", "topk"
             nonfinite = "skip"
@@ -209,7 +215,7 @@ def worker(args):
             sparse = sparse_hvd.SparseDistributedOptimizer(
                 inner, density=policy, sparsifier=sparsifier, grouping=grouping, exchange=exchange,
                 warmup_steps=0, budget=budget, nonfinite=nonfinite, sparsify=sparsify,
-                name=label or f"bench_{method.replace('@', '_').replace('.', '_')}")
+                second_moment=second_moment, name=label or f"bench_{method.replace('@', '_').replace('.', '_')}")
         optimizer = sparse if sparse is not None else inner
         optimizer.build(variables)
         allreduce = name in ("dense", "dense_fp16") and size > 1
@@ -423,7 +429,7 @@ def timeline_breakdown(path, methods):
 
 def run_job(args, json_path, extra_env=None, rounds=None, steps=None):
     argv = [sys.executable, __file__, "--worker", "--json", json_path, "--model", args.model,
-            "--methods", ",".join(args.methods), "--batch-size", str(args.batch_size),
+            "--inner", args.inner, "--methods", ",".join(args.methods), "--batch-size", str(args.batch_size),
             "--image-size", str(args.image_size), "--rounds", str(rounds or args.rounds),
             "--steps", str(steps or args.steps), "--warmup-steps", str(args.warmup_steps),
             "--threads", str(args.threads)]

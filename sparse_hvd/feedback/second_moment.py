@@ -25,6 +25,8 @@ from typing import List
 import keras
 import tensorflow as tf
 
+from .. import kernels
+
 SECOND_MOMENTS = ("own", "mean_estimate", "noise_estimate")
 
 
@@ -72,7 +74,8 @@ def mean_estimate_factors(adam, variables, workers):
 
 class SecondMoment:
     """The chosen correction, and the state ``"noise_estimate"`` keeps: q per variable, the
-    beta_2 average of m_hat^2 (bias-corrected like v: both start at zero).
+    beta_2 average of m_hat^2, kept as Keras keeps v (from zero, without a bias correction,
+    which would be the same factor for both).
 
     ``"noise_estimate"``, after the step, per variable:
 
@@ -124,19 +127,36 @@ class SecondMoment:
             return updates
         if self.kind == "mean_estimate":
             factors = mean_estimate_factors(adam, variables, workers)
-        else:
-            factors = [self._noise_estimate_factor(adam, variable, workers, index_of(variable))
-                       for variable in variables]
-        return [u * f for u, f in zip(updates, factors)]
+            return [u * f for u, f in zip(updates, factors)]
+        return [self._noise_estimate(adam, update, variable, workers, index_of(variable))
+                for update, variable in zip(updates, variables)]
 
-    def _noise_estimate_factor(self, adam, variable, workers, index):
+    def _noise_estimate(self, adam, update, variable, workers, index):
+        """Steps 1-4 for one variable: writes its q, returns its corrected update."""
         m, v, first, _ = _moments(adam, variable)
-        # in float64 before the cast, as Keras' Adam takes 1 - beta_2 (in float32, 1 - 0.999
-        # would be 1.3e-5 off)
         q = self.variables[index]
-        explained = q + (tf.square(m / first) - q) * tf.cast(1 - adam.beta_2, v.dtype)
+        corrected, explained = noise_estimate_step(
+            update, m, v, tf.convert_to_tensor(q), first, adam.beta_1, adam.beta_2,
+            adam.epsilon, workers)
         self.writer.assign(q, explained)
-        stationary = (1 + adam.beta_1) / (2 * adam.beta_1)  # s / (v - q) for a stationary g
-        noise = tf.maximum(v - explained, 0.0) * tf.cast(stationary, v.dtype)
-        v_mean = tf.maximum(v - noise * (1 - 1 / workers), v / workers)
-        return _factor(adam, v, v_mean)
+        return corrected
+
+
+def noise_estimate_step(update, m, v, q, first, beta_1, beta_2, epsilon, workers):
+    """:class:`SecondMoment`'s steps 1-4 on tensors: (the corrected ``update``, q after the
+    step); ``first`` = 1 - beta_1^t. On CPU in one native pass (``kernels/noise_estimate.cc``),
+    elsewhere by the same float32 operations in the same order."""
+    # the scalars in float64 before the cast, as Keras' Adam takes 1 - beta_2 (1 - 0.999 in
+    # float32 is 1.3e-5 off)
+    inv_first = tf.cast(1 / tf.cast(first, tf.float64), v.dtype)
+    one_minus_beta_2, stationary, shrink, count, eps = (tf.constant(c, v.dtype) for c in (
+        1 - beta_2, (1 + beta_1) / (2 * beta_1), 1 - 1 / workers, workers, epsilon))
+    native = kernels.noise_estimate() if v.dtype == update.dtype == tf.float32 else None
+    if native is not None:
+        return native(update, m, v, q, tf.stack(
+            [inv_first, one_minus_beta_2, stationary, shrink, count, eps]))
+    m_hat = m * inv_first
+    explained = q + (m_hat * m_hat - q) * one_minus_beta_2
+    noise = tf.maximum(v - explained, 0.0) * stationary
+    v_mean = tf.maximum(v - noise * shrink, v / count)
+    return update * ((tf.sqrt(v) + eps) / (tf.sqrt(v_mean) + eps)), explained

@@ -197,6 +197,11 @@ def sign_pack():
     return _op("sparse_hvd_sign_pack")
 
 
+def noise_estimate():
+    """The native noise-estimate op of ``second_moment="noise_estimate"``, or None."""
+    return _op("sparse_hvd_noise_estimate")
+
+
 def watch_enter():
     """The native stall-watchdog enter op, or None."""
     return _op("sparse_hvd_watch_enter")

@@ -52,11 +52,19 @@ def _flags():
     return tf.__version__, tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
 
 
+# our own compiler flags (-fno-math-errno: std::sqrt may then be vectorised; no kernel reads
+# errno)
+OWN_FLAGS = ("-shared", "-fPIC", "-O3", "-fno-math-errno", "-Wno-deprecated-declarations",
+             "-Wno-interference-size")
+
+
 def build_key() -> str:
-    """A short hash of the TensorFlow, its flags, the Python, the sources and headers."""
+    """A short hash of the TensorFlow, its flags and ours, the Python, the sources and
+    headers."""
     version, compile_flags, link_flags = _flags()
     digest = hashlib.sha256()
-    for part in (version, *compile_flags, *link_flags, sys.version, sysconfig.get_platform()):
+    for part in (version, *compile_flags, *link_flags, *OWN_FLAGS, sys.version,
+                 sysconfig.get_platform()):
         digest.update(part.encode() + b"\0")
     for path in sources() + headers():
         with open(path, "rb") as f:
@@ -86,9 +94,7 @@ def compile_library(output: str):
     os.makedirs(directory, exist_ok=True)
     handle, temporary = tempfile.mkstemp(suffix=".so.tmp", dir=directory)
     os.close(handle)
-    command = [compiler, "-shared", "-fPIC", "-O3", "-Wno-deprecated-declarations",
-               "-Wno-interference-size", *compile_flags, *sources(), "-o", temporary,
-               *link_flags]
+    command = [compiler, *OWN_FLAGS, *compile_flags, *sources(), "-o", temporary, *link_flags]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         os.unlink(temporary)

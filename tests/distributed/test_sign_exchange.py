@@ -56,7 +56,7 @@ def _noise_estimate_step(adam, explained, size):
     return adam.m * alpha / (np.sqrt(v_mean) + adam.epsilon)
 
 
-@pytest.mark.parametrize("inner", ["adam", "adam_mean_estimate", "adam_noise_estimate", "sgd"])
+@pytest.mark.parametrize("inner", ["adam_own", "adam_mean_estimate", "adam", "sgd"])
 def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
     rank, size = hvd.rank(), hvd.size()
     start = [np.linspace(-1, 1, math.prod(s)).astype("float32").reshape(s) for s in (BIG, SMALL)]
@@ -68,6 +68,8 @@ def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
         inner_optimizer, exchange="sign", name=f"sign_{inner}",
         second_moment=inner[len("adam_"):] if inner.startswith("adam_") else None)
     assert optimizer.sparsify == ("update" if adam else "gradient")
+    if inner == "adam":  # the sign exchange's default with Adam
+        assert optimizer.second_moment == "noise_estimate"
 
     @tf.function(jit_compile=False)
     def step(big, small):
@@ -87,7 +89,7 @@ def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
             cut = adams[r].update(own) if adam else own
             if inner == "adam_mean_estimate":
                 cut = _mean_estimate_step(adams[r], size)
-            elif inner == "adam_noise_estimate":
+            elif inner == "adam":
                 cut = _noise_estimate_step(adams[r], explained[r], size)
             compensated = cut.astype("float32") + residuals[r]  # in float32, as on the ranks
             signed = _signed(compensated)
@@ -105,7 +107,7 @@ def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
                                    err_msg=f"rank {rank}")
     np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residuals[rank],
                                rtol=0, atol=2e-5, err_msg=f"rank {rank}")
-    if inner == "adam_noise_estimate":  # the cut variable's q, this rank's own
+    if inner == "adam":  # the noise estimate: the cut variable's q, this rank's own
         np.testing.assert_allclose(optimizer._second_moment.variables[0].numpy().ravel(),
                                    explained[rank], rtol=1e-5, atol=0, err_msg=f"rank {rank}")
     # what one rank sent per step: the dense route's float32s, then one scale word and

@@ -1,0 +1,65 @@
+"""``second_moment="noise_estimate"``'s step on tensors: the native pass and the TensorFlow
+operations against an independent float64 NumPy computation, and against each other."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from sparse_hvd import kernels
+from sparse_hvd.feedback import second_moment
+
+BETA_1, BETA_2, EPSILON = 0.9, 0.999, 1e-7
+
+
+def _numpy_step(update, m, v, q, t, workers):
+    """The module doc's steps in float64."""
+    m_hat = m / (1 - BETA_1 ** t)
+    explained = q + (m_hat ** 2 - q) * (1 - BETA_2)
+    noise = np.maximum(v - explained, 0) * (1 + BETA_1) / (2 * BETA_1)
+    v_mean = np.maximum(v - noise * (1 - 1 / workers), v / workers)
+    return update * (np.sqrt(v) + EPSILON) / (np.sqrt(v_mean) + EPSILON), explained
+
+
+def _state(n, seed):
+    rng = np.random.RandomState(seed)
+    m = rng.randn(n).astype("float32") * 0.1
+    v = (m.astype("float64") ** 2 + rng.rand(n) * 0.01).astype("float32")
+    q = (m.astype("float64") ** 2 * rng.rand(n) * 3).astype("float32")  # some above v: no noise
+    v[:5] = 0.0  # a fresh entry: no second moment at all
+    q[:5] = 0.0
+    update = (rng.randn(n) * 1e-3).astype("float32")
+    return update, m, v, q
+
+
+@pytest.mark.parametrize("path", ["native", "tensorflow"])
+@pytest.mark.parametrize("workers,t", [(2, 1), (4, 7), (8, 300)])
+def test_the_noise_estimate_step_is_the_formula(monkeypatch, path, workers, t):
+    if path == "native" and kernels.noise_estimate() is None:
+        pytest.skip("native kernels not built")
+    if path == "tensorflow":
+        monkeypatch.setattr(kernels, "noise_estimate", lambda: None)
+    update, m, v, q = _state(100_003, seed=workers)
+    first = tf.constant(1 - BETA_1 ** t, tf.float32)
+    corrected, explained = second_moment.noise_estimate_step(
+        *map(tf.constant, (update, m, v, q)), first, BETA_1, BETA_2, EPSILON, workers)
+    want_corrected, want_explained = _numpy_step(*(a.astype("float64") for a in (update, m, v, q)),
+                                                 t, workers)
+    np.testing.assert_allclose(explained.numpy(), want_explained, rtol=2e-6, atol=1e-12)
+    np.testing.assert_allclose(corrected.numpy(), want_corrected, rtol=2e-5, atol=1e-12)
+    # the correction only ever enlarges a step, by at most sqrt(N)
+    ratio = np.abs(corrected.numpy()[5:]) / np.maximum(np.abs(update[5:]), 1e-30)
+    assert np.all(ratio >= 1 - 1e-6) and np.all(ratio <= np.sqrt(workers) * (1 + 1e-5))
+    assert np.any(ratio > 1.01)
+    np.testing.assert_array_equal(corrected.numpy()[:5], update[:5])  # v = 0: unchanged
+
+
+def test_the_native_pass_and_tensorflow_give_the_same_bits(monkeypatch):
+    if kernels.noise_estimate() is None:
+        pytest.skip("native kernels not built")
+    arrays = [tf.constant(a) for a in _state(70_001, seed=3)]
+    first = tf.constant(1 - BETA_1 ** 5, tf.float32)
+    native = second_moment.noise_estimate_step(*arrays, first, BETA_1, BETA_2, EPSILON, 4)
+    monkeypatch.setattr(kernels, "noise_estimate", lambda: None)
+    fallback = second_moment.noise_estimate_step(*arrays, first, BETA_1, BETA_2, EPSILON, 4)
+    for a, b in zip(native, fallback):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
