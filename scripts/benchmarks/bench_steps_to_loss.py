@@ -93,6 +93,10 @@ SETTINGS = {
                     "steps": 800, "eval_every": 20},
     "cnn_adam": {"model": "cnn", "inner": {"name": "adam", "lr": ADAM_CNN_LR}, "steps": 800,
                  "eval_every": 20},
+    # the wide CNN (a model whose step the network bounds at 1 Gbit/s) with the CNN's Adam
+    # learning rate (not tuned for it)
+    "cnn_wide_adam": {"model": "cnn_wide", "inner": {"name": "adam", "lr": ADAM_CNN_LR},
+                      "steps": 800, "eval_every": 20},
     # a transformer trains with Adam: the best of 0.001 / 0.003 / 0.01 / 0.03 for dense
     "chartf": {"inner": {"name": "adam", "lr": ADAM_CHARTF_LR}, "steps": 800, "eval_every": 20},
 }
