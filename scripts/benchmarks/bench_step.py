@@ -215,7 +215,8 @@ def worker(args):
             sparse = sparse_hvd.SparseDistributedOptimizer(
                 inner, density=policy, sparsifier=sparsifier, grouping=grouping, exchange=exchange,
                 warmup_steps=0, budget=budget, nonfinite=nonfinite, sparsify=sparsify,
-                second_moment=second_moment, name=label or f"bench_{method.replace('@', '_').replace('.', '_')}")
+                second_moment=second_moment,
+                name=label or f"bench_{method.replace('@', '_').replace('.', '_')}")
         optimizer = sparse if sparse is not None else inner
         optimizer.build(variables)
         allreduce = name in ("dense", "dense_fp16") and size > 1
@@ -429,7 +430,8 @@ def timeline_breakdown(path, methods):
 
 def run_job(args, json_path, extra_env=None, rounds=None, steps=None):
     argv = [sys.executable, __file__, "--worker", "--json", json_path, "--model", args.model,
-            "--inner", args.inner, "--methods", ",".join(args.methods), "--batch-size", str(args.batch_size),
+            "--inner", args.inner, "--methods", ",".join(args.methods),
+            "--batch-size", str(args.batch_size),
             "--image-size", str(args.image_size), "--rounds", str(rounds or args.rounds),
             "--steps", str(steps or args.steps), "--warmup-steps", str(args.warmup_steps),
             "--threads", str(args.threads)]
