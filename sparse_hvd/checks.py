@@ -167,12 +167,13 @@ def check_staleness(staleness, policy):
 GROUPINGS = ("grouped", "layerwise")
 
 
-def exchange_candidates(exchange, grouping, staleness, policy, compression, signs=False):
+def exchange_candidates(exchange, grouping, staleness, policy, compression, code="entries"):
     """The registered exchanges that can run these settings, by their capabilities
     (``sparse_hvd.exchanges``): ``exchange`` itself, or for ``"auto"`` every one that can
-    (what it chooses among): with ``signs`` those that choose their entries and dense, else
-    the others. The one to start with first (the allgather, else the first that sends
-    selections). Raises a ValueError naming the setting an exchange cannot take."""
+    (what it chooses among): those whose averages are made of ``code`` (``Exchange.code``:
+    the entries, the signs, or both), and dense. The one to start with first (the
+    allgather, else the first that sends selections). Raises a ValueError naming the setting
+    an exchange cannot take."""
     from .exchanges import available, exchange_class, groupings_of
 
     if grouping not in GROUPINGS:
@@ -180,7 +181,7 @@ def exchange_candidates(exchange, grouping, staleness, policy, compression, sign
     names = ((exchange,) if exchange != "auto"
              else tuple(name for name in available() if grouping in groupings_of(name)
                         and exchange_class(name, grouping).auto_candidate
-                        and (exchange_class(name, grouping).chooses_entries == signs
+                        and (exchange_class(name, grouping).code == code
                              or not exchange_class(name, grouping).sends_selections)))
     first = min(names, key=lambda name: (name != "allgather",
                                          not exchange_class(name, grouping).sends_selections))
@@ -210,6 +211,25 @@ def _refusal(name, cls, staleness, policy, compression):
                 "values its own way (not as 16-bit floats). Use compression='none', or "
                 "exchange='allgather'.")
     return None
+
+
+def check_signs_of_rest(exchange, grouping, momentum_correction, dense_fallback):
+    """An exchange that sends the signs of what the selection left (``code``
+    ``"entries_and_signs"``: ``exchange="topk_sign"``) moves every entry a little: DGC's
+    masking would clear every entry's velocity, and the dense fallback times a top-k exchange
+    it would not run."""
+    from .exchanges import exchange_class
+
+    if exchange == "auto" or exchange_class(exchange, grouping).code != "entries_and_signs":
+        return
+    for refused, setting, instead in (
+            (bool(momentum_correction), f"momentum_correction={momentum_correction!r}",
+             "wrap SGD(momentum=...) without momentum_correction (sparsify='update')"),
+            (dense_fallback, "dense_fallback=True", "leave dense_fallback=False")):
+        if refused:
+            raise ValueError(
+                f"exchange={exchange!r} sends the sign of every entry the selection leaves, "
+                f"so it cannot be combined with `{setting}`: {instead}.")
 
 
 def check_entries_chosen_by_exchange(exchange, grouping, sparsifier, budget,
@@ -322,7 +342,7 @@ class Settings(NamedTuple):
     second_moment: str  # "own", "mean_estimate" or "noise_estimate"
     selector: object  # what selects each step: the sparsifier, or the exchange's own code
     exchange: str  # "auto" or the exchange named
-    signs: bool  # exchange=None with Adam: every entry's sign (``defaults.one_bit_by_default``)
+    code: str  # what exchange=None averages: entries, signs or both (``defaults.code_by_default``)
 
 
 def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_steps,
@@ -337,7 +357,7 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     from .feedback import clipping as clipping_rules
     from .feedback.accumulation import take_over_keras_accumulation
     from .runtime import startup
-    from .selection.defaults import (one_bit_by_default, resolve_budget,
+    from .selection.defaults import (code_by_default, resolve_budget,
                                      resolve_density, resolve_exchange, resolve_second_moment,
                                      resolve_sparsify)
     from .selection.sparsifiers import get_sparsifier
@@ -362,14 +382,16 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     check_process_set(process_set)
     check_backward_passes(backward_passes_per_step)
     wire_compression = Compression(compression)
-    signs = one_bit_by_default(exchange, optimizer, sparsify, density, chosen_sparsifier,
-                               budget, grouping, staleness, dense_fallback)
+    code = code_by_default(exchange, optimizer, sparsify, density, chosen_sparsifier,
+                           budget, grouping, staleness, dense_fallback)
+    signs = code == "signs"
     second_moment = resolve_second_moment(second_moment, sparsify, optimizer,
                                           signs=signs or exchange == "sign")
     exchange = resolve_exchange(exchange)
     candidates = exchange_candidates(exchange, grouping, staleness, policy, wire_compression,
-                                     signs)
+                                     code)
     check_boolean(average_aggregated_gradients, "average_aggregated_gradients")
+    check_signs_of_rest(exchange, grouping, momentum_correction, dense_fallback)
     selector = chosen_sparsifier
     if signs or check_entries_chosen_by_exchange(exchange, grouping, chosen_sparsifier, budget,
                                                  momentum_correction, dense_fallback):
@@ -380,4 +402,4 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
         budget, policy = "layer", ConstantDensity(policy.final_density)  # nothing to warm up
     budget = resolve_budget(budget, grouping, policy)
     return Settings(keras_accumulation, chosen_sparsifier, policy, process_set, wire_compression,
-                    candidates, budget, sparsify, second_moment, selector, exchange, signs)
+                    candidates, budget, sparsify, second_moment, selector, exchange, code)

@@ -190,6 +190,9 @@ METHODS = {
                    "second moment corrected for its N times smaller batch, the noise read "
                    "over the second moment's own horizon",
                    {"exchange": "sign", "second_moment": "noise_estimate"}),
+    "topk_sign": ("exchange='topk_sign': the top 1% of each worker's compensated update as "
+                  "it is and the sign of every other entry times their mean magnitude (the "
+                  "default with SGD's momentum)", {"density": 0.01, "exchange": "topk_sign"}),
     "update_mean": ("the defaults (the update cut at 1%) with second_moment='mean_estimate'",
                     {"density": 0.01, "second_moment": "mean_estimate"}),
     "small_dense": ("top-k 1%, variables under 16,384 entries dense (Paddle's rule)",

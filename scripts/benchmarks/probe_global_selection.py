@@ -122,7 +122,13 @@ def main(argv=None):
                         default="own",
                         help="local_adam: Adam's second moment, the worker's own, or its "
                              "estimate for the workers' mean gradient (see the module doc)")
-    parser.add_argument("--compressor", choices=("topk", "sign", "sign2"), default="topk",
+    parser.add_argument("--sign-block", type=int, default=0,
+                        help="topk_sign: one scale per block of this many entries of a "
+                             "variable (0: one per variable)")
+    parser.add_argument("--scale-every", type=int, default=50,
+                        help="sign_shared: steps between the refreshes of the shared scales")
+    parser.add_argument("--compressor", choices=("topk", "sign", "sign2", "sign_shared",
+                                                 "topk_sign"), default="topk",
                         help="local, local_adam, local_update: the top-K entries, or every "
                              "entry's scaled sign (see the module doc)")
     parser.add_argument("--one-bit", action="store_true",
@@ -223,9 +229,14 @@ def main(argv=None):
     bounds = np.cumsum([0] + sizes)
     cuts = (np.union1d(bounds, np.linspace(0, n, size + 1).round().astype(int))
             if args.compressor == "sign2" else bounds)
+    if args.sign_block:
+        cuts = np.union1d(cuts, np.concatenate(
+            [np.arange(a, b, args.sign_block) for a, b in zip(bounds[:-1], bounds[1:])]))
     segment_of = tf.constant(np.searchsorted(cuts, np.arange(n), side="right") - 1, tf.int32)
     segments = len(cuts) - 1
     owners_residual = tf.Variable(tf.zeros([n]), trainable=False)  # sign2: every owner's
+    magnitude = tf.Variable(tf.zeros([n]), trainable=False)  # sign_shared: this worker's |c|
+    shared_scale = tf.Variable(tf.zeros([n]), trainable=False)  # sign_shared: every rank's
 
     def scaled_signs(flat):
         """``flat``'s signs, each segment's times the segment's mean magnitude."""
@@ -244,7 +255,7 @@ def main(argv=None):
             optimizer.apply_gradients(zip(parts, variables))
 
     @tf.function(jit_compile=False)
-    def train_step(x, y, k, leader, flush):
+    def train_step(x, y, k, leader, flush, refresh_first):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
         grads = tape.gradient(loss, variables)
@@ -261,6 +272,31 @@ def main(argv=None):
             apply(tracked, subtract=mode == "ef21_update")
             return loss, tf.reduce_sum(tf.cast(tf.not_equal(sent, 0.0), tf.float32))
         compensated = flat + residual
+        if args.compressor == "sign_shared":
+            # each entry's sign times a scale of its own, the same on every rank: the mean
+            # over the workers of their running |c|, refreshed by a dense allreduce every
+            # --scale-every steps (and at the first)
+            magnitude.assign(tf.where(refresh_first, tf.abs(compensated),
+                                      0.9 * magnitude + 0.1 * tf.abs(compensated)))
+            if_refresh = hvd.allreduce(magnitude, op=hvd.Average, name="probe.scales")
+            shared_scale.assign(tf.where(flush, if_refresh, shared_scale))
+            sent = tf.sign(compensated) * shared_scale
+            residual.assign(compensated - sent)
+            update = hvd.allreduce(sent, op=hvd.Average, name="probe.signs")
+            apply(update, subtract=mode in CUT_UPDATES)
+            return loss, tf.constant(n / 32.0)
+        if args.compressor == "topk_sign":
+            # the top-K exactly, the rest as signs times each variable's mean |rest|
+            mask = top_mask(tf.abs(compensated), k)
+            rest = compensated * (1 - mask)
+            counts = tf.math.unsorted_segment_sum(1 - mask, segment_of, segments)
+            scales = (tf.math.unsorted_segment_sum(tf.abs(rest), segment_of, segments)
+                      / tf.maximum(counts, 1.0))
+            sent = compensated * mask + tf.sign(rest) * tf.gather(scales, segment_of)
+            residual.assign(compensated - sent)
+            update = hvd.allreduce(sent, op=hvd.Average, name="probe.signs")
+            apply(update, subtract=mode in CUT_UPDATES)
+            return loss, tf.cast(k, tf.float32) * 2.0 + n / 32.0
         if args.compressor != "topk":
             sent = scaled_signs(compensated)
             residual.assign(compensated - sent)
@@ -308,8 +344,11 @@ def main(argv=None):
         k = max(1, math.ceil(density_at(step - 1, args.density) * n))
         loss, moved = train_step(tf.constant(x), tf.constant(y.astype("int32")),
                                  tf.constant(k, tf.int32), tf.constant((step - 1) % size),
-                                 tf.constant(args.flush_every > 0
-                                             and step % args.flush_every == 0))
+                                 tf.constant(
+                                     (args.flush_every > 0 and step % args.flush_every == 0)
+                                     or (args.compressor == "sign_shared"
+                                         and (step - 1) % args.scale_every == 0)),
+                                 tf.constant(step == 1))
         moved_total += float(moved)
         if rank == 0 and (step % eval_every == 0 or step == steps):
             val_loss, acc = evaluate(x_val, y_val)
@@ -327,7 +366,9 @@ def main(argv=None):
                   + {"own": "", "mean_estimate": "_meanv",
                      "noise_estimate": "_noisev"}[args.second_moment]
                   + (f"_{args.compressor}" if args.compressor != "topk" else "")
-                  + ("_1bit" if args.one_bit else ""))
+                  + ("_1bit" if args.one_bit else "")
+                  + (f"_every{args.scale_every}" if args.compressor == "sign_shared" else "")
+                  + (f"_block{args.sign_block}" if args.sign_block else ""))
         record = {"workload": args.workload, "method": method, "workers": size,
                   "seed": args.seed, "steps": steps, "parameters": n, "curve": curve,
                   # entries of the update over the run, as a share of dense's entries (the

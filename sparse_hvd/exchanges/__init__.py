@@ -17,11 +17,13 @@ registered under the name ``exchange=`` takes and the ``grouping`` it runs:
 ``"dense"``                   both         ``dense``: Horovod's allreduce of every gradient
 ``"sign"``                    grouped      ``sign``: every entry's sign and a scale per
                                            variable, one allgather (chooses its entries)
+``"topk_sign"``               grouped      ``topk_sign``: the top-k entries and the signs of
+                                           the rest, one allgather
 ============================  ===========  =========================================
 
 ``sparse_hvd.checks`` reads the classes' capabilities (``per_layer``, ``layer_budgets``,
 ``compression_capable``, ``staleness``, ``returns_unsent``, ``sends_selections``,
-``auto_candidate``, ``chooses_entries``), never their names. To add an exchange: write a module
+``auto_candidate``, ``chooses_entries``, ``code``), never their names. To add an exchange: write a module
 with a subclass of ``Exchange`` that implements ``_average_many`` (and ``traced`` and
 ``_announce`` for the lockstep check; build its header with ``base.header``), declare its
 capabilities, decorate it with ``@register("name", grouping=...)``, and import the module
@@ -29,7 +31,7 @@ below. The README's developer section walks through it.
 """
 
 from . import (compact_allgather, dense, fused_allgather, layerwise,  # noqa: F401 (registration)
-               sign, sparse_allreduce)
+               sign, sparse_allreduce, topk_sign)
 from .base import (DENSE_GATHER_LIMIT, Averaged, Exchange, available, create, exchange_class,
                    groupings_of, register)
 

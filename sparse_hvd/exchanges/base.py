@@ -22,6 +22,11 @@ which ``sparse_hvd.checks`` reads (never the class's name):
 * ``chooses_entries``: it sends every entry of a cut variable in its own code, selected by
   its ``selector`` (a sparsifier with error feedback's fused pass), not by ``sparsifier``,
   ``density`` or ``budget`` (``exchange="sign"``).
+* ``code``: what its averages are made of: ``"entries"`` (the selected entries as they are),
+  ``"signs"`` (every entry's sign: ``exchange="sign"``) or ``"entries_and_signs"`` (the
+  selected entries and the signs of the rest: ``exchange="topk_sign"``). ``exchange="auto"``
+  chooses only among exchanges of one code (and dense): the others change what is averaged,
+  not only how it travels.
 
 The header every grouped exchange sends first (:func:`header`, read by
 :func:`checked_headers`): one int32 row per rank, ``[all finite, lockstep fields, ...]``, the
@@ -155,6 +160,7 @@ class Exchange:
     builds_on = None
     auto_candidate = True  # exchange="auto" may choose it
     chooses_entries = False  # True: ``selector`` makes the selections (every entry, coded)
+    code = "entries"  # what is averaged: "entries", "signs" or "entries_and_signs"
     selector = None
     coded = False  # its indices and values travel coded (index_coding, value_coding)
     grouping_reason = ""  # why the other grouping is not registered (for the message)
@@ -206,6 +212,8 @@ class Exchange:
             sparse = [average_entries(s.indices, s.values, tf.reshape(tf.size(s.indices), [1, 1]),
                                       [0], [n], 1)[0]
                       for s, n in zip(payload.sparse.items, sizes)]
+            sparse = [a if s.signs is None else a + tf.cast(s.signs, a.dtype)
+                      for a, s in zip(sparse, payload.sparse.items)]
             dense, finite, returned = list(payload.dense.items), payload.finite_here(), ()
         else:
             sparse, dense, finite, returned = self._average_many(payload, sizes, step)

@@ -75,18 +75,20 @@ class FusedAllgather(Exchange):
             self._sent = packed.sent
         fields = tf.concat([tf.stack(counts) if counts else tf.zeros([0], tf.int32),
                             tf.cast(value_fields, tf.int32)], 0)
-        self._layout = (fields.shape[0], 1 + len(words) + len(dense_words))
+        extra = self.extra_words(selections)
+        self._layout = (fields.shape[0], 1 + len(words) + len(extra) + len(dense_words))
         # Step 2: gather
         gathered = collectives.grouped_allgather(
-            [header(payload.finite_here(), step, rest=fields), indices] + words + dense_words,
-            name=f"{self.name}.fused", process_set=self.process_set, step=step)
+            [header(payload.finite_here(), step, rest=fields), indices] + words + extra
+            + dense_words, name=f"{self.name}.fused", process_set=self.process_set, step=step)
         # Steps 3 and 6: every rank in this step, every rank's flag, the counts
         gathered, finite, fields = checked_headers(gathered, size)
         fields = tf.reshape(fields, [size, self._layout[0]])  # static: the unpacking needs it
         counts = fields[:, :len(selections)]
         all_indices = self._unpack_indices(gathered[1], counts, sizes)
         gathered_words = gathered[2:2 + len(words)]
-        gathered_dense = gathered[2 + len(words):]
+        gathered_extra = gathered[2 + len(words):2 + len(words) + len(extra)]
+        gathered_dense = gathered[2 + len(words) + len(extra):]
         # Step 4: each variable's entries in rank order, summed and averaged
         sparse = [None] * len(selections)
         for (dtype, positions), group_words in zip(value_groups.items(), gathered_words):
@@ -96,10 +98,21 @@ class FusedAllgather(Exchange):
                                        [sizes[p] for p in positions], size)
             for position, average in zip(positions, averages):
                 sparse[position] = average
+        sparse = self.with_extra(sparse, gathered_extra, selections, sizes)
         # Step 5: the dense route
         averaged_dense = self.unpack_dense(dense, dense_groups, gathered_dense,
                                            payload.dense.keys, step)
         return sparse, averaged_dense, finite, ()
+
+    def extra_words(self, selections) -> list:
+        """Int32 tensors this exchange sends in its collective besides the selections' entries
+        (none here; ``exchange="topk_sign"``: the signs of what they left)."""
+        return []
+
+    def with_extra(self, sparse, gathered, selections, sizes) -> list:
+        """The sparse averages with what :meth:`extra_words` carried (``gathered``: every
+        rank's, in rank order) added in (nothing here)."""
+        return sparse
 
     def pack_selections(self, payload: Payload, sizes) -> PackedSelections:
         """Step 1 for the sparse route (also the delayed pipeline's, ``steps.staleness``):

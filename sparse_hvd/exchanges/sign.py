@@ -103,6 +103,7 @@ class SignAllgather(FusedAllgather):
     layer_budgets = False
     staleness = False
     chooses_entries = True
+    code = "signs"
     grouping_reason = "its one allgather carries every variable's signs."
     selector = ScaledSign()
 

@@ -172,6 +172,11 @@ class ErrorFeedback:
             selection = selection._replace(values=sent)
             if remainder is not None:  # zero at the selected positions: now their error
                 remainder = _scatter_add(remainder, error, selection.indices)
+            if selection.signs is not None:  # the scale of the signs too, its error kept
+                signs, error = compression.round(selection.signs)
+                selection = selection._replace(signs=signs)
+                if remainder is not None:
+                    remainder = remainder + tf.cast(error, remainder.dtype)
         if remainder is not None:
             updates.append((self.residuals[index], remainder))
         if self.momentum:

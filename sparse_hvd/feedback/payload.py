@@ -137,8 +137,11 @@ class PayloadBuilder:
         the density policy's k for it."""
         self._budgets.append(budget)
         sent = tf.cast(tf.size(selection.values), tf.int64)
-        self._add("sparse", position, key, selection, route, gradient, sent,
-                  sent * (route.itemsize + INDEX_BYTES), finite=selection.finite)
+        bytes_sent = sent * (route.itemsize + INDEX_BYTES)
+        if selection.signs is not None:  # a bit an entry in int32 words, and the scale
+            bytes_sent += 4 * ((route.num_elements + 31) // 32 + 1)
+        self._add("sparse", position, key, selection, route, gradient, sent, bytes_sent,
+                  finite=selection.finite)
         self._state_updates.extend(state_updates)
         if selection.capped is not None:
             self._capped += tf.cast(selection.capped, tf.int64)

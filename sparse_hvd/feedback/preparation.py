@@ -117,6 +117,10 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
     budgets = {index: opt.density_policy.k(index, route.num_elements, step)
                for _, index, route, rows, _ in prepared if route.sparse and not rows}
     sparsifier = model_wide_sparsifier(opt, prepared, budgets) or opt._selector
+    if opt._exchange.code == "entries_and_signs":  # exchange="topk_sign": the rest as signs
+        from ..exchanges.topk_sign import SignsOfTheRest
+
+        sparsifier = SignsOfTheRest(sparsifier)
     for position, index, route, rows, grad in prepared:
         if rows:
             builder.add_rows(position, index, route, grad)

@@ -77,6 +77,7 @@ BUDGETS = ("layer", "model")
 EXCHANGE = "auto"  # what exchange=None means
 DENSITY = 0.01  # the constructor's default density
 ONE_BIT = True  # exchange=None sends every entry's sign with Adam (one_bit_by_default)
+SIGNS_OF_REST = True  # exchange=None adds the signs of the rest with SGD (code_by_default)
 
 
 def resolve_exchange(exchange) -> str:
@@ -102,6 +103,37 @@ def one_bit_by_default(exchange, optimizer, sparsify, density, sparsifier, budge
             and density == DENSITY and is_default_sparsifier(sparsifier)
             and budget in (None, "layer") and grouping == "grouped" and not staleness
             and not dense_fallback)
+
+
+def code_by_default(exchange, optimizer, sparsify, density, sparsifier, budget, grouping,
+                    staleness, dense_fallback) -> str:
+    """What ``exchange=None`` averages (``Exchange.code``; ``exchange="auto"`` chooses among
+    the exchanges of that code and dense):
+
+    * ``"signs"`` where :func:`one_bit_by_default` says so (Adam);
+    * ``"entries_and_signs"`` (``exchange="topk_sign"``: the top-k entries and the signs of
+      the rest) with a Keras SGD with momentum (the update cut) at the default density, unless
+      an argument asks for what that exchange does not run (``grouping="layerwise"``,
+      ``staleness``, ``dense_fallback``): measured, 3 seeds, the LSTM under SGD from 1.21x
+      dense's steps to 1.08x (``docs/steps_to_loss_topk_sign.md``);
+    * ``"entries"`` (the top-k exchanges) otherwise, and with ``exchange="auto"`` named.
+    """
+    if one_bit_by_default(exchange, optimizer, sparsify, density, sparsifier, budget, grouping,
+                          staleness, dense_fallback):
+        return "signs"
+    if not SIGNS_OF_REST or exchange is not None or sparsify != "update":
+        return "entries"
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    if (isinstance(optimizer, keras.optimizers.SGD) and _is_default_density(density)
+            and grouping == "grouped" and not staleness and not dense_fallback):
+        return "entries_and_signs"
+    return "entries"
+
+
+def _is_default_density(density) -> bool:
+    return (isinstance(density, (int, float)) and not isinstance(density, bool)
+            and density == DENSITY)
 
 
 def is_default_sparsifier(sparsifier) -> bool:
