@@ -30,7 +30,7 @@ def _mechanism_defaults(request, monkeypatch):
     """Most tests check a mechanism against a closed-form expectation for the density they
     pass (k = ceil(density * n) of each variable from the first step, the inner optimizer's
     own momentum, the exchange they name or the allgather), so the warm-up, the model-wide
-    budget, the timed choice of exchange and Adam's signs of ``sparse_hvd.selection.defaults``
+    budget, the timed choice of exchange, Adam's signs and SGD's signs of the rest of ``sparse_hvd.selection.defaults``
     are off for them; tests marked
     ``convergence_defaults`` run with the defaults as users get them."""
     if request.node.get_closest_marker("convergence_defaults"):
@@ -41,3 +41,4 @@ def _mechanism_defaults(request, monkeypatch):
     monkeypatch.setattr(sparse_hvd.selection.defaults, "BUDGET", "layer")
     monkeypatch.setattr(sparse_hvd.selection.defaults, "EXCHANGE", "allgather")
     monkeypatch.setattr(sparse_hvd.selection.defaults, "ONE_BIT", False)
+    monkeypatch.setattr(sparse_hvd.selection.defaults, "SIGNS_OF_REST", False)

@@ -71,7 +71,10 @@ def test_auto_chooses_among_the_exchanges_whose_capabilities_fit():
         "allgather", "compact_allgather", "sparse_allreduce", "dense"}
     # signs: the exchange that chooses its entries, or dense; it starts with the one that sends
     assert checks.exchange_candidates("auto", "grouped", 0, constant, Compression(),
-                                      signs=True) == ("sign", "dense")
+                                      code="signs") == ("sign", "dense")
+    # the top entries and the signs of the rest: that exchange, or dense
+    assert checks.exchange_candidates("auto", "grouped", 0, constant, Compression(),
+                                      code="entries_and_signs") == ("topk_sign", "dense")
     assert checks.exchange_candidates("auto", "grouped", 0, constant, Compression())[0] == \
         "allgather"
 

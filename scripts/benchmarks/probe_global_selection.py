@@ -127,8 +127,12 @@ def main(argv=None):
                              "variable (0: one per variable)")
     parser.add_argument("--scale-every", type=int, default=50,
                         help="sign_shared: steps between the refreshes of the shared scales")
+    parser.add_argument("--band", type=float, default=10.0,
+                        help="topk_band, topk_sign2: the band is the top band x K entries "
+                             "below the top K")
     parser.add_argument("--compressor", choices=("topk", "sign", "sign2", "sign_shared",
-                                                 "topk_sign"), default="topk",
+                                                 "topk_sign", "topk_band", "topk_sign2"),
+                        default="topk",
                         help="local, local_adam, local_update: the top-K entries, or every "
                              "entry's scaled sign (see the module doc)")
     parser.add_argument("--one-bit", action="store_true",
@@ -285,6 +289,26 @@ def main(argv=None):
             update = hvd.allreduce(sent, op=hvd.Average, name="probe.signs")
             apply(update, subtract=mode in CUT_UPDATES)
             return loss, tf.constant(n / 32.0)
+        if args.compressor in ("topk_band", "topk_sign2"):
+            # the top-K exactly; the next (band - 1) K entries as signs times their own mean
+            # magnitude (per variable); the rest as signs times theirs (topk_sign2) or kept
+            # back (topk_band)
+            magnitude = tf.abs(compensated)
+            mask = top_mask(magnitude, k)
+            wide = tf.minimum(tf.cast(args.band * tf.cast(k, tf.float32), tf.int32), n)
+            in_band = top_mask(magnitude, wide) - mask
+            below = 1 - mask - in_band
+            sent = compensated * mask
+            for part in ((in_band, below) if args.compressor == "topk_sign2" else (in_band,)):
+                counts = tf.math.unsorted_segment_sum(part, segment_of, segments)
+                scales = (tf.math.unsorted_segment_sum(tf.abs(compensated) * part, segment_of,
+                                                       segments) / tf.maximum(counts, 1.0))
+                sent += tf.sign(compensated) * part * tf.gather(scales, segment_of)
+            residual.assign(compensated - sent)
+            update = hvd.allreduce(sent, op=hvd.Average, name="probe.signs")
+            apply(update, subtract=mode in CUT_UPDATES)
+            bits = 2.0 if args.compressor == "topk_sign2" else 1.0 + args.band * 0.01
+            return loss, tf.cast(k, tf.float32) * 2.0 + n * bits / 32.0
         if args.compressor == "topk_sign":
             # the top-K exactly, the rest as signs times each variable's mean |rest|
             mask = top_mask(tf.abs(compensated), k)
@@ -368,7 +392,9 @@ def main(argv=None):
                   + (f"_{args.compressor}" if args.compressor != "topk" else "")
                   + ("_1bit" if args.one_bit else "")
                   + (f"_every{args.scale_every}" if args.compressor == "sign_shared" else "")
-                  + (f"_block{args.sign_block}" if args.sign_block else ""))
+                  + (f"_block{args.sign_block}" if args.sign_block else "")
+                  + (f"_band{args.band:g}" if args.compressor in ("topk_band", "topk_sign2")
+                     and args.band != 10 else ""))
         record = {"workload": args.workload, "method": method, "workers": size,
                   "seed": args.seed, "steps": steps, "parameters": n, "curve": curve,
                   # entries of the update over the run, as a share of dense's entries (the

@@ -132,8 +132,18 @@ def code_by_default(exchange, optimizer, sparsify, density, sparsifier, budget, 
 
 
 def _is_default_density(density) -> bool:
-    return (isinstance(density, (int, float)) and not isinstance(density, bool)
-            and density == DENSITY)
+    """``density`` is the constructor's default: :data:`DENSITY`, or the warm-up to it that
+    ``get_config`` writes for it (so that a saved optimizer comes back with the same code)."""
+    if isinstance(density, (int, float)) and not isinstance(density, bool):
+        return density == DENSITY
+    from .density import serialize_density_policy
+
+    try:
+        policy = get_density_policy(density)
+    except (TypeError, ValueError):
+        return False
+    return (serialize_density_policy(policy)
+            == serialize_density_policy(resolve_density(DENSITY, None)))
 
 
 def is_default_sparsifier(sparsifier) -> bool:

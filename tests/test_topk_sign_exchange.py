@@ -1,0 +1,131 @@
+"""``exchange="topk_sign"`` in one process: the two-stage selection and its residual, the
+default that chooses it (SGD with momentum) and what keeps top-k, the settings it refuses
+(each naming the argument), its config, and one-worker steps in closed form, with and without
+16-bit compression. Every rank's part: tests/distributed/test_topk_sign_exchange.py."""
+
+import math
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparse_hvd
+from sparse_hvd.exchanges.topk_sign import SignsOfTheRest, signs_of_rest
+from sparse_hvd.feedback.error_feedback import compensate_and_select
+from sparse_hvd.selection.sparsifiers import get_sparsifier
+
+
+def test_the_top_entries_travel_as_they_are_and_the_rest_as_signs_of_their_mean_magnitude():
+    grad = tf.constant([0.5, -3.0, 0.0, 2.0, -0.25])
+    residual = tf.constant([0.5, 0.0, -0.25, 0.0, 0.0])
+    selection, remainder = compensate_and_select(grad, residual,
+                                                 SignsOfTheRest(get_sparsifier("topk")), k=2)
+    compensated = np.array([1.0, -3.0, -0.25, 2.0, -0.25], "float32")
+    np.testing.assert_array_equal(np.sort(selection.indices.numpy()), [1, 3])
+    np.testing.assert_array_equal(selection.values.numpy()[np.argsort(selection.indices)],
+                                  [-3.0, 2.0])
+    scale = (1.0 + 0.25 + 0.25) / 3  # the mean magnitude of the three entries left
+    # the selected entries' zeros travel as +
+    np.testing.assert_allclose(selection.signs.numpy(), [scale, scale, -scale, scale, -scale],
+                               rtol=1e-7)
+    sent = selection.signs.numpy().copy()
+    sent[[1, 3]] += [-3.0, 2.0]
+    np.testing.assert_allclose(sent + remainder.numpy(), compensated, rtol=0, atol=1e-7)
+
+
+def test_the_unfused_call_selects_the_same():
+    flat = tf.constant(np.random.RandomState(0).randn(1000).astype("float32"))
+    wrapped = SignsOfTheRest(get_sparsifier("topk"))
+    called = wrapped(flat, 10)
+    fused, remainder = wrapped.fused_compensate_select(flat, tf.zeros_like(flat), 10)
+    np.testing.assert_array_equal(np.sort(called.indices), np.sort(fused.indices))
+    np.testing.assert_allclose(called.signs, fused.signs, rtol=1e-6)
+    expected_signs, expected_residual = signs_of_rest(
+        tf.tensor_scatter_nd_update(flat, tf.reshape(fused.indices, [-1, 1]), tf.zeros([10])), 10)
+    np.testing.assert_allclose(remainder, expected_residual, rtol=1e-6)
+
+
+def _sgd_with_momentum(lr=0.1):
+    return keras.optimizers.SGD(lr, momentum=0.9)
+
+
+@pytest.mark.convergence_defaults
+def test_with_sgd_momentum_the_default_exchange_chooses_between_topk_sign_and_dense():
+    optimizer = sparse_hvd.SparseDistributedOptimizer(_sgd_with_momentum(), name="sgd_default")
+    assert optimizer._exchange_candidates == ("topk_sign", "dense")
+    assert optimizer._exchange.method == "topk_sign" and optimizer.sparsify == "update"
+    # the top-k part keeps the defaults' warm-up and model-wide budget
+    assert optimizer.budget == "model" and optimizer.warmup_steps == 200
+    config = optimizer.get_config()
+    assert config["exchange"] is None
+    clone = sparse_hvd.SparseDistributedOptimizer.from_config(config)
+    assert clone._exchange_candidates == ("topk_sign", "dense")
+    assert clone.get_config() == config
+
+
+@pytest.mark.convergence_defaults
+@pytest.mark.parametrize("inner,arguments", [
+    (keras.optimizers.SGD, {}),  # plain SGD: the gradient cut, not measured with the signs
+    (_sgd_with_momentum, {"exchange": "auto"}),  # the previous default, by name
+    (_sgd_with_momentum, {"density": 0.001}),  # a density of one's own: top-k at it
+    (keras.optimizers.SGD, {"momentum_correction": 0.9}),  # DGC: the gradient cut
+    (_sgd_with_momentum, {"grouping": "layerwise"}),
+    (_sgd_with_momentum, {"staleness": 1}),
+    (_sgd_with_momentum, {"dense_fallback": True}),
+    (keras.optimizers.RMSprop, {}),  # not measured: top-k
+])
+def test_anything_else_keeps_top_k(inner, arguments):
+    optimizer = sparse_hvd.SparseDistributedOptimizer(inner(1e-3), name="keeps", **arguments)
+    assert "topk_sign" not in optimizer._exchange_candidates
+
+
+@pytest.mark.parametrize("arguments,named", [
+    ({"momentum_correction": 0.9}, "`momentum_correction=0.9`"),
+    ({"dense_fallback": True}, "`dense_fallback=True`"),
+    ({"grouping": "layerwise"}, "grouping='layerwise'"),
+    ({"staleness": 1}, "`staleness`"),
+    ({"density": sparse_hvd.AdaptiveDensity(0.01)}, "AdaptiveDensity"),
+])
+def test_settings_topk_sign_cannot_take_are_refused_by_name(arguments, named):
+    with pytest.raises(ValueError, match=f"exchange='topk_sign'.*{re.escape(named)}|"
+                                         f"{re.escape(named)}.*exchange='topk_sign'"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), exchange="topk_sign",
+                                              **arguments)
+
+
+@pytest.mark.parametrize("compression", ["none", "float16"])
+def test_one_worker_applies_both_stages_and_keeps_the_rest(compression):
+    """SGD without momentum (the gradient cut) at 10% of 500 entries: the weights move by the
+    learning rate times the top 50 entries and the signs of the others; the residual holds
+    what neither carried, and sent + residual is the compensated gradient."""
+    rng = np.random.RandomState(3)
+    start = rng.randn(500).astype("float32")
+    variable = keras.Variable(start)
+    lr, k = 0.5, 50
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(lr), density=0.1, exchange="topk_sign", compression=compression,
+        min_elements=1,
+        name=f"one_{compression}")
+    expected, residual = start.astype("float64"), np.zeros(500, "float32")
+    for step in range(3):
+        grad = (rng.randn(500) * np.exp(rng.randn(500))).astype("float32")
+        optimizer.apply_gradients([(tf.constant(grad), variable)])
+        compensated = grad + residual
+        top = np.argsort(-np.abs(compensated))[:k]
+        rest = compensated.copy()
+        rest[top] = 0
+        scale = np.float32(np.abs(rest).astype("float64").sum() / (500 - k))
+        values = compensated[top]
+        if compression == "float16":
+            scale, values = np.float32(np.float16(scale)), values.astype(np.float16)
+        sent = np.where(rest < 0, -scale, scale).astype("float32")
+        sent[top] += values
+        residual = compensated - sent
+        expected = expected - lr * sent.astype("float64")
+        np.testing.assert_allclose(optimizer.residuals[0].numpy(), residual, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(variable.numpy(), expected, rtol=0, atol=1e-5)
+    value_bytes = 2 if compression == "float16" else 4
+    per_step = k * (value_bytes + 4) + 4 * (1 + math.ceil(500 / 32))
+    assert optimizer.communication_stats()["bytes_sent"] == 3 * per_step
