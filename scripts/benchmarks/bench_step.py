@@ -18,6 +18,8 @@ Methods (``--methods``, comma-separated):
   ``psar_<sparsifier>@<d>``: with ``exchange="plain_sparse_allreduce"`` (int32 indices, raw
   values);
   ``compact_<sparsifier>@<d>``: with ``exchange="compact_allgather"`` (coded indices);
+  ``topksign_<sparsifier>@<d>``: with ``exchange="topk_sign"`` (the top entries and the
+  signs of the rest);
   ``sign@<d>``: ``exchange="sign"`` (every entry's sign and a scale per variable; ``d`` is
   not used; with ``--inner adam`` and the update cut, the default second moment, the noise
   estimate); ``sign_own@<d>``: the same with ``second_moment="own"``;
@@ -192,6 +194,9 @@ def worker(args):
                 sparsifier = name
             if name.startswith("compact_"):
                 exchange, name = "compact_allgather", name[len("compact_"):]
+                sparsifier = name
+            if name.startswith("topksign_"):  # the top-k entries and the rest's signs
+                exchange, name = "topk_sign", name[len("topksign_"):]
                 sparsifier = name
             if name.startswith("sign"):  # every entry's sign (the density is not used)
                 exchange, sparsifier = "sign", "topk"
