@@ -17,7 +17,8 @@ import itertools
 FACTORS = {
     "sparsifier": ("topk", "approx_topk", "randomk", "threshold"),
     "density": ("constant", "warmup", "adaptive"),
-    "exchange": ("allgather", "compact_allgather", "sparse_allreduce", "dense", "auto", "sign"),
+    "exchange": ("allgather", "compact_allgather", "sparse_allreduce", "dense", "auto", "sign",
+                 "topk_sign"),
     "grouping": ("grouped", "layerwise"),
     "staleness": (0, 1),
     "compression": ("none", "float16"),
@@ -47,6 +48,13 @@ REFUSED = (
     ("exchange", "sign", "momentum_correction", 0.9),
     ("exchange", "sign", "dense_fallback", True),
     ("exchange", "sign", "budget", "model"),
+    # the top entries and the rest's signs: every entry moves, so no velocity to mask; no
+    # per-layer or delayed variant of it, nor a dense fallback that times top-k
+    ("exchange", "topk_sign", "density", "adaptive"),
+    ("exchange", "topk_sign", "grouping", "layerwise"),
+    ("exchange", "topk_sign", "staleness", 1),
+    ("exchange", "topk_sign", "momentum_correction", 0.9),
+    ("exchange", "topk_sign", "dense_fallback", True),
 )
 
 
