@@ -129,3 +129,29 @@ def test_one_worker_applies_both_stages_and_keeps_the_rest(compression):
     value_bytes = 2 if compression == "float16" else 4
     per_step = k * (value_bytes + 4) + 4 * (1 + math.ceil(500 / 32))
     assert optimizer.communication_stats()["bytes_sent"] == 3 * per_step
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_rests_signs_native_and_tensorflow_against_numpy(native, monkeypatch):
+    """The native pass sums |remainder| in double (its scale is NumPy's float64 mean rounded to
+    float32, bit for bit); TensorFlow's float32 sum may differ in the last bit."""
+    from sparse_hvd import kernels
+    from sparse_hvd.exchanges import topk_sign
+
+    if native and kernels.signs_of_rest() is None:
+        pytest.skip("no native kernels here")
+    if not native:
+        monkeypatch.setattr(topk_sign.kernels, "signs_of_rest", lambda: None)
+    rng = np.random.RandomState(7)
+    remainder = (rng.randn(100_003) * np.exp(rng.randn(100_003))).astype("float32")
+    remainder[rng.choice(remainder.size, 1000, replace=False)] = 0.0  # the selected entries
+    signs, residual = topk_sign.signs_of_rest(tf.constant(remainder), tf.constant(1000))
+    scale = np.float32(np.abs(remainder).astype("float64").sum() / (remainder.size - 1000))
+    expected = np.where(remainder < 0, -scale, scale).astype("float32")
+    if native:
+        np.testing.assert_array_equal(signs.numpy(), expected)
+        np.testing.assert_array_equal(residual.numpy(), remainder - expected)
+    else:
+        np.testing.assert_allclose(signs.numpy(), expected, rtol=1e-5)
+        np.testing.assert_allclose(residual.numpy(), remainder - expected, rtol=0,
+                                   atol=1e-5 * scale)

@@ -33,6 +33,7 @@ error kept in the residual. ``exchange="auto"`` chooses between it and dense whe
 
 import tensorflow as tf
 
+from .. import kernels
 from ..selection.sparsifiers import Selection, Sparsifier
 from .base import register
 from .fused_allgather import FusedAllgather
@@ -41,7 +42,11 @@ from .sign import SignAllgather
 
 def signs_of_rest(remainder, selected):
     """Steps 2-3 for one flat ``remainder`` (zero at the ``selected`` count of entries the
-    selection took): ``(signs, residual)``."""
+    selection took): ``(signs, residual)``; on CPU in two native passes
+    (``kernels/signs_of_rest.cc``; its scale summed in double)."""
+    native = kernels.signs_of_rest() if remainder.dtype == tf.float32 else None
+    if native is not None:
+        return native(remainder, tf.cast(selected, tf.int32))
     n = tf.size(remainder)
     rest = tf.maximum(n - tf.cast(selected, n.dtype), 1)
     scale = tf.reduce_sum(tf.abs(remainder)) / tf.cast(rest, remainder.dtype)

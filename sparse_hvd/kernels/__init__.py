@@ -31,6 +31,9 @@
   ``SparseHvdSignPack`` and ``SparseHvdSignSum`` ops (sign_sum.cc, ``exchange="sign"``: error
   feedback's scaled signs in two passes; one rank's sign bits and scale in one pass; one
   variable's average from every rank's bits and scale, summed in rank order, in one pass);
+* ``signs_of_rest()``: the ``SparseHvdSignsOfRest`` op (signs_of_rest.cc,
+  ``exchange="topk_sign"``: the signs of what the top-k left, and the residual, in two
+  passes);
 * ``watch_enter()``, ``watch_leave()`` and ``watch_table()``: the ``SparseHvdWatchEnter`` and
   ``SparseHvdWatchLeave`` ops and the C functions that read their table (watch.cc: the stall
   watchdog's brackets around a traced step's collectives).
@@ -195,6 +198,11 @@ def compensate_sign():
 def sign_pack():
     """The native sign-packing op of the sign exchange, or None."""
     return _op("sparse_hvd_sign_pack")
+
+
+def signs_of_rest():
+    """The native second stage of ``exchange="topk_sign"`` (the rest's signs), or None."""
+    return _op("sparse_hvd_signs_of_rest")
 
 
 def noise_estimate():

@@ -1,0 +1,80 @@
+// SparseHvdSignsOfRest: the second stage of ``exchange="topk_sign"``
+// (sparse_hvd/exchanges/topk_sign.py, steps 2-3) for one variable, in two passes:
+//
+//   1. the sum of |remainder| in double, in index order (the selected entries are zero);
+//   2. scale = that sum over the n - selected entries not selected, rounded to float;
+//      signs = -scale where remainder < 0, else scale; residual = remainder - signs.
+//
+// The TensorFlow path takes about four passes and sums in float32, which may differ in the
+// last bit of the scale: each rank sends its own scale, so replicas stay identical either way.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace sparse_hvd {
+
+using absl::InvalidArgumentError;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+
+REGISTER_OP("SparseHvdSignsOfRest")
+    .Input("remainder: float")  // [n]: the compensated tensor, the selected entries zeroed
+    .Input("selected: int32")   // the number of selected entries
+    .Output("signs: float")     // [n]: +-scale
+    .Output("residual: float")  // [n]: remainder - signs
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      c->set_output(1, c->input(0));
+      return tsl::OkStatus();
+    });
+
+namespace {
+
+double AbsoluteSum(const float* __restrict r, int64_t n) {
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) total += std::fabs(r[i]);
+  return total;
+}
+
+void Signed(const float* __restrict r, float scale, int64_t n, float* __restrict s,
+            float* __restrict out) {
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = r[i] < 0.0f ? -scale : scale;
+    out[i] = r[i] - s[i];
+  }
+}
+
+}  // namespace
+
+class SignsOfRestOp : public OpKernel {
+ public:
+  explicit SignsOfRestOp(OpKernelConstruction* context) : OpKernel(context) {}
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& remainder = context->input(0);
+    const Tensor& selected = context->input(1);
+    OP_REQUIRES(context, remainder.dims() == 1, InvalidArgumentError("remainder must be 1-D"));
+    OP_REQUIRES(context, selected.dims() == 0, InvalidArgumentError("selected must be a scalar"));
+    const int64_t n = remainder.dim_size(0);
+    Tensor* signs = nullptr;
+    Tensor* residual = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, remainder.shape(), &signs));
+    OP_REQUIRES_OK(context, context->allocate_output(1, remainder.shape(), &residual));
+    const float* r = remainder.flat<float>().data();
+    const int64_t rest = std::max<int64_t>(n - selected.scalar<int32_t>()(), 1);
+    const float scale = static_cast<float>(AbsoluteSum(r, n) / static_cast<double>(rest));
+    Signed(r, scale, n, signs->flat<float>().data(), residual->flat<float>().data());
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("SparseHvdSignsOfRest").Device(tensorflow::DEVICE_CPU),
+                        SignsOfRestOp);
+
+}  // namespace sparse_hvd
