@@ -19,7 +19,7 @@ from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 
 
 def test_every_exchange_is_registered_with_its_groupings():
-    assert set(available()) == {"dense", "allgather", "compact_allgather", "sparse_allreduce",
+    assert set(available()) == {"dense", "allgather", "compact_allgather", "sparse_allreduce", "topk_sign",
                                 "plain_sparse_allreduce", "sign"}
     assert groupings_of("sign") == ("grouped",)
     assert exchange_class("sign").chooses_entries

@@ -190,6 +190,9 @@ METHODS = {
                    "second moment corrected for its N times smaller batch, the noise read "
                    "over the second moment's own horizon",
                    {"exchange": "sign", "second_moment": "noise_estimate"}),
+    "topk_auto": ("exchange='auto' named: top-k 1% with auto among the top-k exchanges and "
+                  "dense (the default with SGD's momentum before topk_sign)",
+                  {"density": 0.01, "exchange": "auto"}),
     "topk_sign": ("exchange='topk_sign': the top 1% of each worker's compensated update as "
                   "it is and the sign of every other entry times their mean magnitude (the "
                   "default with SGD's momentum)", {"density": 0.01, "exchange": "topk_sign"}),
