@@ -30,8 +30,8 @@ def _mechanism_defaults(request, monkeypatch):
     """Most tests check a mechanism against a closed-form expectation for the density they
     pass (k = ceil(density * n) of each variable from the first step, the inner optimizer's
     own momentum, the exchange they name or the allgather), so the warm-up, the model-wide
-    budget, the timed choice of exchange, Adam's signs and SGD's signs of the rest of ``sparse_hvd.selection.defaults``
-    are off for them; tests marked
+    budget, the timed choice of exchange, Adam's signs and SGD's signs of the rest
+    (``sparse_hvd.selection.defaults``) are off for them; tests marked
     ``convergence_defaults`` run with the defaults as users get them."""
     if request.node.get_closest_marker("convergence_defaults"):
         return

@@ -23,11 +23,11 @@ registered under the name ``exchange=`` takes and the ``grouping`` it runs:
 
 ``sparse_hvd.checks`` reads the classes' capabilities (``per_layer``, ``layer_budgets``,
 ``compression_capable``, ``staleness``, ``returns_unsent``, ``sends_selections``,
-``auto_candidate``, ``chooses_entries``, ``code``), never their names. To add an exchange: write a module
-with a subclass of ``Exchange`` that implements ``_average_many`` (and ``traced`` and
-``_announce`` for the lockstep check; build its header with ``base.header``), declare its
-capabilities, decorate it with ``@register("name", grouping=...)``, and import the module
-below. The README's developer section walks through it.
+``auto_candidate``, ``chooses_entries``, ``code``), never their names. To add an exchange:
+write a module with a subclass of ``Exchange`` that implements ``_average_many`` (and
+``traced`` and ``_announce`` for the lockstep check; build its header with ``base.header``),
+declare its capabilities, decorate it with ``@register("name", grouping=...)``, and import
+the module below. The README's developer section walks through it.
 """
 
 from . import (compact_allgather, dense, fused_allgather, layerwise,  # noqa: F401 (registration)
