@@ -28,9 +28,9 @@ def test_the_top_entries_travel_as_they_are_and_the_rest_as_signs_of_their_mean_
                                   [-3.0, 2.0])
     scale = (1.0 + 0.25 + 0.25) / 3  # the mean magnitude of the three entries left
     # the selected entries' zeros travel as +
-    np.testing.assert_allclose(selection.signs.numpy(), [scale, scale, -scale, scale, -scale],
-                               rtol=1e-7)
-    sent = selection.signs.numpy().copy()
+    (signs,) = selection.signs  # one layer
+    np.testing.assert_allclose(signs.numpy(), [scale, scale, -scale, scale, -scale], rtol=1e-7)
+    sent = signs.numpy().copy()
     sent[[1, 3]] += [-3.0, 2.0]
     np.testing.assert_allclose(sent + remainder.numpy(), compensated, rtol=0, atol=1e-7)
 
@@ -41,7 +41,7 @@ def test_the_unfused_call_selects_the_same():
     called = wrapped(flat, 10)
     fused, remainder = wrapped.fused_compensate_select(flat, tf.zeros_like(flat), 10)
     np.testing.assert_array_equal(np.sort(called.indices), np.sort(fused.indices))
-    np.testing.assert_allclose(called.signs, fused.signs, rtol=1e-6)
+    np.testing.assert_allclose(called.signs[0], fused.signs[0], rtol=1e-6)
     expected_signs, expected_residual = signs_of_rest(
         tf.tensor_scatter_nd_update(flat, tf.reshape(fused.indices, [-1, 1]), tf.zeros([10])), 10)
     np.testing.assert_allclose(remainder, expected_residual, rtol=1e-6)
@@ -81,6 +81,7 @@ def test_anything_else_keeps_top_k(inner, arguments):
     assert "topk_sign" not in optimizer._exchange_candidates
 
 
+@pytest.mark.parametrize("exchange", ["topk_sign", "topk_sign2"])
 @pytest.mark.parametrize("arguments,named", [
     ({"momentum_correction": 0.9}, "`momentum_correction=0.9`"),
     ({"dense_fallback": True}, "`dense_fallback=True`"),
@@ -88,10 +89,10 @@ def test_anything_else_keeps_top_k(inner, arguments):
     ({"staleness": 1}, "`staleness`"),
     ({"density": sparse_hvd.AdaptiveDensity(0.01)}, "AdaptiveDensity"),
 ])
-def test_settings_topk_sign_cannot_take_are_refused_by_name(arguments, named):
-    with pytest.raises(ValueError, match=f"exchange='topk_sign'.*{re.escape(named)}|"
-                                         f"{re.escape(named)}.*exchange='topk_sign'"):
-        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), exchange="topk_sign",
+def test_settings_topk_sign_cannot_take_are_refused_by_name(exchange, arguments, named):
+    with pytest.raises(ValueError, match=f"exchange='{exchange}'.*{re.escape(named)}|"
+                                         f"{re.escape(named)}.*exchange='{exchange}'"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), exchange=exchange,
                                               **arguments)
 
 
@@ -99,7 +100,8 @@ def test_settings_topk_sign_cannot_take_are_refused_by_name(arguments, named):
 def test_one_worker_applies_both_stages_and_keeps_the_rest(compression):
     """SGD without momentum (the gradient cut) at 10% of 500 entries: the weights move by the
     learning rate times the top 50 entries and the signs of the others; the residual holds
-    what neither carried, and sent + residual is the compensated gradient."""
+    what neither carried, and sent + residual is the compensated gradient. (Two levels, every
+    rank: tests/distributed/test_topk_sign_exchange.py.)"""
     rng = np.random.RandomState(3)
     start = rng.randn(500).astype("float32")
     variable = keras.Variable(start)
@@ -145,7 +147,7 @@ def test_the_rests_signs_native_and_tensorflow_against_numpy(native, monkeypatch
     rng = np.random.RandomState(7)
     remainder = (rng.randn(100_003) * np.exp(rng.randn(100_003))).astype("float32")
     remainder[rng.choice(remainder.size, 1000, replace=False)] = 0.0  # the selected entries
-    signs, residual = topk_sign.signs_of_rest(tf.constant(remainder), tf.constant(1000))
+    (signs,), residual = topk_sign.signs_of_rest(tf.constant(remainder), tf.constant(1000))
     scale = np.float32(np.abs(remainder).astype("float64").sum() / (remainder.size - 1000))
     expected = np.where(remainder < 0, -scale, scale).astype("float32")
     if native:
@@ -155,3 +157,21 @@ def test_the_rests_signs_native_and_tensorflow_against_numpy(native, monkeypatch
         np.testing.assert_allclose(signs.numpy(), expected, rtol=1e-5)
         np.testing.assert_allclose(residual.numpy(), remainder - expected, rtol=0,
                                    atol=1e-5 * scale)
+
+
+def test_two_levels_are_the_band_and_the_rest_at_their_own_mean_magnitudes():
+    """``two_level_signs``' two layers add up to the band's mean magnitude times the sign in
+    the band and the rest's outside it (the selected entries' zeros count in neither)."""
+    from sparse_hvd.exchanges.topk_sign import band_cut_of, two_level_signs
+
+    remainder = np.array([0.0, 4.0, -3.0, 0.5, -0.25, 0.0, 1.0, -0.5], "float32")  # 2 selected
+    cut = band_cut_of(tf.constant(remainder), 2, band=2)  # the 2nd largest |r|: 3.0
+    assert float(cut) == 3.0
+    (first, second), residual = two_level_signs(tf.constant(remainder), 2, cut)
+    band_scale, rest_scale = 3.5, (0.5 + 0.25 + 1.0 + 0.5) / 4
+    scales = np.where(np.abs(remainder) >= 3.0, band_scale, rest_scale)
+    expected = np.where(remainder < 0, -scales, scales)
+    np.testing.assert_allclose(first.numpy() + second.numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(residual.numpy(), remainder - expected, rtol=0, atol=1e-6)
+    no_band = band_cut_of(tf.constant(remainder), 0)  # nothing selected: no band
+    assert np.isinf(float(no_band))

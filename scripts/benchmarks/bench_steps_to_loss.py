@@ -190,6 +190,9 @@ METHODS = {
                    "second moment corrected for its N times smaller batch, the noise read "
                    "over the second moment's own horizon",
                    {"exchange": "sign", "second_moment": "noise_estimate"}),
+    "topk_sign2": ("exchange='topk_sign2': the top 1% as they are, the next 9% (the band) as "
+                   "their signs times their mean magnitude, the rest as theirs (two bits an "
+                   "entry)", {"density": 0.01, "exchange": "topk_sign2"}),
     "topk_auto": ("exchange='auto' named: top-k 1% with auto among the top-k exchanges and "
                   "dense (the default with SGD's momentum before topk_sign)",
                   {"density": 0.01, "exchange": "auto"}),

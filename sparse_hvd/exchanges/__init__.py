@@ -19,6 +19,7 @@ registered under the name ``exchange=`` takes and the ``grouping`` it runs:
                                            variable, one allgather (chooses its entries)
 ``"topk_sign"``               grouped      ``topk_sign``: the top-k entries and the signs of
                                            the rest, one allgather
+``"topk_sign2"``              grouped      ``topk_sign``: the same with two levels of signs
 ============================  ===========  =========================================
 
 ``sparse_hvd.checks`` reads the classes' capabilities (``per_layer``, ``layer_budgets``,

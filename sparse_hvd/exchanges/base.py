@@ -212,7 +212,7 @@ class Exchange:
             sparse = [average_entries(s.indices, s.values, tf.reshape(tf.size(s.indices), [1, 1]),
                                       [0], [n], 1)[0]
                       for s, n in zip(payload.sparse.items, sizes)]
-            sparse = [a if s.signs is None else a + tf.cast(s.signs, a.dtype)
+            sparse = [sum((tf.cast(layer, a.dtype) for layer in s.signs or ()), a)
                       for a, s in zip(sparse, payload.sparse.items)]
             dense, finite, returned = list(payload.dense.items), payload.finite_here(), ()
         else:

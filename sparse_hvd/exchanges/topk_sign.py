@@ -42,43 +42,101 @@ from .base import register
 from .fused_allgather import FusedAllgather
 from .sign import SignAllgather
 
+BAND = 10  # topk_sign2: the band is the (BAND - 1) x k largest entries below the top k
+
 
 def signs_of_rest(remainder, selected):
     """Steps 2-3 for one flat ``remainder`` (zero at the ``selected`` count of entries the
-    selection took): ``(signs, residual)``; on CPU in two native passes
+    selection took): ``((signs,), residual)``; on CPU in two native passes
     (``kernels/signs_of_rest.cc``; its scale summed in double)."""
     native = kernels.signs_of_rest() if remainder.dtype == tf.float32 else None
     if native is not None:
-        return native(remainder, tf.cast(selected, tf.int32))
+        signs, residual = native(remainder, tf.cast(selected, tf.int32))
+        return (signs,), residual
     n = tf.size(remainder)
     rest = tf.maximum(n - tf.cast(selected, n.dtype), 1)
     scale = tf.reduce_sum(tf.abs(remainder)) / tf.cast(rest, remainder.dtype)
     signs = tf.where(remainder < 0, -scale, scale)
-    return signs, remainder - signs
+    return (signs,), remainder - signs
+
+
+def band_cut_of(remainder, selected, band=BAND):
+    """One variable's own band cut (with a budget per layer; the model-wide budget cuts the
+    band over the whole model): the ``(band - 1) x selected``-th largest ``|remainder|``,
+    +inf where that is no entry."""
+    magnitude = tf.abs(remainder)
+    n = tf.size(magnitude)
+    count = tf.minimum((band - 1) * tf.cast(selected, tf.int32), n - tf.cast(selected, tf.int32))
+    native = kernels.kth_largest() if magnitude.dtype == tf.float32 else None
+
+    def kth():
+        if native is not None:
+            return native(magnitude, tf.stack([0, n]), tf.reshape(count, [1]))[0]
+        return tf.math.top_k(magnitude, count, sorted=True).values[count - 1]
+
+    return tf.cond(count > 0, kth, lambda: tf.constant(float("inf"), magnitude.dtype))
+
+
+def two_level_signs(remainder, selected, band_cut):
+    """``exchange="topk_sign2"``'s steps 2-3: the entries not selected at or above
+    ``band_cut`` (the band) as their signs times their mean magnitude, the others as theirs.
+    Sent as two layers of signs, each one bit an entry and one scale: ``a = (s_band +
+    s_rest) / 2`` times every sign, and ``b = (s_band - s_rest) / 2`` times the sign in the
+    band and its opposite outside it (they add up to ``s_band`` or ``s_rest`` times the
+    sign). Returns ``((first, second), residual)``."""
+    magnitude = tf.abs(remainder)
+    in_band = tf.logical_and(magnitude >= tf.cast(band_cut, magnitude.dtype), magnitude > 0)
+    n = tf.cast(tf.size(remainder), remainder.dtype)
+    in_band_count = tf.reduce_sum(tf.cast(in_band, remainder.dtype))
+    band_total = tf.reduce_sum(tf.where(in_band, magnitude, tf.zeros_like(magnitude)))
+    band_scale = band_total / tf.maximum(in_band_count, 1)
+    rest_count = tf.maximum(n - tf.cast(selected, remainder.dtype) - in_band_count, 1)
+    rest_scale = (tf.reduce_sum(magnitude) - band_total) / rest_count
+    half_sum, half_difference = (band_scale + rest_scale) / 2, (band_scale - rest_scale) / 2
+    negative = remainder < 0
+    first = tf.where(negative, -half_sum, half_sum)
+    second = tf.where(tf.not_equal(negative, in_band), half_difference, -half_difference)
+    return (first, second), remainder - (first + second)
 
 
 class SignsOfTheRest(Sparsifier):
     """Steps 1-3 of the module doc around ``inner`` (the sparsifier that selects, or the
-    model-wide cut): its selection with ``signs`` set, and the residual after both stages."""
+    model-wide cut): its selection with ``signs`` set (one layer, or two with ``levels=2``:
+    ``exchange="topk_sign2"``), and the residual after both stages. ``band_cut``: the
+    model-wide cut of the band (two levels), else each variable's own (:func:`band_cut_of`)."""
 
     name = "signs_of_the_rest"
 
-    def __init__(self, inner):
+    def __init__(self, inner, levels=1, band_cut=None):
         self.inner = inner
+        self.levels = levels
+        self.band_cut = band_cut
+
+    def _signs(self, remainder, selected):
+        if self.levels == 1:
+            return signs_of_rest(remainder, selected)
+        cut = self.band_cut if self.band_cut is not None else band_cut_of(remainder, selected)
+        return two_level_signs(remainder, selected, cut)
 
     def __call__(self, flat, k):
         from ..feedback.error_feedback import zeroed_at
 
         selection = self.inner(flat, k)
-        signs, _ = signs_of_rest(zeroed_at(flat, selection.indices), tf.size(selection.indices))
+        signs, _ = self._signs(zeroed_at(flat, selection.indices), tf.size(selection.indices))
         return selection._replace(signs=signs)
 
     def fused_compensate_select(self, flat_grad, flat_residual, k):
         from ..feedback.error_feedback import compensate_and_select
 
         selection, remainder = compensate_and_select(flat_grad, flat_residual, self.inner, k)
-        signs, residual = signs_of_rest(remainder, tf.size(selection.indices))
+        signs, residual = self._signs(remainder, tf.size(selection.indices))
         return selection._replace(signs=signs), residual
+
+
+def _layers(selections):
+    """Every selection's sign layers, in order, as selections of their own (what the sign
+    exchange packs)."""
+    return [Selection(layer, s.indices) for s in selections for layer in s.signs]
 
 
 @register("topk_sign", grouping="grouped")
@@ -95,11 +153,31 @@ class TopkSignAllgather(FusedAllgather):
         selected one that travel as signs."""
         return super().sent_bytes_per_entry(density, value_bytes) + 1 / (8 * density)
 
+    levels = 1  # layers of signs
+
     def extra_words(self, selections):
-        return [SignAllgather.pack([Selection(s.signs, s.indices) for s in selections])]
+        return [SignAllgather.pack(_layers(selections))]
 
     def with_extra(self, sparse, gathered, selections, sizes):
         rows = tf.reshape(gathered[0], [self.size, -1])
-        signs = SignAllgather.unpack(rows, [Selection(s.signs, s.indices) for s in selections],
-                                     sizes)
-        return [entries + tf.cast(sign, entries.dtype) for entries, sign in zip(sparse, signs)]
+        layers = SignAllgather.unpack(rows, _layers(selections),
+                                      [n for n in sizes for _ in range(self.levels)])
+        averages = []
+        for j, entries in enumerate(sparse):
+            for layer in layers[j * self.levels:(j + 1) * self.levels]:
+                entries = entries + tf.cast(layer, entries.dtype)
+            averages.append(entries)
+        return averages
+
+
+@register("topk_sign2", grouping="grouped")
+class TopkTwoSignsAllgather(TopkSignAllgather):
+    """``exchange="topk_sign2"``: the same with two levels of signs (:func:`two_level_signs`):
+    the band, the ``(BAND - 1) x k`` largest entries below the top k, at their own mean
+    magnitude, the rest at theirs; two bits an entry."""
+
+    code = "entries_and_two_signs"
+    levels = 2
+
+    def sent_bytes_per_entry(self, density, value_bytes):
+        return super().sent_bytes_per_entry(density, value_bytes) + 1 / (8 * density)

@@ -172,11 +172,12 @@ class ErrorFeedback:
             selection = selection._replace(values=sent)
             if remainder is not None:  # zero at the selected positions: now their error
                 remainder = _scatter_add(remainder, error, selection.indices)
-            if selection.signs is not None:  # the scale of the signs too, its error kept
-                signs, error = compression.round(selection.signs)
-                selection = selection._replace(signs=signs)
+            if selection.signs is not None:  # the scales of the signs too, their error kept
+                rounded = [compression.round(layer) for layer in selection.signs]
+                selection = selection._replace(signs=tuple(sent for sent, _ in rounded))
                 if remainder is not None:
-                    remainder = remainder + tf.cast(error, remainder.dtype)
+                    for _, error in rounded:
+                        remainder = remainder + tf.cast(error, remainder.dtype)
         if remainder is not None:
             updates.append((self.residuals[index], remainder))
         if self.momentum:

@@ -138,7 +138,7 @@ class PayloadBuilder:
         self._budgets.append(budget)
         sent = tf.cast(tf.size(selection.values), tf.int64)
         bytes_sent = sent * (route.itemsize + INDEX_BYTES)
-        if selection.signs is not None:  # a bit an entry in int32 words, and the scale
+        for _ in selection.signs or ():  # a bit an entry in int32 words, and the scale
             bytes_sent += 4 * ((route.num_elements + 31) // 32 + 1)
         self._add("sparse", position, key, selection, route, gradient, sent, bytes_sent,
                   finite=selection.finite)

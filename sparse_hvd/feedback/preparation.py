@@ -117,10 +117,14 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
     budgets = {index: opt.density_policy.k(index, route.num_elements, step)
                for _, index, route, rows, _ in prepared if route.sparse and not rows}
     sparsifier = model_wide_sparsifier(opt, prepared, budgets) or opt._selector
-    if opt._exchange.code == "entries_and_signs":  # exchange="topk_sign": the rest as signs
-        from ..exchanges.topk_sign import SignsOfTheRest
+    levels = getattr(opt._exchange, "levels", 0)  # exchange="topk_sign": the rest as signs
+    if levels:
+        from ..exchanges.topk_sign import BAND, SignsOfTheRest
 
-        sparsifier = SignsOfTheRest(sparsifier)
+        band_cut = None
+        if levels > 1 and opt.budget == "model" and budgets:
+            band_cut = model_wide_sparsifier(opt, prepared, budgets, scale=BAND).cut
+        sparsifier = SignsOfTheRest(sparsifier, levels, band_cut)
     for position, index, route, rows, grad in prepared:
         if rows:
             builder.add_rows(position, index, route, grad)
@@ -145,9 +149,10 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
     return builder.build()
 
 
-def model_wide_sparsifier(opt, prepared, budgets):
+def model_wide_sparsifier(opt, prepared, budgets, scale=1):
     """``budget="model"``: a sparsifier that keeps every entry at or above this step's
-    model-wide cut (``selection.model_budget``); None with per-layer budgets."""
+    model-wide cut (``selection.model_budget``), for ``scale`` times the budgets (the band of
+    ``exchange="topk_sign2"``: 10); None with per-layer budgets."""
     if opt.budget != "model" or not budgets:
         return None
     from ..selection.model_budget import AtOrAbove, model_wide_cut
@@ -159,7 +164,7 @@ def model_wide_sparsifier(opt, prepared, budgets):
         return tf.abs(tf.cast(opt._feedback.compensated_at(index, grad, sample), tf.float32))
 
     sizes = [opt._routes[index].num_elements for index, _ in chosen]
-    return AtOrAbove(model_wide_cut(magnitudes_at, sizes, [budgets[i] for i, _ in chosen],
+    return AtOrAbove(model_wide_cut(magnitudes_at, sizes, [scale * budgets[i] for i, _ in chosen],
                                     _native_sample(opt, chosen)))
 
 

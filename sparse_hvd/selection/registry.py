@@ -19,9 +19,9 @@ class Selection(NamedTuple):
     # bool scalar: every compensated entry was finite, found in the selecting pass itself (the
     # native kernels); None: the payload checks the gradient with a pass of its own
     finite: Optional[tf.Tensor] = None
-    # [n] with exchange="topk_sign": every entry's sign, as +-scale, of what the selection left
-    # (``exchanges.topk_sign``); it travels as bits beside the selected entries
-    signs: Optional[tf.Tensor] = None
+    # with exchange="topk_sign": layers of [n] signs, each +-its scale, of what the selection
+    # left (``exchanges.topk_sign``: one layer, or two); they travel as bits beside the entries
+    signs: Optional[tuple] = None
 
 
 class Sparsifier:

@@ -24,27 +24,41 @@ def _gradients(rank, step):
     return [big.astype("float32"), rng.randn(*SMALL).astype("float32")]
 
 
-def _sent(compensated, k):
+def _sent(compensated, k, levels=1):
     """What one rank sends for a compensated float32 vector: its top-k entries as they are,
-    every other entry as the others' mean magnitude, signed (a zero as +)."""
-    top = np.argsort(-np.abs(compensated), kind="stable")[:k]
+    every other entry as the others' mean magnitude, signed (a zero as +); with two levels,
+    the next 9k entries (the band) at their own mean magnitude and the rest at theirs."""
+    order = np.argsort(-np.abs(compensated), kind="stable")
+    top = order[:k]
     rest = compensated.copy()
     rest[top] = 0
-    scale = np.float32(np.abs(rest).astype("float64").sum() / (compensated.size - k))
-    signs = np.where(rest < 0, -scale, scale).astype("float32")
+    magnitude = np.abs(rest).astype("float64")
+    if levels == 1:
+        scale = np.float32(magnitude.sum() / (compensated.size - k))
+        signs = np.where(rest < 0, -scale, scale).astype("float32")
+    else:
+        band = np.zeros(compensated.size, bool)
+        band[order[k:10 * k]] = True
+        band_scale = magnitude[band].sum() / band.sum()
+        rest_scale = magnitude[~band].sum() / (compensated.size - k - band.sum())
+        scales = np.where(band, band_scale, rest_scale)
+        signs = np.where(rest < 0, -scales, scales).astype("float32")
     sent = signs.copy()
     sent[top] = compensated[top] + signs[top]
     return sent, rest - signs
 
 
-@pytest.mark.parametrize("momentum", [MOMENTUM, 0.0])
-def test_every_rank_applies_the_mean_of_the_top_entries_and_the_signs_of_the_rest(hvd, momentum):
+@pytest.mark.parametrize("momentum,exchange", [(MOMENTUM, "topk_sign"), (0.0, "topk_sign"),
+                                               (MOMENTUM, "topk_sign2")])
+def test_every_rank_applies_the_mean_of_the_top_entries_and_the_signs_of_the_rest(
+        hvd, momentum, exchange):
     rank, size = hvd.rank(), hvd.size()
     start = [np.linspace(-1, 1, math.prod(s)).astype("float32").reshape(s) for s in (BIG, SMALL)]
     variables = [keras.Variable(w) for w in start]
-    name = f"topk_sign_{int(momentum * 10)}"
+    name = f"{exchange}_{int(momentum * 10)}"
+    levels = 2 if exchange == "topk_sign2" else 1
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(LR, momentum=momentum), density=DENSITY, exchange="topk_sign",
+        keras.optimizers.SGD(LR, momentum=momentum), density=DENSITY, exchange=exchange,
         name=name)
     assert optimizer.sparsify == ("update" if momentum else "gradient")
     k = math.ceil(DENSITY * math.prod(BIG))
@@ -68,7 +82,7 @@ def test_every_rank_applies_the_mean_of_the_top_entries_and_the_signs_of_the_res
                 cut = velocities[r]
             else:
                 cut = own
-            sent, residuals[r] = _sent(cut.astype("float32") + residuals[r], k)
+            sent, residuals[r] = _sent(cut.astype("float32") + residuals[r], k, levels)
             total += sent.astype("float64")
         shared = momentum * shared + LR * sum(g[1].astype("float64") for g in every).ravel() / size
         expected[0] = expected[0] - (total / size if momentum else LR * total / size)
@@ -83,7 +97,7 @@ def test_every_rank_applies_the_mean_of_the_top_entries_and_the_signs_of_the_res
                                err_msg=f"rank {rank}")
     # what one rank sent per step: the dense route's float32s, k values and indices, then one
     # scale word and ceil(3500 / 32) = 110 words of signs
-    per_step = 4 * math.prod(SMALL) + 8 * k + 4 * (1 + math.ceil(math.prod(BIG) / 32))
+    per_step = 4 * math.prod(SMALL) + 8 * k + levels * 4 * (1 + math.ceil(math.prod(BIG) / 32))
     assert optimizer.communication_stats()["bytes_sent"] == STEPS * per_step
     digests = gather(hvd, digest([v.numpy() for v in variables]), name=f"{name}.digests")
     assert all(d == digests[0] for d in digests), digests
