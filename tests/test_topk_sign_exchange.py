@@ -52,7 +52,16 @@ def _sgd_with_momentum(lr=0.1):
 
 
 @pytest.mark.convergence_defaults
-def test_with_sgd_momentum_the_default_exchange_chooses_between_topk_sign_and_dense():
+def test_by_default_sgd_momentum_keeps_top_k():
+    """``SIGNS_OF_REST`` is off (measured slower in time: docs/time_to_loss_topk_sign.md)."""
+    optimizer = sparse_hvd.SparseDistributedOptimizer(_sgd_with_momentum(), name="sgd_top_k")
+    assert "topk_sign" not in optimizer._exchange_candidates
+    assert "allgather" in optimizer._exchange_candidates
+
+
+@pytest.mark.convergence_defaults
+def test_with_signs_of_rest_on_sgd_momentum_chooses_between_topk_sign_and_dense(monkeypatch):
+    monkeypatch.setattr(sparse_hvd.selection.defaults, "SIGNS_OF_REST", True)
     optimizer = sparse_hvd.SparseDistributedOptimizer(_sgd_with_momentum(), name="sgd_default")
     assert optimizer._exchange_candidates == ("topk_sign", "dense")
     assert optimizer._exchange.method == "topk_sign" and optimizer.sparsify == "update"
@@ -76,7 +85,8 @@ def test_with_sgd_momentum_the_default_exchange_chooses_between_topk_sign_and_de
     (_sgd_with_momentum, {"dense_fallback": True}),
     (keras.optimizers.RMSprop, {}),  # not measured: top-k
 ])
-def test_anything_else_keeps_top_k(inner, arguments):
+def test_anything_else_keeps_top_k(inner, arguments, monkeypatch):
+    monkeypatch.setattr(sparse_hvd.selection.defaults, "SIGNS_OF_REST", True)
     optimizer = sparse_hvd.SparseDistributedOptimizer(inner(1e-3), name="keeps", **arguments)
     assert "topk_sign" not in optimizer._exchange_candidates
 

@@ -22,7 +22,10 @@ hundred steps), and the sign's scale is that of the small entries only, so it is
 by the large ones. Measured under SGD with momentum (``docs/steps_to_loss_topk_sign.md``, 3
 seeds, steps to dense's half-run loss over dense's): a character LSTM 1.07 at 4 workers and
 1.11 at 8, a CNN 1.05 and 0.89, where top-k at 1% of each worker's update needs 1.21, 1.23,
-1.18 and 0.83. Under Adam it did worse than the sign code (a probe on the transformer).
+1.18 and 0.83. Under Adam it did worse than the sign code (a probe on the transformer). It
+is not a default: its step costs more (a bit an entry and four more passes over each cut
+variable), and timed on the emulated 1 Gbit/s cluster the wide CNN reached dense's loss later
+with it than with top-k alone (``docs/time_to_loss_topk_sign.md``).
 
 Bytes: the selections' (8 bytes an entry, float32) plus n/8 + 4 per variable: at 1%, 0.051
 of dense's float32 bytes a step (the top-k's 0.02 and the signs' 0.031); 0.068-0.070 over an
@@ -30,8 +33,9 @@ of dense's float32 bytes a step (the top-k's 0.02 and the signs' 0.031); 0.068-0
 exchange, it does not combine with ``momentum_correction`` (masking would clear every entry's
 velocity), ``staleness``, ``AdaptiveDensity``, ``dense_fallback`` or
 ``grouping="layerwise"``; with ``compression`` the scales travel rounded to 16 bits, their
-error kept in the residual. ``exchange="auto"`` chooses between it and dense where
-``exchange=None`` means it (SGD with momentum, ``selection.defaults.code_by_default``).
+error kept in the residual. ``exchange="auto"`` never chooses it in place of an exchange that
+averages something else (``Exchange.code``); ``selection.defaults.SIGNS_OF_REST`` (off) would
+make it what ``exchange=None`` sends with SGD's momentum.
 """
 
 import tensorflow as tf

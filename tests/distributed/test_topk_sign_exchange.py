@@ -129,10 +129,12 @@ def test_a_step_not_finite_on_one_rank_is_skipped_everywhere(hvd):
 @pytest.mark.convergence_defaults
 @pytest.mark.parametrize("forced", ["topk_sign", "dense"])
 def test_with_sgd_momentum_the_default_times_topk_sign_against_dense(hvd, monkeypatch, forced):
-    """``exchange=None`` with SGD's momentum: a trial of ``topk_sign`` and dense, one decision
-    on every rank (forced here), then the chosen one runs; replicas stay identical."""
+    """``exchange=None`` with SGD's momentum and ``SIGNS_OF_REST`` on (it is off by default): a
+    trial of ``topk_sign`` and dense, one decision on every rank (forced here), then the
+    chosen one runs; replicas stay identical."""
     import sparse_hvd.steps.measured as measured
 
+    monkeypatch.setattr(sparse_hvd.selection.defaults, "SIGNS_OF_REST", True)
     monkeypatch.setattr(measured, "ABORT_AFTER", np.inf)
     monkeypatch.setattr(measured, "sparse_can_win", lambda step, compute, margin: True)
     monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index(forced))
