@@ -128,3 +128,14 @@ class NumpyAdam:
         self.v += (grad * grad - self.v) * (1 - self.beta_2)
         alpha = (self.lr * np.sqrt(1 - self.beta_2 ** self.t) / (1 - self.beta_1 ** self.t))
         return self.m * alpha / (np.sqrt(self.v) + self.epsilon)
+
+
+def force_auto_choice(monkeypatch, forced):
+    """``exchange="auto"``'s trial runs to its end and chooses ``forced`` (a candidate's name)
+    on every rank, whatever the timings."""
+    import sparse_hvd.steps.measured as measured
+
+    monkeypatch.setattr(measured, "ABORT_AFTER", float("inf"))
+    monkeypatch.setattr(measured, "sparse_can_win", lambda step, compute, margin: True)
+    monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index(forced))
+    return measured

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import sparse_hvd
 from conftest import digest, gather
-from helpers import NumpyAdam
+from helpers import NumpyAdam, force_auto_choice
 
 BIG, SMALL = (70, 50), (50,)  # 3500 entries (not a multiple of 32): cut; 50: the dense route
 LR, EPSILON, STEPS = 0.01, 0.5, 5
@@ -149,11 +149,7 @@ def test_with_adam_the_default_times_signs_against_dense_and_runs_the_choice(
     """``exchange=None`` with Adam: a trial of the sign exchange and dense, one decision on
     every rank (forced here), then the chosen one runs (the layer statistics say so);
     replicas stay identical through the switches."""
-    import sparse_hvd.steps.measured as measured
-
-    monkeypatch.setattr(measured, "ABORT_AFTER", np.inf)
-    monkeypatch.setattr(measured, "sparse_can_win", lambda step, compute, margin: True)
-    monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index(forced))
+    measured = force_auto_choice(monkeypatch, forced)
     rank = hvd.rank()
     variables = [keras.Variable(np.zeros(s, "float32")) for s in (BIG, SMALL)]
     optimizer = sparse_hvd.SparseDistributedOptimizer(

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import sparse_hvd
 from conftest import digest, gather
+from helpers import force_auto_choice
 
 BIG, SMALL = (70, 50), (50,)  # 3500 entries (not a multiple of 32): cut; 50: the dense route
 LR, MOMENTUM, DENSITY, STEPS = 0.1, 0.9, 0.05, 5
@@ -132,12 +133,8 @@ def test_with_sgd_momentum_the_default_times_topk_sign_against_dense(hvd, monkey
     """``exchange=None`` with SGD's momentum and ``SIGNS_OF_REST`` on (it is off by default): a
     trial of ``topk_sign`` and dense, one decision on every rank (forced here), then the
     chosen one runs; replicas stay identical."""
-    import sparse_hvd.steps.measured as measured
-
+    measured = force_auto_choice(monkeypatch, forced)
     monkeypatch.setattr(sparse_hvd.selection.defaults, "SIGNS_OF_REST", True)
-    monkeypatch.setattr(measured, "ABORT_AFTER", np.inf)
-    monkeypatch.setattr(measured, "sparse_can_win", lambda step, compute, margin: True)
-    monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index(forced))
     rank = hvd.rank()
     variables = [keras.Variable(np.zeros(s, "float32")) for s in (BIG, SMALL)]
     optimizer = sparse_hvd.SparseDistributedOptimizer(
