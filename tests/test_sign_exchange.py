@@ -91,16 +91,21 @@ def test_with_adam_the_default_exchange_chooses_between_signs_and_dense(inner):
     optimizer = sparse_hvd.SparseDistributedOptimizer(inner(1e-3), name="adam_default")
     assert _chooses_signs(optimizer) and optimizer._exchange.method == "sign"
     assert type(optimizer._step).__name__ == "MeasuredChoiceStep"
-    # nothing to warm up or to budget over the model; with Adam, the noise estimate (AdamW's
-    # decay would be scaled by it: its own second moment)
+    # nothing to warm up or to budget over the model; with Adam and AdamW (whose decay is
+    # kept out of the correction), the noise estimate
     assert optimizer.budget == "layer" and optimizer.warmup_steps == 0
     assert type(optimizer.density_policy).__name__ == "ConstantDensity"
-    plain = not isinstance(optimizer.inner_optimizer, keras.optimizers.AdamW)
-    assert optimizer.second_moment == ("noise_estimate" if plain else "own")
+    assert optimizer.second_moment == "noise_estimate"
     config = optimizer.get_config()
     assert config["exchange"] is None
     clone = sparse_hvd.SparseDistributedOptimizer.from_config(config)
     assert _chooses_signs(clone) and clone.get_config() == config
+    # a config saved when AdamW's default was its own second moment reloads with it
+    config["second_moment"] = "own"
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).second_moment == "own"
+    # AMSGrad's step divides by the largest v so far, which the factor does not know
+    amsgrad = sparse_hvd.SparseDistributedOptimizer(inner(1e-3, amsgrad=True), name="ams")
+    assert _chooses_signs(amsgrad) and amsgrad.second_moment == "own"
 
 
 @pytest.mark.convergence_defaults

@@ -99,6 +99,10 @@ SETTINGS = {
                       "steps": 800, "eval_every": 20},
     # a transformer trains with Adam: the best of 0.001 / 0.003 / 0.01 / 0.03 for dense
     "chartf": {"inner": {"name": "adam", "lr": ADAM_CHARTF_LR}, "steps": 800, "eval_every": 20},
+    # ... or with AdamW, as most transformers are (GPT-style decay 0.1; Adam's rate, not tuned)
+    "chartf_adamw": {"model": "chartf", "inner": {"name": "adamw", "lr": ADAM_CHARTF_LR,
+                                                  "weight_decay": 0.1},
+                     "steps": 800, "eval_every": 20},
 }
 
 # the behaviour before the warm-up default and the model-wide budget (explicitly off)
@@ -186,6 +190,9 @@ METHODS = {
     "sign_mean": ("exchange='sign' with second_moment='mean_estimate': each worker's Adam "
                   "second moment corrected for its N times smaller batch",
                   {"exchange": "sign", "second_moment": "mean_estimate"}),
+    "sign_own": ("exchange='sign' with second_moment='own': each worker's Adam divides by its "
+                 "own second moment (the default with AdamW before it took the noise estimate)",
+                 {"exchange": "sign", "second_moment": "own"}),
     "sign_noise": ("exchange='sign' with second_moment='noise_estimate': each worker's Adam "
                    "second moment corrected for its N times smaller batch, the noise read "
                    "over the second moment's own horizon",

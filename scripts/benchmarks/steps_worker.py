@@ -63,13 +63,16 @@ def learning_rate(keras, peak, steps):
 
 
 def inner_optimizer(keras, spec, steps):
-    """The user's optimizer: ``{"name": "sgd"|"adam", "lr": ..., "momentum": ...}``."""
+    """The user's optimizer: ``{"name": "sgd"|"adam"|"adamw", "lr": ..., "momentum": ...,
+    "weight_decay": ...}``."""
     lr = learning_rate(keras, spec["lr"], steps)
     clipnorm = spec.get("clipnorm")
     if spec["name"] == "sgd":
         return keras.optimizers.SGD(lr, momentum=spec.get("momentum", 0.9), clipnorm=clipnorm)
     if spec["name"] == "adam":
         return keras.optimizers.Adam(lr, clipnorm=clipnorm)
+    if spec["name"] == "adamw":
+        return keras.optimizers.AdamW(lr, weight_decay=spec["weight_decay"], clipnorm=clipnorm)
     raise SystemExit(f"unknown inner optimizer {spec['name']!r}")
 
 

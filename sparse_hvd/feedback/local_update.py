@@ -69,14 +69,16 @@ def local_updates(opt, grads, variables, own_step):
     inner = opt.inner_optimizer
 
     def step():
+        adam, workers = opt._loss_scaling.base_optimizer, runtime.size(opt.process_set)
         before = [tf.identity(v) for v in variables]
-        with tf.control_dependencies(before):
+        # second_moment: Adam's v, corrected; its weight decay, read at this step's rate, not
+        decays = opt._second_moment.decays(adam, variables, before, workers)
+        with tf.control_dependencies(before + [d for d in decays if d is not None]):
             with _moving_average_off(opt._clipper):
                 own_step(opt, list(grads), variables)
         updates = [b - tf.identity(v) for b, v in zip(before, variables)]
-        updates = opt._second_moment.corrected(  # second_moment: Adam's v, corrected
-            opt._loss_scaling.base_optimizer, updates, variables,
-            runtime.size(opt.process_set), opt._get_variable_index)
+        updates = opt._second_moment.corrected(adam, updates, variables, workers,
+                                               opt._get_variable_index, decays)
         with tf.control_dependencies(updates):
             for variable, value in zip(variables, before):
                 opt.assign(variable, value)  # through the wrapper, as Keras' rule asks

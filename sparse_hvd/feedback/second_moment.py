@@ -14,7 +14,11 @@ steps smaller where the gradient is mostly noise (up to sqrt(N) smaller). The op
 
 The moments themselves stay each worker's own: a correction scales the step, by
 ``(sqrt(v) + eps) / (sqrt(v_mean) + eps)`` per entry (Keras' Adam steps by
-``alpha m / (sqrt(v) + eps)``). With one worker nothing is corrected.
+``alpha m / (sqrt(v) + eps)``). With one worker nothing is corrected. A decoupled weight decay
+(``AdamW``, or ``Adam(weight_decay=...)``: Keras takes ``w * weight_decay * learning_rate``
+from the weights before the moments' step) is not a step of the moments and is not scaled:
+it is read before the step (:meth:`SecondMoment.decays`), taken out of the update, and added
+back after the correction.
 Measured (``docs/steps_to_loss_ablations.md``): under the sign exchange at 4 and 8 workers the
 mean estimate closes much of the transformer's gap to dense but slows the LSTM, whose v still
 holds the first steps' large gradients; the noise estimate does neither.
@@ -32,12 +36,11 @@ SECOND_MOMENTS = ("own", "mean_estimate", "noise_estimate")
 
 def estimates_the_mean(optimizer) -> bool:
     """Whether a correction can act on ``optimizer`` (inside a LossScaleOptimizer): a Keras
-    Adam whose step is ``alpha m / (sqrt(v) + epsilon)`` alone, without weight decay or
-    AMSGrad (whose terms the factor would scale too)."""
+    Adam (``AdamW`` too) whose moments' step is ``alpha m / (sqrt(v) + epsilon)``, not
+    AMSGrad's (whose maximum of the second moments the factor would not know)."""
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
-    return (isinstance(optimizer, keras.optimizers.Adam) and not optimizer.amsgrad
-            and not optimizer.weight_decay)
+    return isinstance(optimizer, keras.optimizers.Adam) and not optimizer.amsgrad
 
 
 def _moments(adam, variable):
@@ -120,16 +123,35 @@ class SecondMoment:
         for q, velocity in zip(self.variables, adam._velocities):
             self.writer.assign(q, velocity)
 
-    def corrected(self, adam, updates, variables, workers, index_of):
-        """``updates`` (Adam's steps of ``variables`` just taken) with the second moment
-        corrected; ``index_of(variable)``: its build index (which q is its)."""
+    def decays(self, adam, variables, weights, workers):
+        """Per variable, what ``adam``'s decoupled weight decay takes from its ``weights`` in
+        the step about to be taken, as Keras computes it (``w * weight_decay *
+        learning_rate``, the learning rate of this step: read it before the step counts
+        itself); None where it takes nothing (no weight decay, a variable excluded from it)
+        or where nothing is corrected."""
+        if self.kind == "own" or workers == 1 or not adam.weight_decay:
+            return [None] * len(variables)
+        rate = adam.learning_rate
+        return [w * tf.cast(adam.weight_decay, w.dtype) * tf.cast(rate, w.dtype)
+                if adam._use_weight_decay(variable) else None
+                for variable, w in zip(variables, weights)]
+
+    def corrected(self, adam, updates, variables, workers, index_of, decays=None):
+        """``updates`` (Adam's steps of ``variables`` just taken, weight decay included) with
+        the second moment corrected; ``index_of(variable)``: its build index (which q is
+        its); ``decays``: :meth:`decays` read before the step, taken out of the updates
+        before the correction and added back after it."""
         if self.kind == "own" or workers == 1:
             return updates
+        decays = decays or [None] * len(updates)
+        steps = [u if d is None else u - d for u, d in zip(updates, decays)]
         if self.kind == "mean_estimate":
             factors = mean_estimate_factors(adam, variables, workers)
-            return [u * f for u, f in zip(updates, factors)]
-        return [self._noise_estimate(adam, update, variable, workers, index_of(variable))
-                for update, variable in zip(updates, variables)]
+            steps = [u * f for u, f in zip(steps, factors)]
+        else:
+            steps = [self._noise_estimate(adam, step, variable, workers, index_of(variable))
+                     for step, variable in zip(steps, variables)]
+        return [u if d is None else u + d for u, d in zip(steps, decays)]
 
     def _noise_estimate(self, adam, update, variable, workers, index):
         """Steps 1-4 for one variable: writes its q, returns its corrected update."""

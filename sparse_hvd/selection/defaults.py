@@ -231,7 +231,7 @@ def resolve_second_moment(second_moment, sparsify, optimizer, signs=False) -> st
         raise ValueError(
             f"`second_moment={second_moment!r}` corrects each worker's Adam step under "
             "sparsify='update': it needs sparsify='update' and a keras.optimizers.Adam "
-            f"without weight_decay or amsgrad (got sparsify={sparsify!r} and "
+            f"(AdamW too) without amsgrad (got sparsify={sparsify!r} and "
             f"{type(optimizer).__name__})")
     return second_moment
 

@@ -16,6 +16,7 @@ from helpers import NumpyAdam, force_auto_choice
 
 BIG, SMALL = (70, 50), (50,)  # 3500 entries (not a multiple of 32): cut; 50: the dense route
 LR, EPSILON, STEPS = 0.01, 0.5, 5
+WEIGHT_DECAY = 0.5  # AdamW's: large, so that a decay scaled by the correction would show
 
 
 def _gradients(rank, step):
@@ -56,19 +57,28 @@ def _noise_estimate_step(adam, explained, size):
     return adam.m * alpha / (np.sqrt(v_mean) + adam.epsilon)
 
 
-@pytest.mark.parametrize("inner", ["adam_own", "adam_mean_estimate", "adam", "sgd"])
+def _inner_optimizer(inner):
+    """The inner optimizer of a test; AdamW with a learning rate that changes every step (its
+    weight decay uses the rate of the step it is taken in)."""
+    if inner == "adamw":
+        schedule = keras.optimizers.schedules.ExponentialDecay(LR, decay_steps=1, decay_rate=0.8)
+        return keras.optimizers.AdamW(schedule, weight_decay=WEIGHT_DECAY, epsilon=EPSILON)
+    if inner.startswith("adam"):
+        return keras.optimizers.Adam(LR, epsilon=EPSILON)
+    return keras.optimizers.SGD(LR)
+
+
+@pytest.mark.parametrize("inner", ["adam_own", "adam_mean_estimate", "adam", "adamw", "sgd"])
 def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
     rank, size = hvd.rank(), hvd.size()
     start = [np.linspace(-1, 1, math.prod(s)).astype("float32").reshape(s) for s in (BIG, SMALL)]
     variables = [keras.Variable(w) for w in start]
     adam = inner.startswith("adam")
-    inner_optimizer = (keras.optimizers.Adam(LR, epsilon=EPSILON) if adam
-                       else keras.optimizers.SGD(LR))
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        inner_optimizer, exchange="sign", name=f"sign_{inner}",
+        _inner_optimizer(inner), exchange="sign", name=f"sign_{inner}",
         second_moment=inner[len("adam_"):] if inner.startswith("adam_") else None)
     assert optimizer.sparsify == ("update" if adam else "gradient")
-    if inner == "adam":  # the sign exchange's default with Adam
+    if inner in ("adam", "adamw"):  # the sign exchange's default with Adam and AdamW
         assert optimizer.second_moment == "noise_estimate"
 
     @tf.function(jit_compile=False)
@@ -84,21 +94,26 @@ def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
         step(*map(tf.constant, _gradients(rank, number)))
         every = [_gradients(r, number) for r in range(size)]  # every rank's, computed here
         sent = np.zeros_like(expected[0])
+        # AdamW: this step's rate, and what its decay takes from the weights (not corrected)
+        rate = LR * 0.8 ** number if inner == "adamw" else LR
+        decays = [w * WEIGHT_DECAY * rate if inner == "adamw" else 0.0 for w in expected]
         for r in range(size):
             own = every[r][0].ravel().astype("float64")
+            adams[r].lr = rate
             cut = adams[r].update(own) if adam else own
             if inner == "adam_mean_estimate":
                 cut = _mean_estimate_step(adams[r], size)
-            elif inner == "adam":
-                cut = _noise_estimate_step(adams[r], explained[r], size)
+            elif inner in ("adam", "adamw"):
+                cut = _noise_estimate_step(adams[r], explained[r], size) + decays[0]
             compensated = cut.astype("float32") + residuals[r]  # in float32, as on the ranks
             signed = _signed(compensated)
             residuals[r] = compensated - signed
             sent += signed.astype("float64")
         mean_small = sum(g[1].astype("float64") for g in every).ravel() / size
         if adam:
+            shared.lr = rate
             expected[0] = expected[0] - sent / size
-            expected[1] = expected[1] - shared.update(mean_small)
+            expected[1] = expected[1] - decays[1] - shared.update(mean_small)
         else:
             expected[0] = expected[0] - LR * sent / size
             expected[1] = expected[1] - LR * mean_small
@@ -107,7 +122,7 @@ def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
                                    err_msg=f"rank {rank}")
     np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residuals[rank],
                                rtol=0, atol=2e-5, err_msg=f"rank {rank}")
-    if inner == "adam":  # the noise estimate: the cut variable's q, this rank's own
+    if inner in ("adam", "adamw"):  # the noise estimate: the cut variable's q, this rank's own
         np.testing.assert_allclose(optimizer._second_moment.variables[0].numpy().ravel(),
                                    explained[rank], rtol=1e-5, atol=0, err_msg=f"rank {rank}")
     # what one rank sent per step: the dense route's float32s, then one scale word and
