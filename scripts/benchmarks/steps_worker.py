@@ -76,6 +76,28 @@ def inner_optimizer(keras, spec, steps):
     raise SystemExit(f"unknown inner optimizer {spec['name']!r}")
 
 
+def signs_named(sparse_hvd, inner, wrapper):
+    """The wrapper's options for a step-based run: where ``exchange=None`` sends every entry's
+    sign (Adam at the default density), the sign exchange named, not the top-k exchange that
+    ``--exchange`` makes the default (the run measures the exchange, not auto's choice)."""
+    import inspect
+
+    from sparse_hvd.selection import defaults
+    from sparse_hvd.selection.sparsifiers import get_sparsifier
+
+    if wrapper.get("exchange") is not None:
+        return wrapper
+    signature = inspect.signature(sparse_hvd.SparseDistributedOptimizer.__init__)
+    given = {name: parameter.default for name, parameter in signature.parameters.items()
+             if parameter.default is not parameter.empty}
+    given.update(wrapper)
+    sparsify = defaults.resolve_sparsify(given["sparsify"], inner)
+    signs = defaults.one_bit_by_default(
+        None, inner, sparsify, given["density"], get_sparsifier(given["sparsifier"]),
+        given["budget"], given["grouping"], given["staleness"], given["dense_fallback"])
+    return {**wrapper, "exchange": "sign"} if signs else wrapper
+
+
 def main(argv=None):
     args = parse_args(argv)
     started = time.perf_counter()
@@ -115,6 +137,8 @@ def main(argv=None):
     wrapper = options.get("wrapper")
     sparse = None
     if wrapper is not None:
+        if args.exchange != "library":
+            wrapper = signs_named(sparse_hvd, inner, wrapper)
         sparse = sparse_hvd.SparseDistributedOptimizer(inner, **wrapper)
     optimizer = sparse if sparse is not None else inner
     optimizer.build(variables)
