@@ -63,3 +63,27 @@ def test_the_native_pass_and_tensorflow_give_the_same_bits(monkeypatch):
     fallback = second_moment.noise_estimate_step(*arrays, first, BETA_1, BETA_2, EPSILON, 4)
     for a, b in zip(native, fallback):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_adamws_decay_is_read_as_keras_takes_it_and_only_where_it_is_corrected():
+    """``SecondMoment.decays``: ``w * weight_decay * learning_rate`` at the step about to be
+    taken, None for a variable excluded from the decay, and nothing to take out where nothing
+    is corrected (its own second moment, one worker, no decay)."""
+    import keras
+
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+    adamw = keras.optimizers.AdamW(schedule, weight_decay=0.3)
+    decayed, excluded = keras.Variable(np.arange(6, dtype="float32")), keras.Variable([2.0])
+    adamw.exclude_from_weight_decay(var_list=[excluded])
+    adamw.build([decayed, excluded])
+    adamw.iterations.assign(3)  # the 4th step: a rate of 0.1 / 8
+    weights = [tf.convert_to_tensor(v) for v in (decayed, excluded)]
+    noise = second_moment.SecondMoment("noise_estimate")
+    taken, untouched = noise.decays(adamw, [decayed, excluded], weights, workers=4)
+    np.testing.assert_allclose(taken.numpy(), np.arange(6) * 0.3 * 0.1 / 8, rtol=1e-6)
+    assert untouched is None
+    assert noise.decays(adamw, [decayed], weights[:1], workers=1) == [None]
+    assert second_moment.SecondMoment("own").decays(adamw, [decayed], weights[:1], 4) == [None]
+    adam = keras.optimizers.Adam(0.1)
+    adam.build([decayed])
+    assert noise.decays(adam, [decayed], weights[:1], workers=4) == [None]

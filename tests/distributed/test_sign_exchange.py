@@ -60,7 +60,7 @@ def _noise_estimate_step(adam, explained, size):
 def _inner_optimizer(inner):
     """The inner optimizer of a test; AdamW with a learning rate that changes every step (its
     weight decay uses the rate of the step it is taken in)."""
-    if inner == "adamw":
+    if inner.startswith("adamw"):
         schedule = keras.optimizers.schedules.ExponentialDecay(LR, decay_steps=1, decay_rate=0.8)
         return keras.optimizers.AdamW(schedule, weight_decay=WEIGHT_DECAY, epsilon=EPSILON)
     if inner.startswith("adam"):
@@ -68,7 +68,8 @@ def _inner_optimizer(inner):
     return keras.optimizers.SGD(LR)
 
 
-@pytest.mark.parametrize("inner", ["adam_own", "adam_mean_estimate", "adam", "adamw", "sgd"])
+@pytest.mark.parametrize("inner", ["adam_own", "adam_mean_estimate", "adam", "adamw",
+                                   "adamw_mean_estimate", "sgd"])
 def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
     rank, size = hvd.rank(), hvd.size()
     start = [np.linspace(-1, 1, math.prod(s)).astype("float32").reshape(s) for s in (BIG, SMALL)]
@@ -76,7 +77,7 @@ def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
     adam = inner.startswith("adam")
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         _inner_optimizer(inner), exchange="sign", name=f"sign_{inner}",
-        second_moment=inner[len("adam_"):] if inner.startswith("adam_") else None)
+        second_moment=inner.split("_", 1)[1] if "_" in inner else None)
     assert optimizer.sparsify == ("update" if adam else "gradient")
     if inner in ("adam", "adamw"):  # the sign exchange's default with Adam and AdamW
         assert optimizer.second_moment == "noise_estimate"
@@ -95,14 +96,15 @@ def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner):
         every = [_gradients(r, number) for r in range(size)]  # every rank's, computed here
         sent = np.zeros_like(expected[0])
         # AdamW: this step's rate, and what its decay takes from the weights (not corrected)
-        rate = LR * 0.8 ** number if inner == "adamw" else LR
-        decays = [w * WEIGHT_DECAY * rate if inner == "adamw" else 0.0 for w in expected]
+        decoupled = inner.startswith("adamw")
+        rate = LR * 0.8 ** number if decoupled else LR
+        decays = [w * WEIGHT_DECAY * rate if decoupled else 0.0 for w in expected]
         for r in range(size):
             own = every[r][0].ravel().astype("float64")
             adams[r].lr = rate
             cut = adams[r].update(own) if adam else own
-            if inner == "adam_mean_estimate":
-                cut = _mean_estimate_step(adams[r], size)
+            if inner.endswith("mean_estimate"):
+                cut = _mean_estimate_step(adams[r], size) + decays[0]
             elif inner in ("adam", "adamw"):
                 cut = _noise_estimate_step(adams[r], explained[r], size) + decays[0]
             compensated = cut.astype("float32") + residuals[r]  # in float32, as on the ranks
