@@ -153,6 +153,23 @@ class SecondMoment:
                      for step, variable in zip(steps, variables)]
         return [u if d is None else u + d for u, d in zip(steps, decays)]
 
+    def follow(self, adam, variables, workers, index_of):
+        """Step 1 alone for ``variables`` that the inner optimizer just stepped on the averaged
+        gradient (``exchange="auto"``'s dense steps, the variables always sent whole): q
+        follows m_hat^2 there too, so that when sparse steps come back after a dense phase
+        the noise is read from a q of v's own horizon, not from the q the phase began with
+        (after 1,000 dense steps v has forgotten what that q remembers). Nothing with another
+        correction or one worker."""
+        if self.kind != "noise_estimate" or workers == 1:
+            return
+        for variable in variables:
+            m, _, first, _ = _moments(adam, variable)
+            q = self.variables[index_of(variable)]
+            m_hat = m * tf.cast(1 / tf.cast(first, tf.float64), m.dtype)
+            rate = tf.constant(1 - adam.beta_2, m.dtype)  # in float64 first, as Keras takes it
+            current = tf.convert_to_tensor(q)
+            self.writer.assign(q, current + (m_hat * m_hat - current) * rate)
+
     def _noise_estimate(self, adam, update, variable, workers, index):
         """Steps 1-4 for one variable: writes its q, returns its corrected update."""
         m, v, first, _ = _moments(adam, variable)

@@ -194,3 +194,17 @@ def test_with_adam_the_default_times_signs_against_dense_and_runs_the_choice(
     assert all(d == digests[0] for d in digests), digests
     if forced == "sign":  # the residuals hold what the signs left out
         assert np.any(optimizer.residuals[0].numpy())
+        return
+    # dense runs Adam on the averaged gradient, and q follows its m_hat^2 there too (step 1 of
+    # the noise estimate), the same on every rank
+    adam = optimizer.inner_optimizer
+    q = optimizer._second_moment.variables[optimizer._get_variable_index(variables[0])]
+    before = q.numpy().astype("float64")
+    step(*map(tf.constant, _gradients(rank, steps)))
+    t = int(adam.iterations.numpy())
+    m_hat = adam._momentums[adam._get_variable_index(variables[0])].numpy() / (1 - 0.9 ** t)
+    want = before + (m_hat.astype("float64") ** 2 - before) * (1 - 0.999)
+    np.testing.assert_allclose(q.numpy(), want, rtol=1e-5, atol=1e-12, err_msg=f"rank {rank}")
+    assert not np.allclose(q.numpy(), before, rtol=1e-3, atol=0)
+    qs = gather(hvd, digest([q.numpy()]), name="sign_default_dense.q")
+    assert all(d == qs[0] for d in qs), qs
