@@ -91,8 +91,9 @@ def parse_args(argv=None):
                         "with every worker's link shaped to this rate, e.g. 1gbit; default: "
                         "loopback")
     parser.add_argument("--model", choices=("mlp", "resnet50"), default="mlp")
-    parser.add_argument("--inner", choices=("momentum", "adam"), default="momentum",
-                        help="the inner optimizer: SGD(0.01, momentum=0.9) or Adam(1e-3)")
+    parser.add_argument("--inner", choices=("momentum", "adam", "adamw"), default="momentum",
+                        help="the inner optimizer: SGD(0.01, momentum=0.9), Adam(1e-3) or "
+                        "AdamW(1e-3, weight_decay=0.1)")
     parser.add_argument("--methods", default=DEFAULT_METHODS)
     parser.add_argument("--batch-size", type=int, default=None, help="per worker (mlp 64, resnet50 8)")
     parser.add_argument("--image-size", type=int, default=32, help="resnet50 input size")
@@ -174,8 +175,9 @@ def worker(args):
         keras.utils.set_random_seed(0)  # the same weights on every rank and for every method
         model = make_model()
         variables = model.trainable_variables
-        inner = (keras.optimizers.Adam(1e-3) if args.inner == "adam"
-                 else keras.optimizers.SGD(0.01, momentum=0.9))
+        inner = {"adam": lambda: keras.optimizers.Adam(1e-3),
+                 "adamw": lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.1),
+                 "momentum": lambda: keras.optimizers.SGD(0.01, momentum=0.9)}[args.inner]()
         sparse, second_moment = None, None
         if name not in DENSE_METHODS:
             grouping, policy, sparsifier, exchange = "grouped", density, name, "allgather"

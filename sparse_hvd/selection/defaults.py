@@ -49,6 +49,11 @@ the user says otherwise:
   (``exchanges.sign``), and ``exchange="auto"`` chooses between that and dense. Measured at 4
   and 8 workers, 3 seeds (``docs/steps_to_loss_sign.md``): the LSTM 1.01 and 1.08 (top-k of
   the update: 1.22, 1.31), the CNN 0.97 (1.03), the transformer 1.40 (1.90).
+* **With the signs, the noise estimate** (``second_moment=None``,
+  :func:`resolve_second_moment`): each worker's Adam divides by an estimate of the mean
+  gradient's second moment (``feedback.second_moment``): the transformer 1.13 and 1.08 at 4
+  and 8 workers (``docs/steps_to_loss_noise_estimate.md``); with AdamW too (its decoupled
+  weight decay kept out of the correction; ``docs/steps_to_loss_adamw.md``).
 * **Not with SGD's momentum: the top entries and the signs of the rest** (``exchanges.topk_sign``,
   behind :data:`SIGNS_OF_REST`, off): measured at 4 and 8 workers, 3 seeds
   (``docs/steps_to_loss_topk_sign.md``), it takes fewer steps (the LSTM 1.07 and 1.11, top-k
