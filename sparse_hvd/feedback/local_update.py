@@ -73,7 +73,7 @@ def local_updates(opt, grads, variables, own_step):
         before = [tf.identity(v) for v in variables]
         # second_moment: Adam's v, corrected; its weight decay, read at this step's rate, not
         decays = opt._second_moment.decays(adam, variables, before, workers)
-        with tf.control_dependencies(before + [d for d in decays if d is not None]):
+        with tf.control_dependencies(before + [d.learning_rate for d in decays if d]):
             with _moving_average_off(opt._clipper):
                 own_step(opt, list(grads), variables)
         updates = [b - tf.identity(v) for b, v in zip(before, variables)]

@@ -24,7 +24,7 @@ mean estimate closes much of the transformer's gap to dense but slows the LSTM, 
 holds the first steps' large gradients; the noise estimate does neither.
 """
 
-from typing import List
+from typing import List, NamedTuple
 
 import keras
 import tensorflow as tf
@@ -124,34 +124,31 @@ class SecondMoment:
             self.writer.assign(q, velocity)
 
     def decays(self, adam, variables, weights, workers):
-        """Per variable, what ``adam``'s decoupled weight decay takes from its ``weights`` in
-        the step about to be taken, as Keras computes it (``w * weight_decay *
-        learning_rate``, the learning rate of this step: read it before the step counts
-        itself); None where it takes nothing (no weight decay, a variable excluded from it)
-        or where nothing is corrected."""
+        """Per variable, the :class:`Decay` that ``adam``'s decoupled weight decay takes from
+        its ``weights`` in the step about to be taken (its learning rate is this step's: read
+        it before the step counts itself); None where it takes nothing (no weight decay, a
+        variable excluded from it) or where nothing is corrected."""
         if self.kind == "own" or workers == 1 or not adam.weight_decay:
             return [None] * len(variables)
         rate = adam.learning_rate
-        return [w * tf.cast(adam.weight_decay, w.dtype) * tf.cast(rate, w.dtype)
+        return [Decay(w, tf.cast(adam.weight_decay, w.dtype), tf.cast(rate, w.dtype))
                 if adam._use_weight_decay(variable) else None
                 for variable, w in zip(variables, weights)]
 
     def corrected(self, adam, updates, variables, workers, index_of, decays=None):
         """``updates`` (Adam's steps of ``variables`` just taken, weight decay included) with
         the second moment corrected; ``index_of(variable)``: its build index (which q is
-        its); ``decays``: :meth:`decays` read before the step, taken out of the updates
-        before the correction and added back after it."""
+        its); ``decays``: :meth:`decays` read before the step, kept out of the correction
+        (``(update - d) * factor + d``)."""
         if self.kind == "own" or workers == 1:
             return updates
         decays = decays or [None] * len(updates)
-        steps = [u if d is None else u - d for u, d in zip(updates, decays)]
-        if self.kind == "mean_estimate":
-            factors = mean_estimate_factors(adam, variables, workers)
-            steps = [u * f for u, f in zip(steps, factors)]
-        else:
-            steps = [self._noise_estimate(adam, step, variable, workers, index_of(variable))
-                     for step, variable in zip(steps, variables)]
-        return [u if d is None else u + d for u, d in zip(steps, decays)]
+        if self.kind == "noise_estimate":
+            return [self._noise_estimate(adam, u, variable, workers, index_of(variable), d)
+                    for u, variable, d in zip(updates, variables, decays)]
+        factors = mean_estimate_factors(adam, variables, workers)
+        return [u * f if d is None else (u - d.amount()) * f + d.amount()
+                for u, f, d in zip(updates, factors, decays)]
 
     def follow(self, adam, variables, workers, index_of):
         """Step 1 alone for ``variables`` that the inner optimizer just stepped on the averaged
@@ -170,21 +167,35 @@ class SecondMoment:
             current = tf.convert_to_tensor(q)
             self.writer.assign(q, current + (m_hat * m_hat - current) * rate)
 
-    def _noise_estimate(self, adam, update, variable, workers, index):
+    def _noise_estimate(self, adam, update, variable, workers, index, decay):
         """Steps 1-4 for one variable: writes its q, returns its corrected update."""
         m, v, first, _ = _moments(adam, variable)
         q = self.variables[index]
         corrected, explained = noise_estimate_step(
             update, m, v, tf.convert_to_tensor(q), first, adam.beta_1, adam.beta_2,
-            adam.epsilon, workers)
+            adam.epsilon, workers, decay)
         self.writer.assign(q, explained)
         return corrected
 
 
-def noise_estimate_step(update, m, v, q, first, beta_1, beta_2, epsilon, workers):
+class Decay(NamedTuple):
+    """What a decoupled weight decay (``AdamW``) takes from the weights in a step, as Keras
+    computes it: ``(weights * weight_decay) * learning_rate`` (:meth:`amount`), the scalars in
+    the weights' dtype."""
+
+    weights: tf.Tensor
+    weight_decay: tf.Tensor
+    learning_rate: tf.Tensor
+
+    def amount(self):
+        return self.weights * self.weight_decay * self.learning_rate
+
+
+def noise_estimate_step(update, m, v, q, first, beta_1, beta_2, epsilon, workers, decay=None):
     """:class:`SecondMoment`'s steps 1-4 on tensors: (the corrected ``update``, q after the
-    step); ``first`` = 1 - beta_1^t. On CPU in one native pass (``kernels/noise_estimate.cc``),
-    elsewhere by the same float32 operations in the same order."""
+    step); ``first`` = 1 - beta_1^t; ``decay``: the :class:`Decay` the update holds, kept out
+    of the correction, or None. On CPU in one native pass (``kernels/noise_estimate.cc``, the
+    decay too), elsewhere by the same float32 operations in the same order."""
     # the scalars in float64 before the cast, as Keras' Adam takes 1 - beta_2 (1 - 0.999 in
     # float32 is 1.3e-5 off)
     inv_first = tf.cast(1 / tf.cast(first, tf.float64), v.dtype)
@@ -192,10 +203,17 @@ def noise_estimate_step(update, m, v, q, first, beta_1, beta_2, epsilon, workers
         1 - beta_2, (1 + beta_1) / (2 * beta_1), 1 - 1 / workers, workers, epsilon))
     native = kernels.noise_estimate() if v.dtype == update.dtype == tf.float32 else None
     if native is not None:
-        return native(update, m, v, q, tf.stack(
-            [inv_first, one_minus_beta_2, stationary, shrink, count, eps]))
+        zero = tf.zeros([], v.dtype)
+        weights, weight_decay, rate = decay if decay is not None else (
+            tf.zeros([0], v.dtype), zero, zero)
+        return native(update, m, v, q, weights, tf.stack(
+            [inv_first, one_minus_beta_2, stationary, shrink, count, eps, weight_decay, rate]))
     m_hat = m * inv_first
     explained = q + (m_hat * m_hat - q) * one_minus_beta_2
     noise = tf.maximum(v - explained, 0.0) * stationary
     v_mean = tf.maximum(v - noise * shrink, v / count)
-    return update * ((tf.sqrt(v) + eps) / (tf.sqrt(v_mean) + eps)), explained
+    factor = (tf.sqrt(v) + eps) / (tf.sqrt(v_mean) + eps)
+    if decay is None:
+        return update * factor, explained
+    taken = decay.amount()
+    return (update - taken) * factor + taken, explained
