@@ -146,8 +146,6 @@ def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_s
     whole = [(g, v) for g, v, sparse in zip(averages, variables, cut) if not sparse]
     if whole:  # the inner optimizer counts the step (and moves its EMA of every variable)
         apply_inner([g for g, _ in whole], [v for _, v in whole])
-        opt._second_moment.follow(opt._loss_scaling.base_optimizer, [v for _, v in whole],
-                                  runtime.size(opt.process_set), opt._get_variable_index)
         return
     count_finite_step()
     _moving_average_step(opt._clipper)

@@ -150,22 +150,22 @@ class SecondMoment:
         return [u * f if d is None else (u - d.amount()) * f + d.amount()
                 for u, f, d in zip(updates, factors, decays)]
 
-    def follow(self, adam, variables, workers, index_of):
-        """Step 1 alone for ``variables`` that the inner optimizer just stepped on the averaged
-        gradient (``exchange="auto"``'s dense steps, the variables always sent whole): q
-        follows m_hat^2 there too, so that when sparse steps come back after a dense phase
-        the noise is read from a q of v's own horizon, not from the q the phase began with
-        (after 1,000 dense steps v has forgotten what that q remembers). Nothing with another
-        correction or one worker."""
-        if self.kind != "noise_estimate" or workers == 1:
-            return
-        for variable in variables:
-            m, _, first, _ = _moments(adam, variable)
-            q = self.variables[index_of(variable)]
-            m_hat = m * tf.cast(1 / tf.cast(first, tf.float64), m.dtype)
-            rate = tf.constant(1 - adam.beta_2, m.dtype)  # in float64 first, as Keras takes it
-            current = tf.convert_to_tensor(q)
-            self.writer.assign(q, current + (m_hat * m_hat - current) * rate)
+    def restarted_if(self, adam, condition):
+        """q made Adam's v (as :meth:`start_from`) where the boolean tensor ``condition``
+        holds; returns a tensor to order the step after. ``exchange="auto"`` asks it before a
+        sparse step that follows a chosen dense phase: there each worker's Adam stepped on
+        the averaged gradient, with one state shared by the ranks, and q stood still (following
+        it would cost each dense step several passes over the model), so the q of the phase's
+        start no longer matches v. With q = v the noise reads zero, which v, fresh from the
+        averaged gradient, nearly holds, and the estimate forms again over v's horizon."""
+        if self.kind != "noise_estimate":
+            return tf.constant(False)
+
+        def restart():
+            self.start_from(adam)
+            return tf.constant(True)
+
+        return tf.cond(condition, restart, lambda: tf.constant(False))
 
     def _noise_estimate(self, adam, update, variable, workers, index, decay):
         """Steps 1-4 for one variable: writes its q, returns its corrected update."""

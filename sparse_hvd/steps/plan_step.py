@@ -21,7 +21,9 @@ With ``sparsify="update"`` the inner optimizer's state is each rank's own after 
 before a held turn's first step, and after a flush, it is made the mean over the ranks
 (``local_update.share_own_state``), so that the dense steps after it hand the averaged
 gradient to one state, as Horovod's step does: no local step, no weight copies. The variable
-``own_state`` says whether that is due (a sparse step or a restore since the last time).
+``own_state`` says whether that is due (a sparse step or a restore since the last time). The
+first sparse step after a chosen dense phase (``clear``) starts the noise estimate's q anew
+from Adam's v (``SecondMoment.restarted_if``): it stood still while dense ran.
 """
 
 import tensorflow as tf
@@ -77,7 +79,11 @@ def plan_step(step, plan, grads_and_vars, trial_step):
 
     def run_plan():
         if plan.clear_routes is None:
-            went_ahead, exchanged = run_with(plan.routes)
+            # the first sparse step after a chosen dense phase: the noise estimate's q anew
+            restart = [opt._second_moment.restarted_if(opt._loss_scaling.base_optimizer,
+                                                       step.clear)] if update_cut else []
+            with tf.control_dependencies(restart):
+                went_ahead, exchanged = run_with(plan.routes)
             selected = plan.exchange.sends_selections
             written = [step.clear.assign(tf.logical_and(went_ahead, not selected))]
             if selected and update_cut:
