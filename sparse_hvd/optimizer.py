@@ -108,8 +108,8 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             that update is cut, error-fed and averaged (``feedback.local_update``);
             ``"gradient"``: the average goes to the inner optimizer. None (default): "gradient"
             for a plain SGD, else "update" (``selection.defaults``).
-        second_moment: Adam under the update cut: ``"own"``, ``"mean_estimate"`` or
-            ``"noise_estimate"`` (README).
+        second_moment: Adam (AdamW too, not AMSGrad) under the update cut: ``"own"``,
+            ``"mean_estimate"`` or ``"noise_estimate"`` (README).
         process_set: a Horovod process set (or an mpi4py communicator registered with
             ``sparse_hvd.init(process_sets=[...])``); the whole job by default. Not serialised.
         name: the optimizer's name; it prefixes its collectives' names, so two of these
