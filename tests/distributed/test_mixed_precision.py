@@ -84,3 +84,24 @@ def test_under_the_update_cut_the_scale_moves_once_a_step_and_alike_on_every_ran
     mine = digest([v.numpy() for v in variables] + [inner.dynamic_scale.numpy(),
                                                     inner.step_counter.numpy()])
     assert set(gather(hvd, mine, name=f"mixed_update.digest.{with_dense_route}")) == {mine}
+
+
+def test_adamw_inside_a_loss_scale_optimizer_takes_the_noise_estimate_on_every_rank(hvd):
+    """The signs with a LossScaleOptimizer around AdamW: the noise estimate acts on the AdamW
+    inside (its decay, read at the inner rate, kept out of the correction: the closed form is
+    in test_sign_exchange), the scale unmoved by the local steps; every rank ends alike."""
+    rank = hvd.rank()
+    variables = [keras.Variable(np.full((60, 50), 0.5, "float32"))]
+    inner = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.AdamW(0.01, weight_decay=0.5), initial_scale=64.0)
+    optimizer = sparse_hvd.SparseDistributedOptimizer(inner, exchange="sign", name="mixed_adamw")
+    assert optimizer.second_moment == "noise_estimate"
+    step = tf.function(lambda gs: optimizer.apply_gradients(zip(gs, variables)))
+    for t in range(4):
+        grad = np.random.RandomState(10 * t + rank).randn(60, 50).astype("float32")
+        step([tf.constant(grad * 64.0)])
+    assert np.all(np.isfinite(variables[0].numpy()))
+    assert np.any(optimizer.residuals[0].numpy())  # the signs ran
+    assert float(inner.dynamic_scale.numpy()) == 64.0 and inner.iterations.numpy() == 4
+    mine = digest([v.numpy() for v in variables])
+    assert set(gather(hvd, mine, name="mixed_adamw.digest")) == {mine}
