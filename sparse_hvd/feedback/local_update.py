@@ -71,7 +71,7 @@ def local_updates(opt, grads, variables, own_step):
     def step():
         adam, workers = opt._loss_scaling.base_optimizer, runtime.size(opt.process_set)
         before = [tf.identity(v) for v in variables]
-        # second_moment: Adam's v, corrected; its weight decay, read at this step's rate, not
+        # second_moment corrects Adam's step, not its weight decay (read now: this step's rate)
         decays = opt._second_moment.decays(adam, variables, before, workers)
         with tf.control_dependencies(before + [d.learning_rate for d in decays if d]):
             with _moving_average_off(opt._clipper):
