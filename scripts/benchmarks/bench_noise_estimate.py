@@ -1,4 +1,4 @@
-"""What the noise estimate's correction costs a call on one variable, with and without AdamW's decay.
+"""What the noise estimate's correction costs a call, with and without AdamW's decay.
 
 ``second_moment="noise_estimate"`` corrects each worker's Adam step in one native pass
 (``kernels/noise_estimate.cc``). With AdamW the step also holds the decoupled weight decay,
