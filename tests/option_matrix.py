@@ -18,7 +18,7 @@ FACTORS = {
     "sparsifier": ("topk", "approx_topk", "randomk", "threshold"),
     "density": ("constant", "warmup", "adaptive"),
     "exchange": ("allgather", "compact_allgather", "sparse_allreduce", "dense", "auto", "sign",
-                 "topk_sign"),
+                 "topk_sign", "topk_sign2"),
     "grouping": ("grouped", "layerwise"),
     "staleness": (0, 1),
     "compression": ("none", "float16"),
@@ -55,6 +55,11 @@ REFUSED = (
     ("exchange", "topk_sign", "staleness", 1),
     ("exchange", "topk_sign", "momentum_correction", 0.9),
     ("exchange", "topk_sign", "dense_fallback", True),
+    ("exchange", "topk_sign2", "density", "adaptive"),  # the same for its two levels
+    ("exchange", "topk_sign2", "grouping", "layerwise"),
+    ("exchange", "topk_sign2", "staleness", 1),
+    ("exchange", "topk_sign2", "momentum_correction", 0.9),
+    ("exchange", "topk_sign2", "dense_fallback", True),
 )
 
 

@@ -25,7 +25,7 @@ def test_every_pair_of_options_that_is_not_refused_is_covered():
         for x, y in itertools.product(xs, ys):
             refused = any({(a, x), (b, y)} == {(p, u), (q, v)} for p, u, q, v in REFUSED)
             assert refused or any(c[a] == x and c[b] == y for c in COMBINATIONS), (a, x, b, y)
-    assert len(COMBINATIONS) <= 30  # the suite's time budget
+    assert len(COMBINATIONS) <= 35  # the suite's time budget (34 with topk_sign2: 49 s on 3 ranks)
 
 
 @pytest.mark.parametrize("refused", REFUSED, ids=lambda r: f"{r[0]}={r[1]}+{r[2]}={r[3]}")
