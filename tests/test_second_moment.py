@@ -58,7 +58,9 @@ def test_the_noise_estimate_step_is_the_formula(monkeypatch, path, workers, t, d
     want_corrected, want_explained = _numpy_step(*(a.astype("float64") for a in (update, m, v, q)),
                                                  t, workers, taken)
     np.testing.assert_allclose(explained.numpy(), want_explained, rtol=2e-6, atol=1e-12)
-    np.testing.assert_allclose(corrected.numpy(), want_corrected, rtol=2e-5, atol=1e-9)
+    # with the decay, its float32 product (about 1e-3) is rounded once more than NumPy's
+    np.testing.assert_allclose(corrected.numpy(), want_corrected, rtol=2e-5,
+                               atol=1e-9 if decayed else 1e-12)
     if decayed:  # the decay is not scaled: the step is, where the noise shrinks v
         assert np.any(np.abs(corrected.numpy() - update) > 1e-5)
         return

@@ -203,3 +203,16 @@ def test_with_adam_the_default_times_signs_against_dense_and_runs_the_choice(
                                    base + (m_hat ** 2 - base) * (1 - 0.999),
                                    rtol=1e-5, atol=1e-12, err_msg=f"rank {rank} step {number}")
     assert restarts == 1 and follows == measured.TRIAL_STEPS - 1 + 3 * (forced == "sign")
+    assert [plan.name for plan in optimizer._step.plans] == ["sign", "dense"]
+    (_, times, choice), = optimizer.exchange_decisions
+    assert choice == forced and set(times) == {"sign", "dense"}
+    assert stats[0]["exchange"] == "dense"  # before the trial
+    assert stats[-1]["exchange"] == forced
+    assert stats[-1]["last_density"] == 1.0  # every entry: its sign, or its value
+    everyone = gather(hvd, (sorted(times), choice), name=f"sign_default_{forced}.decisions")
+    assert all(e == everyone[0] for e in everyone), everyone
+    digests = gather(hvd, digest([v.numpy() for v in variables]),
+                     name=f"sign_default_{forced}.digests")
+    assert all(d == digests[0] for d in digests), digests
+    if forced == "sign":  # the residuals hold what the signs left out
+        assert np.any(optimizer.residuals[0].numpy())
