@@ -147,7 +147,7 @@ class SecondMoment:
             return [self._noise_estimate(adam, u, variable, workers, index_of(variable), d)
                     for u, variable, d in zip(updates, variables, decays)]
         factors = mean_estimate_factors(adam, variables, workers)
-        return [u * f if d is None else (u - d.amount()) * f + d.amount()
+        return [u * f if d is None else d.kept_out(u, f)
                 for u, f, d in zip(updates, factors, decays)]
 
     def restarted_if(self, adam, condition):
@@ -190,6 +190,11 @@ class Decay(NamedTuple):
     def amount(self):
         return self.weights * self.weight_decay * self.learning_rate
 
+    def kept_out(self, update, factor):
+        """``update`` (which holds this decay) with only its other part scaled by ``factor``."""
+        taken = self.amount()
+        return (update - taken) * factor + taken
+
 
 def noise_estimate_step(update, m, v, q, first, beta_1, beta_2, epsilon, workers, decay=None):
     """:class:`SecondMoment`'s steps 1-4 on tensors: (the corrected ``update``, q after the
@@ -215,5 +220,4 @@ def noise_estimate_step(update, m, v, q, first, beta_1, beta_2, epsilon, workers
     factor = (tf.sqrt(v) + eps) / (tf.sqrt(v_mean) + eps)
     if decay is None:
         return update * factor, explained
-    taken = decay.amount()
-    return (update - taken) * factor + taken, explained
+    return decay.kept_out(update, factor), explained
