@@ -233,6 +233,16 @@ def check_signs_of_rest(exchange, grouping, momentum_correction, dense_fallback)
                 f"so it cannot be combined with `{setting}`: {instead}.")
 
 
+def sends_signs(exchange) -> bool:
+    """Whether the exchange named ``exchange`` averages every entry's sign (``code``
+    ``"signs"``: ``exchange="sign"`` or ``"sign_per_variable"``); False for "auto" and for a
+    name no exchange has (refused later, naming it)."""
+    from .exchanges import available, exchange_class, groupings_of
+
+    return exchange in available() and any(exchange_class(exchange, grouping).code == "signs"
+                                           for grouping in groupings_of(exchange))
+
+
 def check_entries_chosen_by_exchange(exchange, grouping, sparsifier, budget,
                                      momentum_correction, dense_fallback):
     """An exchange that sends every entry of a cut variable in its own code (``chooses_entries``:
@@ -386,9 +396,9 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     code = code_by_default(exchange, optimizer, sparsify, density, chosen_sparsifier,
                            budget, grouping, staleness, dense_fallback)
     signs = code == "signs"
-    second_moment = resolve_second_moment(second_moment, sparsify, optimizer,
-                                          signs=signs or exchange == "sign")
     exchange = resolve_exchange(exchange)
+    second_moment = resolve_second_moment(second_moment, sparsify, optimizer,
+                                          signs=signs or sends_signs(exchange))
     candidates = exchange_candidates(exchange, grouping, staleness, policy, wire_compression,
                                      code)
     check_boolean(average_aggregated_gradients, "average_aggregated_gradients")

@@ -10,9 +10,23 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import ml_dtypes
+
 import sparse_hvd
 from sparse_hvd.exchanges.sign import ScaledSign, SignAllgather, pack_signs, unpack_signs
 from sparse_hvd.feedback.error_feedback import compensate_and_select
+
+
+def block_signs(compensated, block):
+    """NumPy: each block's mean magnitude (in float64, then float32; with ``block`` > 0
+    rounded to bfloat16 by ml_dtypes), signed as ``compensated`` (an exact zero as +)."""
+    n = compensated.size
+    size = block or max(n, 1)
+    scales = np.array([np.abs(compensated[b:b + size]).astype("float64").mean()
+                       for b in range(0, n, size)], "float32")
+    if block:
+        scales = scales.astype(ml_dtypes.bfloat16).astype("float32")
+    return np.where(compensated < 0, -1, 1) * np.repeat(scales, size)[:n]
 
 
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 100])
@@ -39,19 +53,58 @@ def test_the_selection_is_every_entry_at_the_mean_magnitude_and_the_rest_is_kept
     np.testing.assert_array_equal(remainder.numpy(), compensated - selection.values.numpy())
 
 
-def test_pack_then_unpack_averages_every_ranks_scaled_signs_in_rank_order():
+@pytest.mark.parametrize("n", [1, 64, 150, 4096])
+def test_a_scale_per_block_is_each_blocks_mean_magnitude_rounded_to_bfloat16(n, monkeypatch):
+    """``ScaledSign(64)``: blocks of 64 entries, the last one shorter; the residual keeps the
+    rounding (sent + residual == c); the native pass and the TensorFlow path."""
+    from sparse_hvd import kernels
+
+    rng = np.random.RandomState(n)
+    grad, residual = (rng.randn(n).astype("float32") * 1e-3 for _ in range(2))
+    compensated = grad + residual
+    for native in (True, False):
+        with monkeypatch.context() as patch:
+            if not native:
+                patch.setattr(kernels, "compensate_sign", lambda: None)
+            selection, remainder = compensate_and_select(
+                tf.constant(grad), tf.constant(residual), ScaledSign(64), k=1)
+        sent = selection.values.numpy()
+        np.testing.assert_allclose(sent, block_signs(compensated, 64), rtol=1e-6)
+        np.testing.assert_array_equal(remainder.numpy(), compensated - sent)
+        magnitudes = np.abs(sent)  # bfloat16 values, one per block
+        np.testing.assert_array_equal(magnitudes.astype(ml_dtypes.bfloat16).astype("float32"),
+                                      magnitudes)
+        assert len(np.unique(magnitudes)) <= -(-n // 64)
+
+
+@pytest.mark.parametrize("block", [0, 64])
+def test_pack_then_unpack_averages_every_ranks_scaled_signs_in_rank_order(block, monkeypatch):
+    """The native passes and the TensorFlow path: the same words, the same averages."""
+    from sparse_hvd import kernels
+
     rng = np.random.RandomState(0)
-    sizes = [40, 7]
+    sizes = [200, 7]
     ranks = [[rng.randn(n).astype("float32") for n in sizes] for _ in range(3)]
-    selected = [[ScaledSign()(tf.constant(v), 0) for v in rank] for rank in ranks]
-    rows = tf.stack([SignAllgather.pack(rank) for rank in selected])
-    assert rows.shape == (3, 2 + 2 + 1)  # two scales, then 2 and 1 words of signs
-    averages = SignAllgather.unpack(rows, selected[0], sizes)
-    for j in range(2):
-        expected = np.zeros(sizes[j], "float32")
-        for rank in selected:  # rank order, each rank's own scale
-            expected += rank[j].values.numpy()
-        np.testing.assert_array_equal(averages[j].numpy(), expected / np.float32(3))
+    selected = [[ScaledSign(block)(tf.constant(v), 0) for v in rank] for rank in ranks]
+    for native in (True, False):
+        with monkeypatch.context() as patch:
+            if not native:
+                patch.setattr(kernels, "sign_pack", lambda: None)
+                patch.setattr(kernels, "sign_sum", lambda: None)
+            rows = tf.stack([SignAllgather.pack(rank, block) for rank in selected])
+            averages = SignAllgather.unpack(rows, selected[0], sizes, block)
+        # the scales (two float32 words; or 4 and 1 bfloat16 scales in 2 and 1 words), then
+        # 7 and 1 words of signs
+        assert rows.shape == (3, (2 if block == 0 else 3) + 7 + 1)
+        if block:  # the bfloat16 bits of the first variable's first two scales, in one word
+            word = rows.numpy()[0, :1].view("<u2")
+            first = np.abs(selected[0][0].values.numpy())[[0, 64]].astype(ml_dtypes.bfloat16)
+            np.testing.assert_array_equal(word, first.view("<u2"))
+        for j in range(2):
+            expected = np.zeros(sizes[j], "float32")
+            for rank in selected:  # rank order, each rank's own scales
+                expected += rank[j].values.numpy()
+            np.testing.assert_array_equal(averages[j].numpy(), expected / np.float32(3))
 
 
 @pytest.mark.parametrize("arguments,named", [
@@ -142,82 +195,105 @@ def test_the_sign_exchange_named_with_adam_also_estimates_the_mean_gradients_noi
         own.get_config()).second_moment == "own"
 
 
+@pytest.mark.parametrize("exchange,block", [("sign", 64), ("sign_per_variable", 0)])
 @pytest.mark.parametrize("compression", ["none", "float16"])
-def test_one_worker_applies_its_own_scaled_signs_and_keeps_the_rest(compression):
+def test_one_worker_applies_its_own_scaled_signs_and_keeps_the_rest(compression, exchange,
+                                                                    block):
     """With one worker no collective runs: SGD moves each entry of a cut variable by the
-    learning rate times the mean magnitude (rounded to float16 with that compression),
-    signed; a variable under ``min_elements`` gets its gradient; the residual is what the
-    signs left out."""
+    learning rate times its block's mean magnitude (rounded to float16 with that
+    compression), signed; a variable under ``min_elements`` gets its gradient; the residual
+    is what the signs left out."""
     big = np.linspace(-1.0, 2.0, 2048).astype("float32")  # cut: at least min_elements
     small = np.array([1.0, -2.0], "float32")
     variables = [keras.Variable(np.zeros_like(big)), keras.Variable(np.zeros_like(small))]
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(0.1), exchange="sign", compression=compression, name="one_sign")
+        keras.optimizers.SGD(0.1), exchange=exchange, compression=compression,
+        name="one_sign")
     optimizer.apply_gradients(zip([tf.constant(big), tf.constant(small)], variables))
-    scale = np.float32(np.mean(np.abs(big)))
+    sent = block_signs(big, block).astype("float32")
     if compression == "float16":
-        scale = np.float32(np.float16(scale))
+        sent = sent.astype("float16").astype("float32")
         small = small.astype("float16").astype("float32")  # exact here
-    sent = np.where(big < 0, -scale, scale).astype("float32")
+    assert len(np.unique(np.abs(sent))) == (32 if block else 1)
     np.testing.assert_allclose(variables[0].numpy(), -np.float32(0.1) * sent, rtol=1e-6)
     np.testing.assert_allclose(variables[1].numpy(), -0.1 * small, rtol=1e-6)
     np.testing.assert_allclose(optimizer.residuals[0].numpy(), big - sent, rtol=0, atol=1e-6)
     assert [r.sparse for r in optimizer._routes] == [True, False]
     assert isinstance(optimizer._selector, ScaledSign) and optimizer.sparsifier.name == "topk"
+    assert optimizer._selector.block == block
 
 
+@pytest.mark.parametrize("block", [0, 64, 96])
 @pytest.mark.parametrize("ranks,n", [(1, 5), (3, 100), (4, 70_001), (2, 131_072)])
-def test_the_native_sum_of_the_signs_is_the_tensorflow_paths_bits(ranks, n):
+def test_the_native_sum_of_the_signs_is_the_tensorflow_paths_bits(ranks, n, block):
     """kernels/sign_sum.cc against the TensorFlow ops of ``SignAllgather.unpack`` (shards of
-    64K entries: n over one shard, ending inside a word)."""
+    64K entries: n over one shard, ending inside a word; blocks of 96 span words in threes)."""
     from helpers import native_op
     from sparse_hvd import kernels
     from sparse_hvd.exchanges.averaging import divided, sum_rows_in_order
+    from sparse_hvd.exchanges.sign import blocks_of, per_entry
 
     native = native_op(kernels.sign_sum)
     rng = np.random.RandomState(n)
     values = [rng.randn(n).astype("float32") for _ in range(ranks)]
     words = tf.stack([pack_signs(tf.constant(v)) for v in values])
-    scales = tf.constant(rng.uniform(0.1, 2.0, ranks).astype("float32"))
-    expected = divided(sum_rows_in_order(unpack_signs(words, n) * scales[:, None]), ranks)
-    got = native(words, scales, num_elements=n)
+    blocks = blocks_of(n, block)
+    scales = tf.constant(rng.uniform(0.1, 2.0, (ranks, blocks)).astype("float32"))
+    expected = divided(sum_rows_in_order(unpack_signs(words, n) * per_entry(scales, n, block)),
+                       ranks)
+    got = native(words, scales, num_elements=n, block=block)
     np.testing.assert_array_equal(got.numpy().view(np.uint32), expected.numpy().view(np.uint32))
     signs = np.where(np.stack(values) < 0, -1.0, 1.0).astype("float32")
-    np.testing.assert_allclose(got.numpy(), (signs * scales.numpy()[:, None]).sum(0) / ranks,
-                               rtol=1e-6, atol=1e-6)
+    each = np.repeat(scales.numpy(), block or n, axis=1)[:, :n]
+    np.testing.assert_allclose(got.numpy(), (signs * each).sum(0) / ranks, rtol=1e-6, atol=1e-6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="scales"):
+        native(words, scales[:, :-1], num_elements=n, block=block)
 
 
+def test_the_native_ops_refuse_a_block_that_splits_a_word():
+    from helpers import native_op
+    from sparse_hvd import kernels
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="multiple of 32"):
+        native_op(kernels.sign_pack)(tf.zeros([100]), block=48)
+
+
+@pytest.mark.parametrize("block", [0, 64])
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 70_001])
-def test_the_native_packing_is_the_tensorflow_paths_words_and_scale(n):
-    """kernels/sign_sum.cc's pack against ``pack_signs`` and the largest magnitude."""
+def test_the_native_packing_is_the_tensorflow_paths_words_and_scales(n, block):
+    """kernels/sign_sum.cc's pack against ``pack_signs`` and each block's largest magnitude."""
     from helpers import native_op
     from sparse_hvd import kernels
 
     native = native_op(kernels.sign_pack)
-    values = ScaledSign()(tf.constant(np.random.RandomState(n).randn(n).astype("float32")),
-                          0).values
-    words, scale = native(values)
+    values = ScaledSign(block)(
+        tf.constant(np.random.RandomState(n).randn(n).astype("float32")), 0).values
+    words, scales = native(values, block=block)
     np.testing.assert_array_equal(words.numpy(), pack_signs(values).numpy())
-    assert scale.numpy() == np.max(np.abs(values.numpy())) and words.shape == ((n + 31) // 32,)
+    size = block or n
+    largest = [np.max(np.abs(values.numpy()[b:b + size])) for b in range(0, n, size)]
+    np.testing.assert_array_equal(scales.numpy(), largest)
+    assert words.shape == ((n + 31) // 32,)
 
 
+@pytest.mark.parametrize("block", [0, 64])
 @pytest.mark.parametrize("n", [1, 33, 70_001])
-def test_the_native_compensation_sends_the_mean_magnitude_signed_and_keeps_the_rest(n):
-    """kernels/sign_sum.cc's error-feedback step: c = gradient + residual, the mean |c| (in
-    double) signed, and c minus it, exactly."""
+def test_the_native_compensation_sends_the_mean_magnitude_signed_and_keeps_the_rest(n, block):
+    """kernels/sign_sum.cc's error-feedback step: c = gradient + residual, each block's mean
+    |c| (in double; with blocks rounded to bfloat16) signed, and c minus it, exactly."""
     from helpers import native_op
     from sparse_hvd import kernels
 
     native = native_op(kernels.compensate_sign)
     rng = np.random.RandomState(n)
     grad, residual = (rng.randn(n).astype("float32") for _ in range(2))
-    sent, remainder = (t.numpy() for t in native(tf.constant(grad), tf.constant(residual)))
+    sent, remainder = (t.numpy() for t in native(tf.constant(grad), tf.constant(residual),
+                                                 block=block))
     compensated = grad + residual
-    scale = np.float32(np.abs(compensated).astype("float64").mean())
-    np.testing.assert_array_equal(sent, np.where(compensated < 0, -scale, scale))
+    np.testing.assert_array_equal(sent, block_signs(compensated, block))
     np.testing.assert_array_equal(remainder, compensated - sent)
     selection, kept = compensate_and_select(tf.constant(grad), tf.constant(residual),
-                                            ScaledSign(), k=1)  # the path the optimizer takes
+                                            ScaledSign(block), k=1)  # the optimizer's path
     np.testing.assert_array_equal(selection.values.numpy(), sent)
     np.testing.assert_array_equal(kept.numpy(), remainder)
     np.testing.assert_array_equal(selection.indices.numpy(), np.arange(n))

@@ -16,7 +16,8 @@ registered under the name ``exchange=`` takes and the ``grouping`` it runs:
 ``"plain_sparse_allreduce"``  both         ``sparse_allreduce``: int32 indices, raw values
 ``"dense"``                   both         ``dense``: Horovod's allreduce of every gradient
 ``"sign"``                    grouped      ``sign``: every entry's sign and a scale per
-                                           variable, one allgather (chooses its entries)
+                                           64 entries, one allgather (chooses its entries)
+``"sign_per_variable"``       grouped      ``sign``: the same, one scale per variable
 ``"topk_sign"``               grouped      ``topk_sign``: the top-k entries and the signs of
                                            the rest, one allgather
 ``"topk_sign2"``              grouped      ``topk_sign``: the same with two levels of signs

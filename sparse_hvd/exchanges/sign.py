@@ -1,44 +1,53 @@
-"""``exchange="sign"``: every entry of a cut variable as one bit, its sign, and one scale.
+"""``exchange="sign"``: every entry of a cut variable as one bit, its sign, and a scale per block.
 
 Top-k at 1% sends 1 entry in 100 at 8 bytes (value and index). This exchange sends every
 entry at 1/8 byte: each rank sends, per variable, the signs of its compensated tensor ``c``
-(its update, with ``sparsify="update"``, plus its residual) and one float32 scale, the mean
-magnitude ``||c||_1 / n``; what it stands for, ``scale * sign(c)``, is what is averaged, and
-``c - scale * sign(c)`` stays in the residual (error feedback: EF-SignSGD, Karimireddy et al.
-2019; the compressor of 1-bit Adam, Tang et al. 2021). So a worker sends 1/32 of dense's
-bytes, and every entry moves a little every step where top-k moves a few entries a lot.
+(its update, with ``sparsify="update"``, plus its residual) and, for each block of
+:data:`BLOCK` (64) consecutive entries, a scale, the block's mean magnitude, rounded to
+bfloat16 (16 bits, float32's range); what it stands for, ``scale * sign(c)``, is what is
+averaged, and ``c - scale * sign(c)`` stays in the residual (error feedback: EF-SignSGD,
+Karimireddy et al. 2019; the compressor of 1-bit Adam, Tang et al. 2021, with one scale per
+tensor). So a worker sends 1.25 bits an entry, 1/26 of dense's bytes, and every entry moves a
+little every step where top-k moves a few entries a lot.
 Measured under Adam (``docs/steps_to_loss_sign.md``, 3 seeds, the steps to dense's half-run
-loss over dense's): a character LSTM 1.01 at 4 workers and 1.08 at 8, a CNN 0.97, a small
-transformer 1.40, where top-k at 1% of each worker's update needs 1.22, 1.31, 1.03 and 1.90;
-so it is what ``exchange=None`` sends with Adam (``selection.defaults.one_bit_by_default``).
-With Adam it comes with ``second_moment="noise_estimate"`` by default
-(``feedback.second_moment``; ``docs/steps_to_loss_noise_estimate.md``): the LSTM 0.83 and
-0.91, the transformer 1.13 and 1.08 at 4 and 8 workers, the CNN 0.94 and 0.80.
-With SGD it is far worse than top-k (probes: a sign's scale carries no per-entry size, which
-Adam's normalised update does not need and SGD's does).
+loss over dense's), with one scale per variable: a character LSTM 1.01 at 4 workers and 1.08
+at 8, a CNN 0.97, a small transformer 1.40, where top-k at 1% of each worker's update needs
+1.22, 1.31, 1.03 and 1.90; so it is what ``exchange=None`` sends with Adam
+(``selection.defaults.one_bit_by_default``). With Adam it comes with
+``second_moment="noise_estimate"`` by default (``feedback.second_moment``;
+``docs/steps_to_loss_noise_estimate.md``): the LSTM 0.83 and 0.91, the transformer 1.13 and
+1.08 at 4 and 8 workers, the CNN 0.94 and 0.80 (one scale per variable). A scale per block of
+64 gives each part of a tensor its own size (``docs/steps_to_loss_sign_blocks.md``).
+``exchange="sign_per_variable"`` keeps one float32 scale per variable (the previous
+``"sign"``: 1 bit an entry and 4 bytes a variable).
+With SGD it is far worse than top-k (probes, one scale per variable: a sign's scale carries
+no per-entry size, which Adam's normalised update does not need and SGD's does).
 
 1. select (:class:`ScaledSign`, the error feedback's fused pass; on CPU two native passes):
-   ``scale = mean |c|``, ``sent = scale`` where ``c >= 0`` and ``-scale`` elsewhere (an exact
-   zero travels as +, one bit has no room for it), residual ``c - sent``;
-2. pack: each variable's sign bits (1: negative) in int32 words, after one word per variable
-   holding its scale's bits (on CPU in one native pass, ``kernels/sign_sum.cc``), and the
-   header (``base.header``) and the small dense-route gradients (``base.pack_dense``): one
-   ``grouped_allgather`` per step;
+   ``scale = mean |c|`` over each block, rounded to bfloat16, ``sent = scale`` where
+   ``c >= 0`` and ``-scale`` elsewhere (an exact zero travels as +, one bit has no room for
+   it), residual ``c - sent`` (the scale's rounding included: nothing is lost);
+2. pack: each variable's scales (bfloat16 bits, two to an int32 word), then each variable's
+   sign bits (1: negative) in int32 words (on CPU in one native pass, ``kernels/sign_sum.cc``),
+   after the header (``base.header``) and with the small dense-route gradients
+   (``base.pack_dense``): one ``grouped_allgather`` per step;
 3. unpack: every rank in this step (the header, else every rank raises), then for each
    variable every rank's ``scale * (1 - 2 bit)``, summed in rank order from zero (the same
    bits on every rank) and divided by the number of workers: on CPU in one native pass
    (``kernels/sign_sum.cc``), elsewhere by TensorFlow ops that compute the same bits.
 
-An allgather: a worker receives (N - 1) n / 8 bytes per variable of n entries, N/64 of what a
-ring allreduce of float32 moves per worker (2 (N - 1) / N of 4 n bytes): less up to 64
+An allgather: a worker receives (N - 1) 1.25 n / 8 bytes per variable of n entries, N/51 of
+what a ring allreduce of float32 moves per worker (2 (N - 1) / N of 4 n bytes): less up to 51
 workers. It chooses what it sends itself, so ``sparsifier``, ``density`` (only the routes:
 variables under ``min_elements`` go dense) and ``budget`` do not apply; it does not combine
 with ``momentum_correction`` (masking would clear every entry's velocity), ``staleness``,
 ``AdaptiveDensity``, ``dense_fallback`` or ``grouping="layerwise"`` (``sparse_hvd.checks``).
-With ``compression`` the scales travel rounded to 16 bits (the rounding error kept in the
-residual, as for any value), and so do the small dense-route gradients. ``exchange="auto"``
-chooses between it and dense where ``exchange=None`` means signs (with Adam), never between
-it and the top-k exchanges: it changes what is averaged, not only how it travels.
+With ``compression`` the scales are rounded to its 16 bits too (the error kept in the
+residual, as for any value: a float16 rounding of a bfloat16 value is again a bfloat16
+value, so the scales still travel exactly), and so are the small dense-route gradients.
+``exchange="auto"`` chooses between it and dense where ``exchange=None`` means signs (with
+Adam), never between it and the top-k exchanges: it changes what is averaged, not only how it
+travels.
 """
 
 import tensorflow as tf
@@ -53,27 +62,63 @@ from .bit_packing import pack_fields, words_for
 from .fused_allgather import FusedAllgather
 
 
-def scaled_signs(flat):
-    """``mean |flat|`` where ``flat >= 0`` and its negative elsewhere (step 1)."""
-    scale = tf.reduce_mean(tf.abs(flat))
+BLOCK = 64  # exchange="sign": entries a scale stands for (a multiple of 32)
+
+
+def blocks_of(n, block):
+    """The number of scales of a variable of ``n`` entries: one per ``block`` (0: one)."""
+    return 1 if block == 0 else -(-n // block)
+
+
+def block_scales(magnitudes, block):
+    """Each block's mean of the flat ``magnitudes`` (the last block's over what it holds);
+    one mean with ``block`` 0."""
+    if block == 0:
+        return tf.reshape(tf.reduce_mean(magnitudes), [1])
+    n = magnitudes.shape.num_elements()  # static: a variable's layout
+    blocks = blocks_of(n, block)
+    padded = tf.pad(magnitudes, [[0, blocks * block - n]])
+    counts = tf.constant([min(block, n - b * block) for b in range(blocks)], tf.float32)
+    return tf.reduce_sum(tf.reshape(padded, [blocks, block]), 1) / counts
+
+
+def per_entry(scales, n, block):
+    """``scales`` ([..., blocks]) repeated over their blocks' entries: [..., n]."""
+    if block == 0:
+        return scales
+    return tf.repeat(scales, block, axis=-1)[..., :n]
+
+
+def scaled_signs(flat, block=0):
+    """Each entry's block's mean magnitude where ``flat >= 0``, its negative elsewhere (step
+    1); with blocks the means rounded to bfloat16, as they travel."""
+    scales = block_scales(tf.abs(flat), block)
+    if block:
+        scales = tf.cast(tf.cast(scales, tf.bfloat16), flat.dtype)
+    scale = per_entry(scales, flat.shape.num_elements(), block)
     return tf.where(flat < 0, -scale, scale)
 
 
 class ScaledSign(Sparsifier):
-    """Step 1: every entry, as its sign times the variable's mean magnitude; ``k`` is not
-    used. With error feedback the residual is the difference from the compensated tensor (not
-    the compensated tensor with the sent entries zeroed, as for the sparsifiers that send
-    entries as they are)."""
+    """Step 1: every entry, as its sign times the mean magnitude of its block (``block``
+    entries, 0: the whole variable); ``k`` is not used. With error feedback the residual is the
+    difference from the compensated tensor (not the compensated tensor with the sent entries
+    zeroed, as for the sparsifiers that send entries as they are)."""
 
     name = "scaled_sign"
 
+    def __init__(self, block=0):
+        self.block = block
+
     def __call__(self, flat, k):
-        return Selection(scaled_signs(flat), tf.range(tf.size(flat, out_type=tf.int32)))
+        return Selection(scaled_signs(flat, self.block),
+                         tf.range(tf.size(flat, out_type=tf.int32)))
 
     def fused_compensate_select(self, flat_grad, flat_residual, k):
         native = kernels.compensate_sign() if flat_grad.dtype == tf.float32 else None
         if native is not None:  # two passes (kernels/sign_sum.cc)
-            sent, remainder = native(flat_grad, tf.cast(flat_residual, tf.float32))
+            sent, remainder = native(flat_grad, tf.cast(flat_residual, tf.float32),
+                                     block=self.block)
             return Selection(sent, tf.range(tf.size(sent, out_type=tf.int32))), remainder
         compensated = flat_grad + tf.cast(flat_residual, flat_grad.dtype)
         selection = self(compensated, k)
@@ -95,17 +140,39 @@ def unpack_signs(words, n) -> tf.Tensor:
     return 1.0 - 2.0 * tf.cast(bits, tf.float32)
 
 
+def bfloat16_words(scales) -> tf.Tensor:
+    """float32 ``scales`` (bfloat16 values: exact) as bfloat16 bits, two to an int32 word (the
+    first in the low half on a little-endian machine); a last odd one is paired with 0."""
+    halves = tf.cast(scales, tf.bfloat16)
+    halves = tf.pad(halves, [[0, scales.shape[0] % 2]])  # static: one per block
+    return tf.bitcast(tf.reshape(halves, [-1, 2]), tf.int32)
+
+
+def bfloat16_scales(words, count) -> tf.Tensor:
+    """The inverse of :func:`bfloat16_words` for ``[rows, words]``: ``[rows, count]`` float32."""
+    rows = tf.shape(words)[0]
+    halves = tf.reshape(tf.bitcast(words, tf.bfloat16), [rows, -1])[:, :count]
+    return tf.cast(halves, tf.float32)
+
+
+def scale_words(n, block) -> int:
+    """int32 words a variable's scales take: one float32, or bfloat16 pairs per block."""
+    return 1 if block == 0 else words_for(16 * blocks_of(n, block))
+
+
 @register("sign", grouping="grouped")
 class SignAllgather(FusedAllgather):
     """Steps 1-3 of the module doc: the fused allgather's one collective (its lockstep
-    announcement and bytes on the wire too), carrying signs instead of selections."""
+    announcement and bytes on the wire too), carrying signs instead of selections; a scale per
+    block of :data:`BLOCK` entries."""
 
     layer_budgets = False
     staleness = False
     chooses_entries = True
     code = "signs"
     grouping_reason = "its one allgather carries every variable's signs."
-    selector = ScaledSign()
+    block = BLOCK
+    selector = ScaledSign(BLOCK)
 
     def routes_for(self, variables, density, min_elements):
         """Sparse (cut and signed) from ``min_elements`` entries on, whatever the density."""
@@ -113,15 +180,16 @@ class SignAllgather(FusedAllgather):
                 for route in super().routes_for(variables, density, min_elements)]
 
     # the callers count entries at ``density`` (``Exchange``); this one sends every entry at
-    # 1/8 byte, whatever the density: 1 / (8 density) bytes for each of those
+    # 1/8 byte and a 16-bit scale per block (or 4 bytes per variable), whatever the density:
+    # that over ``density`` for each of those
     def sent_bytes_per_entry(self, density, value_bytes):
-        return 1 / (8 * density)
+        return (1 / 8 + (2 / self.block if self.block else 0)) / density
 
     def _average_many(self, payload: Payload, sizes, step):
         size = self.size
         dense = list(payload.dense.items)
         dense_groups, dense_words = self.pack_dense(dense)
-        words = self.pack(payload.sparse.items)  # step 2
+        words = self.pack(payload.sparse.items, self.block)  # step 2
         self._layout = (0, 1 + len(dense_words))  # no header fields of its own
         self._sent = self.coded_bytes_sent(payload, tf.size(words))
         gathered = collectives.grouped_allgather(
@@ -129,43 +197,65 @@ class SignAllgather(FusedAllgather):
             name=f"{self.name}.fused", process_set=self.process_set, step=step)
         gathered, finite, _ = checked_headers(gathered, size)  # step 3
         rows = tf.reshape(gathered[1], [size, words.shape[0]])
-        sparse = self.unpack(rows, payload.sparse.items, sizes)
+        sparse = self.unpack(rows, payload.sparse.items, sizes, self.block)
         averaged_dense = self.unpack_dense(dense, dense_groups, gathered[2:],
                                            payload.dense.keys, step)
         return sparse, averaged_dense, finite, ()
 
     @staticmethod
-    def pack(selections) -> tf.Tensor:
-        """One rank's words: each selection's scale (float32 bits), then each one's signs."""
+    def pack(selections, block=0) -> tf.Tensor:
+        """One rank's words: each selection's scales (``block`` 0: one, float32 bits; else one
+        per block, bfloat16 bits two to a word), then each one's signs."""
         if not selections:
             return tf.zeros([0], tf.int32)
         native = kernels.sign_pack()
         scales, words = [], []
         for selection in selections:
             values = tf.cast(tf.reshape(selection.values, [-1]), tf.float32)
-            if native is not None:  # the same words and scale in one pass (sign_sum.cc)
-                own, scale = native(values)
+            if native is not None:  # the same words and scales in one pass (sign_sum.cc)
+                own, largest = native(values, block=block)
             else:
-                own, scale = pack_signs(values), tf.reduce_max(tf.abs(values))
+                n = values.shape.num_elements()
+                magnitudes = tf.pad(tf.abs(values), [[0, blocks_of(n, block) * (block or n)
+                                                      - n]])
+                own = pack_signs(values)
+                largest = tf.reduce_max(tf.reshape(magnitudes, [blocks_of(n, block), -1]), 1)
             words.append(own)
-            scales.append(scale)
-        return tf.concat([tf.bitcast(tf.stack(scales), tf.int32)] + words, 0)
+            scales.append(tf.bitcast(largest, tf.int32) if block == 0
+                          else bfloat16_words(largest))
+        return tf.concat(scales + words, 0)
 
     @staticmethod
-    def unpack(rows, selections, sizes):
+    def unpack(rows, selections, sizes, block=0):
         """Each selection's average from every rank's words (``rows``: [ranks, words])."""
         size = rows.shape[0]
-        scales = tf.bitcast(rows[:, :len(selections)], tf.float32)
-        start, averages = len(selections), []
+        start, scales = 0, []
+        for n in sizes:  # every selection's scales first, [ranks, blocks] float32
+            width = scale_words(n, block)
+            own = rows[:, start:start + width]
+            scales.append(tf.bitcast(own, tf.float32) if block == 0
+                          else bfloat16_scales(own, blocks_of(n, block)))
+            start += width
+        averages = []
         native = kernels.sign_sum()
-        for j, (selection, n) in enumerate(zip(selections, sizes)):
+        for selection, n, scale in zip(selections, sizes, scales):
             width = words_for(n)
             own = rows[:, start:start + width]
             if native is not None:  # the same bits in one pass (kernels/sign_sum.cc)
-                average = native(own, scales[:, j], num_elements=n)
+                average = native(own, scale, num_elements=n, block=block)
             else:
-                total = sum_rows_in_order(unpack_signs(own, n) * scales[:, j:j + 1])
+                total = sum_rows_in_order(unpack_signs(own, n) * per_entry(scale, n, block))
                 average = divided(total, size)
             averages.append(tf.cast(average, selection.values.dtype))
             start += width
         return averages
+
+
+@register("sign_per_variable", grouping="grouped")
+class SignPerVariableAllgather(SignAllgather):
+    """``exchange="sign_per_variable"``: the same with one float32 scale per variable (what
+    ``exchange="sign"`` sent before its scales per block)."""
+
+    block = 0
+    selector = ScaledSign(0)
+    auto_candidate = False  # its averages are coarser, not cheaper to move: never chosen

@@ -1,26 +1,32 @@
+// The ops of the scaled signs (sparse_hvd/exchanges/sign.py). Each has an attribute ``block``:
+// 0 is one scale for the whole variable (``exchange="sign_per_variable"``, and the signs of
+// ``exchange="topk_sign"``); B > 0 (a multiple of 32) is one scale per block of B entries
+// (``exchange="sign"``), the last block holding what is left.
+//
 // SparseHvdCompensateSign: error feedback's step for the scaled signs (step 1), in two passes:
-// c = gradient + residual and the sum of |c| (in double, in index order), scale = that sum
-// over n, rounded to float; then sent = -scale where c < 0, else scale, and the remainder
-// c - sent. The TensorFlow path (``scaled_signs``) takes about five passes; its mean is
-// float32's reduction, which may differ in the last bit: each rank sends its own scale, so
-// replicas stay identical either way.
+// c = gradient + residual and, per block, the sum of |c| (in double, in index order); the
+// block's scale is that sum over its entries, rounded to float (and with block > 0 to
+// bfloat16, round to nearest even, as its scales travel); then sent = -scale where c < 0, else
+// scale, and the remainder c - sent. The TensorFlow path (``scaled_signs``) takes about five
+// passes; its mean is float32's reduction, which may differ in the last bit: each rank sends
+// its own scales, so replicas stay identical either way.
 //
-// SparseHvdSignPack: one rank's sign bits of a variable's scaled signs and their magnitude
-// (sparse_hvd/exchanges/sign.py, step 2), in one pass: bit i of word i / 32 (little-endian)
-// is set where value i is negative, and ``scale`` is the largest |value| (every value is
-// +-scale; an exact maximum, in any order). The TensorFlow path takes several passes.
+// SparseHvdSignPack: one rank's sign bits of a variable's scaled signs and their magnitudes
+// (step 2), in one pass: bit i of word i / 32 (little-endian) is set where value i is negative,
+// and a block's scale is its largest |value| (every value of a block is +-scale; an exact
+// maximum, in any order). The TensorFlow path takes several passes.
 //
-// SparseHvdSignSum: one variable's average from every rank's sign bits and scale
-// (sparse_hvd/exchanges/sign.py, step 3), in one pass over the output.
+// SparseHvdSignSum: one variable's average from every rank's sign bits and scales (step 3),
+// in one pass over the output.
 //
 // The TensorFlow path unpacks every rank's bits into a [ranks, n] tensor of +-1, multiplies
-// each row by its rank's scale and adds the rows: several passes over ranks x n entries.
+// each row by its rank's scales and adds the rows: several passes over ranks x n entries.
 // Here each output entry is made once:
 //
 //   1. in shards of 64K entries on the CPU worker threads, entry i starts at 0.0f;
-//   2. rank by rank, in rank order, it adds -scale[r] where bit i of rank r's words is set,
-//      else scale[r] (the same additions, in the same order, as the TensorFlow path's
-//      ``sum_rows_in_order``: the same bits);
+//   2. rank by rank, in rank order, it adds -scale where bit i of rank r's words is set, else
+//      scale, the scale of rank r's block holding i (the same additions, in the same order, as
+//      the TensorFlow path's ``sum_rows_in_order``: the same bits);
 //   3. it is divided by the number of ranks (IEEE division, as ``tf.math.divide_no_nan`` for
 //      a divisor of 1 or more).
 //
@@ -29,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "tensorflow/core/framework/op.h"
@@ -47,8 +54,9 @@ using tensorflow::TensorShape;
 
 REGISTER_OP("SparseHvdSignSum")
     .Attr("num_elements: int >= 0")
+    .Attr("block: int = 0")
     .Input("words: int32")   // [ranks, words]: each rank's sign bits
-    .Input("scales: float")  // [ranks]: each rank's scale
+    .Input("scales: float")  // [ranks, blocks]: each rank's scales
     .Output("average: float")
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
       int64_t n = 0;
@@ -59,16 +67,44 @@ REGISTER_OP("SparseHvdSignSum")
 
 constexpr int64_t kShard = 1 << 16;  // a multiple of 32: a shard starts at a word
 
+// The number of scales a variable of ``n`` entries has with ``block`` (0: one).
+inline int64_t BlocksOf(int64_t n, int64_t block) {
+  return block == 0 ? 1 : (n + block - 1) / block;
+}
+
+// ``value`` rounded to the nearest bfloat16 (ties to even), as float: what TensorFlow's cast
+// to bfloat16 gives for a finite value or an infinity; a NaN stays a NaN.
+inline float RoundedToBfloat16(float value) {
+  if (std::isnan(value)) return value;
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  bits &= 0xffff0000u;
+  float rounded;
+  std::memcpy(&rounded, &bits, sizeof rounded);
+  return rounded;
+}
+
+// The attribute ``block`` of each op: 0, or a positive multiple of 32 (a word's bits share a
+// block, which keeps the sum's inner loop per word).
+inline tsl::Status CheckedBlock(int64_t block) {
+  if (block < 0 || block % 32 != 0) {
+    return InvalidArgumentError(absl::StrCat("block must be 0 or a positive multiple of 32, got ",
+                                             block));
+  }
+  return tsl::OkStatus();
+}
+
 // Steps 1-3 for the ``count`` (at most 32) entries of one word: ``bits`` is rank 0's word,
-// rank r's is ``width`` words further on. Each entry is added up in a register and written
-// once.
+// rank r's is ``width`` words further on; ``scale`` is rank 0's scale of the word's block,
+// rank r's is ``blocks`` further on. Each entry is added up in a register and written once.
 inline void SumWord(const uint32_t* bits, int64_t width, int64_t ranks, const float* scale,
-                    float divisor, float* out, int64_t count) {
+                    int64_t blocks, float divisor, float* out, int64_t count) {
   alignas(64) float sums[32] = {0.0f};  // step 1
   alignas(64) uint32_t lanes[32];
   for (int64_t r = 0; r < ranks; ++r) {  // step 2, rank by rank
     const uint32_t word = bits[r * width];
-    const float plus = scale[r], minus = -scale[r];
+    const float plus = scale[r * blocks], minus = -scale[r * blocks];
     // the word's bit b in lane b, by masks rather than shifts by b (plain SSE2 has no
     // per-lane shift), so that the compiler can add several lanes at once
     for (int b = 0; b < 32; ++b) lanes[b] = word & (1u << b);
@@ -81,16 +117,20 @@ class SignSumOp : public OpKernel {
  public:
   explicit SignSumOp(OpKernelConstruction* context) : OpKernel(context) {
     OP_REQUIRES_OK(context, context->GetAttr("num_elements", &num_elements_));
+    OP_REQUIRES_OK(context, context->GetAttr("block", &block_));
+    OP_REQUIRES_OK(context, CheckedBlock(block_));
   }
 
   void Compute(OpKernelContext* context) override {
     const Tensor& words = context->input(0);
     const Tensor& scales = context->input(1);
-    OP_REQUIRES(context, words.dims() == 2 && scales.dims() == 1 &&
-                             scales.dim_size(0) == words.dim_size(0),
-                InvalidArgumentError("words must be [ranks, words] and scales [ranks]"));
+    const int64_t n = num_elements_, blocks = BlocksOf(n, block_);
+    OP_REQUIRES(context, words.dims() == 2 && scales.dims() == 2 &&
+                             scales.dim_size(0) == words.dim_size(0) &&
+                             scales.dim_size(1) == blocks,
+                InvalidArgumentError(absl::StrCat("words must be [ranks, words] and scales [",
+                                                  "ranks, ", blocks, "]")));
     const int64_t ranks = words.dim_size(0), width = words.dim_size(1);
-    const int64_t n = num_elements_;
     OP_REQUIRES(context, width == (n + 31) / 32,
                 InvalidArgumentError(absl::StrCat("expected ", (n + 31) / 32,
                                                   " words a rank for ", n,
@@ -108,19 +148,22 @@ class SignSumOp : public OpKernel {
                       [&](int64_t first, int64_t last) {
                         const int64_t end = std::min(n, last * kShard);
                         for (int64_t word = first * kShard / 32; word * 32 < end; ++word) {
-                          SumWord(bits + word, width, ranks, scale, divisor, out + word * 32,
-                                  std::min<int64_t>(32, end - word * 32));
+                          const int64_t at = block_ == 0 ? 0 : word * 32 / block_;
+                          SumWord(bits + word, width, ranks, scale + at, blocks, divisor,
+                                  out + word * 32, std::min<int64_t>(32, end - word * 32));
                         }
                       });
   }
 
  private:
   int64_t num_elements_ = 0;
+  int64_t block_ = 0;
 };
 
 REGISTER_KERNEL_BUILDER(Name("SparseHvdSignSum").Device(tensorflow::DEVICE_CPU), SignSumOp);
 
 REGISTER_OP("SparseHvdCompensateSign")
+    .Attr("block: int = 0")
     .Input("gradient: float")  // [n]
     .Input("residual: float")  // [n]
     .Output("sent: float")     // [n]: +-scale
@@ -133,7 +176,10 @@ REGISTER_OP("SparseHvdCompensateSign")
 
 class CompensateSignOp : public OpKernel {
  public:
-  explicit CompensateSignOp(OpKernelConstruction* context) : OpKernel(context) {}
+  explicit CompensateSignOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("block", &block_));
+    OP_REQUIRES_OK(context, CheckedBlock(block_));
+  }
 
   void Compute(OpKernelContext* context) override {
     const Tensor& gradient = context->input(0);
@@ -149,64 +195,84 @@ class CompensateSignOp : public OpKernel {
     const float* r = residual.flat<float>().data();
     float* s = sent->flat<float>().data();
     float* c = remainder->flat<float>().data();  // holds c until the second pass
-    double total = 0.0;
-    for (int64_t i = 0; i < n; ++i) {
-      c[i] = g[i] + r[i];
-      total += std::fabs(c[i]);
-    }
-    const float scale = n > 0 ? static_cast<float>(total / static_cast<double>(n)) : 0.0f;
-    for (int64_t i = 0; i < n; ++i) {
-      s[i] = c[i] < 0.0f ? -scale : scale;
-      c[i] -= s[i];
+    const int64_t block = block_ == 0 ? std::max<int64_t>(n, 1) : block_;
+    for (int64_t begin = 0; begin < n; begin += block) {
+      const int64_t end = std::min(n, begin + block);
+      double total = 0.0;
+      for (int64_t i = begin; i < end; ++i) {
+        c[i] = g[i] + r[i];
+        total += std::fabs(c[i]);
+      }
+      float scale = static_cast<float>(total / static_cast<double>(end - begin));
+      if (block_ > 0) scale = RoundedToBfloat16(scale);
+      for (int64_t i = begin; i < end; ++i) {
+        s[i] = c[i] < 0.0f ? -scale : scale;
+        c[i] -= s[i];
+      }
     }
   }
+
+ private:
+  int64_t block_ = 0;
 };
 
 REGISTER_KERNEL_BUILDER(Name("SparseHvdCompensateSign").Device(tensorflow::DEVICE_CPU),
                         CompensateSignOp);
 
 REGISTER_OP("SparseHvdSignPack")
-    .Input("values: float")  // [n]: one rank's scaled signs of a variable
-    .Output("words: int32")  // [(n + 31) / 32]
-    .Output("scale: float")  // the largest |value|
+    .Attr("block: int = 0")
+    .Input("values: float")   // [n]: one rank's scaled signs of a variable
+    .Output("words: int32")   // [(n + 31) / 32]
+    .Output("scales: float")  // [blocks]: each block's largest |value|
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      int64_t block = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("block", &block));
       tensorflow::shape_inference::DimensionHandle n = c->Dim(c->input(0), 0);
       if (c->ValueKnown(n)) {
         c->set_output(0, c->Vector((c->Value(n) + 31) / 32));
+        c->set_output(1, c->Vector(BlocksOf(c->Value(n), block)));
       } else {
         c->set_output(0, c->Vector(c->UnknownDim()));
+        c->set_output(1, c->Vector(block == 0 ? c->MakeDim(1) : c->UnknownDim()));
       }
-      c->set_output(1, c->Scalar());
       return tsl::OkStatus();
     });
 
 class SignPackOp : public OpKernel {
  public:
-  explicit SignPackOp(OpKernelConstruction* context) : OpKernel(context) {}
+  explicit SignPackOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("block", &block_));
+    OP_REQUIRES_OK(context, CheckedBlock(block_));
+  }
 
   void Compute(OpKernelContext* context) override {
     const Tensor& values = context->input(0);
     OP_REQUIRES(context, values.dims() == 1, InvalidArgumentError("values must be 1-D"));
     const int64_t n = values.dim_size(0), width = (n + 31) / 32;
+    const int64_t blocks = BlocksOf(n, block_);
     Tensor* words = nullptr;
-    Tensor* scale = nullptr;
+    Tensor* scales = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({width}), &words));
-    OP_REQUIRES_OK(context, context->allocate_output(1, TensorShape({}), &scale));
+    OP_REQUIRES_OK(context, context->allocate_output(1, TensorShape({blocks}), &scales));
     const float* in = values.flat<float>().data();
     uint32_t* out = reinterpret_cast<uint32_t*>(words->flat<int32_t>().data());
-    float largest = 0.0f;
+    float* largest = scales->flat<float>().data();
+    std::fill(largest, largest + blocks, 0.0f);
     for (int64_t word = 0; word < width; ++word) {
       const int64_t begin = word * 32, count = std::min<int64_t>(32, n - begin);
+      float& scale = largest[block_ == 0 ? 0 : begin / block_];  // a word is in one block
       uint32_t bits = 0;
       for (int64_t b = 0; b < count; ++b) {
         const float value = in[begin + b];
         bits |= static_cast<uint32_t>(value < 0.0f) << b;
-        largest = std::max(largest, std::fabs(value));
+        scale = std::max(scale, std::fabs(value));
       }
       out[word] = bits;
     }
-    scale->scalar<float>()() = largest;
   }
+
+ private:
+  int64_t block_ = 0;
 };
 
 REGISTER_KERNEL_BUILDER(Name("SparseHvdSignPack").Device(tensorflow::DEVICE_CPU), SignPackOp);
