@@ -116,10 +116,11 @@ def test_pack_then_unpack_averages_every_ranks_scaled_signs_in_rank_order(block,
     ({"staleness": 1}, "`staleness`"),
     ({"density": sparse_hvd.AdaptiveDensity(0.01)}, "AdaptiveDensity"),
 ])
-def test_settings_the_sign_exchange_cannot_take_are_refused_by_name(arguments, named):
-    with pytest.raises(ValueError, match=f"exchange='sign'.*{re.escape(named)}|"
-                                         f"{re.escape(named)}.*exchange='sign'"):
-        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), exchange="sign",
+@pytest.mark.parametrize("exchange", ["sign", "sign_per_variable"])
+def test_settings_the_sign_exchange_cannot_take_are_refused_by_name(arguments, named, exchange):
+    with pytest.raises(ValueError, match=f"exchange='{exchange}'.*{re.escape(named)}|"
+                                         f"{re.escape(named)}.*exchange='{exchange}'"):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), exchange=exchange,
                                               **arguments)
 
 
@@ -185,10 +186,12 @@ def test_anything_else_keeps_top_k(inner, arguments):
 
 
 @pytest.mark.convergence_defaults
-def test_the_sign_exchange_named_with_adam_also_estimates_the_mean_gradients_noise():
-    named = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(1e-3), exchange="sign")
+@pytest.mark.parametrize("exchange", ["sign", "sign_per_variable"])
+def test_the_sign_exchange_named_with_adam_also_estimates_the_mean_gradients_noise(exchange):
+    named = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(1e-3), exchange=exchange)
     assert named.second_moment == "noise_estimate"
-    own = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(1e-3), exchange="sign",
+    assert named._exchange_candidates == (exchange,)
+    own = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(1e-3), exchange=exchange,
                                                 second_moment="own")
     assert own.second_moment == "own"
     assert sparse_hvd.SparseDistributedOptimizer.from_config(

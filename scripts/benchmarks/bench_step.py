@@ -20,9 +20,10 @@ Methods (``--methods``, comma-separated):
   ``compact_<sparsifier>@<d>``: with ``exchange="compact_allgather"`` (coded indices);
   ``topksign_<sparsifier>@<d>``: with ``exchange="topk_sign"`` (the top entries and the
   signs of the rest);
-  ``sign@<d>``: ``exchange="sign"`` (every entry's sign and a scale per variable; ``d`` is
+  ``sign@<d>``: ``exchange="sign"`` (every entry's sign and a scale per 64 entries; ``d`` is
   not used; with ``--inner adam`` and the update cut, the default second moment, the noise
   estimate); ``sign_own@<d>``: the same with ``second_moment="own"``;
+  ``sign_per_variable@<d>``: ``exchange="sign_per_variable"`` (one scale per variable);
   ``<sparsifier>_model@<d>``: with one budget for the whole model (``budget="model"``, the
   default of the grouped exchanges); ``<...>_update@<d>`` (last): with ``sparsify="update"``
   (each worker's inner optimizer step is cut, ``feedback.local_update``). Every sparse row
@@ -204,6 +205,8 @@ def worker(args):
                 exchange, sparsifier = "sign", "topk"
                 if name == "sign_own":  # Adam's own second moment (not the noise estimate)
                     second_moment = "own"
+                if name == "sign_per_variable":  # one float32 scale per variable
+                    exchange = "sign_per_variable"
             if name in ("auto", "auto_cond"):  # the default: the fastest, one model budget
                 exchange, budget, sparsifier = "auto", "model", "topk"
             nonfinite = "skip"

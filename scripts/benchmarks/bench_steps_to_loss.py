@@ -197,6 +197,10 @@ METHODS = {
                    "second moment corrected for its N times smaller batch, the noise read "
                    "over the second moment's own horizon",
                    {"exchange": "sign", "second_moment": "noise_estimate"}),
+    "sign_per_variable": ("exchange='sign_per_variable' with the noise estimate: one float32 "
+                          "scale per variable (the default before the scales per 64 entries)",
+                          {"exchange": "sign_per_variable",
+                           "second_moment": "noise_estimate"}),
     "topk_sign2": ("exchange='topk_sign2': the top 1% as they are, the next 9% (the band) as "
                    "their signs times their mean magnitude, the rest as theirs (two bits an "
                    "entry)", {"density": 0.01, "exchange": "topk_sign2"}),

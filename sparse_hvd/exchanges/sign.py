@@ -71,8 +71,9 @@ def blocks_of(n, block):
 
 
 def block_scales(magnitudes, block):
-    """Each block's mean of the flat ``magnitudes`` (the last block's over what it holds);
-    one mean with ``block`` 0."""
+    """Each block's mean of the flat ``magnitudes`` (the last block's over what it holds), in
+    float32; one mean with ``block`` 0."""
+    magnitudes = tf.cast(magnitudes, tf.float32)
     if block == 0:
         return tf.reshape(tf.reduce_mean(magnitudes), [1])
     n = magnitudes.shape.num_elements()  # static: a variable's layout
@@ -94,8 +95,8 @@ def scaled_signs(flat, block=0):
     1); with blocks the means rounded to bfloat16, as they travel."""
     scales = block_scales(tf.abs(flat), block)
     if block:
-        scales = tf.cast(tf.cast(scales, tf.bfloat16), flat.dtype)
-    scale = per_entry(scales, flat.shape.num_elements(), block)
+        scales = tf.cast(scales, tf.bfloat16)
+    scale = per_entry(tf.cast(scales, flat.dtype), flat.shape.num_elements(), block)
     return tf.where(flat < 0, -scale, scale)
 
 
