@@ -45,10 +45,14 @@ the user says otherwise:
   ago it had been worse on both, with the model-wide budget it is better on the LSTM).
 * **With Adam, every entry's sign** (``exchange=None``, :func:`one_bit_by_default`): with a
   Keras Adam or AdamW under the update cut at the default density, each worker sends the
-  sign of every entry of its compensated update and one scale per variable
+  sign of every entry of its compensated update and a scale per 64 entries
   (``exchanges.sign``), and ``exchange="auto"`` chooses between that and dense. Measured at 4
-  and 8 workers, 3 seeds (``docs/steps_to_loss_sign.md``): the LSTM 1.01 and 1.08 (top-k of
-  the update: 1.22, 1.31), the CNN 0.97 (1.03), the transformer 1.40 (1.90).
+  and 8 workers, 3 seeds, with one scale per variable (``docs/steps_to_loss_sign.md``): the
+  LSTM 1.01 and 1.08 (top-k of the update: 1.22, 1.31), the CNN 0.97 (1.03), the transformer
+  1.40 (1.90); with the noise estimate and a scale per 64 entries
+  (``docs/steps_to_loss_sign_blocks.md``): the transformer 1.10 and 1.06, the LSTM 0.95 and
+  0.96, the CNN 0.97 and 0.80 (one scale per variable: 1.13 and 1.08, 0.84 and 0.91, 0.94
+  and 0.80).
 * **With the signs, the noise estimate** (``second_moment=None``,
   :func:`resolve_second_moment`): each worker's Adam divides by an estimate of the mean
   gradient's second moment (``feedback.second_moment``): the transformer 1.13 and 1.08 at 4
