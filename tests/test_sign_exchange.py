@@ -300,3 +300,18 @@ def test_the_native_compensation_sends_the_mean_magnitude_signed_and_keeps_the_r
     np.testing.assert_array_equal(selection.values.numpy(), sent)
     np.testing.assert_array_equal(kept.numpy(), remainder)
     np.testing.assert_array_equal(selection.indices.numpy(), np.arange(n))
+
+
+@pytest.mark.parametrize("exchange,block", [("sign", 64), ("sign_per_variable", 0)])
+def test_the_bytes_an_entry_the_exchange_prices_are_what_it_packs(exchange, block):
+    """``sent_bytes_per_entry`` (what auto's network model and the adaptive policy price) is
+    counted at ``density`` entries; the packed words of a large variable agree with it."""
+    from sparse_hvd.exchanges import create
+
+    n, density = 64 * 1000, 0.01
+    words = SignAllgather.pack([ScaledSign(block)(tf.constant(np.ones(n, "float32")), 0)],
+                               block)
+    priced = create(exchange, name=f"{exchange}_bytes").sent_bytes_per_entry(density, 4)
+    assert priced * density == pytest.approx(0.125 + 0.03125 if block else 0.125, rel=1e-12)
+    assert 4 * words.shape[0] == pytest.approx(n * priced * density + (0 if block else 4),
+                                               rel=1e-12)
