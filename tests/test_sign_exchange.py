@@ -200,13 +200,15 @@ def test_the_sign_exchange_named_with_adam_also_estimates_the_mean_gradients_noi
 
 @pytest.mark.parametrize("exchange,block", [("sign", 64), ("sign_per_variable", 0)])
 @pytest.mark.parametrize("compression", ["none", "float16"])
+@pytest.mark.parametrize("size", [1.0, 1e-6])
 def test_one_worker_applies_its_own_scaled_signs_and_keeps_the_rest(compression, exchange,
-                                                                    block):
+                                                                    block, size):
     """With one worker no collective runs: SGD moves each entry of a cut variable by the
-    learning rate times its block's mean magnitude (rounded to float16 with that
-    compression), signed; a variable under ``min_elements`` gets its gradient; the residual
-    is what the signs left out."""
-    big = np.linspace(-1.0, 2.0, 2048).astype("float32")  # cut: at least min_elements
+    learning rate times its block's mean magnitude, signed; a variable under ``min_elements``
+    gets its gradient; the residual is what the signs left out. With float16 compression one
+    scale per variable is rounded to float16 (an entry of 1e-6 is a float16 subnormal: a
+    coarse scale), the blocks' bfloat16 scales are not."""
+    big = (np.linspace(-1.0, 2.0, 2048) * size).astype("float32")  # cut: min_elements
     small = np.array([1.0, -2.0], "float32")
     variables = [keras.Variable(np.zeros_like(big)), keras.Variable(np.zeros_like(small))]
     optimizer = sparse_hvd.SparseDistributedOptimizer(
@@ -215,12 +217,14 @@ def test_one_worker_applies_its_own_scaled_signs_and_keeps_the_rest(compression,
     optimizer.apply_gradients(zip([tf.constant(big), tf.constant(small)], variables))
     sent = block_signs(big, block).astype("float32")
     if compression == "float16":
-        sent = sent.astype("float16").astype("float32")
+        if not block:
+            sent = sent.astype("float16").astype("float32")
         small = small.astype("float16").astype("float32")  # exact here
     assert len(np.unique(np.abs(sent))) == (32 if block else 1)
     np.testing.assert_allclose(variables[0].numpy(), -np.float32(0.1) * sent, rtol=1e-6)
     np.testing.assert_allclose(variables[1].numpy(), -0.1 * small, rtol=1e-6)
-    np.testing.assert_allclose(optimizer.residuals[0].numpy(), big - sent, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(optimizer.residuals[0].numpy(), big - sent, rtol=0,
+                               atol=1e-6 * size)
     assert [r.sparse for r in optimizer._routes] == [True, False]
     assert isinstance(optimizer._selector, ScaledSign) and optimizer.sparsifier.name == "topk"
     assert optimizer._selector.block == block

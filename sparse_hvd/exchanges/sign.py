@@ -42,9 +42,10 @@ workers. It chooses what it sends itself, so ``sparsifier``, ``density`` (only t
 variables under ``min_elements`` go dense) and ``budget`` do not apply; it does not combine
 with ``momentum_correction`` (masking would clear every entry's velocity), ``staleness``,
 ``AdaptiveDensity``, ``dense_fallback`` or ``grouping="layerwise"`` (``sparse_hvd.checks``).
-With ``compression`` the scales are rounded to its 16 bits too (the error kept in the
-residual, as for any value: a float16 rounding of a bfloat16 value is again a bfloat16
-value, so the scales still travel exactly), and so are the small dense-route gradients.
+With ``compression`` only the small dense-route gradients are rounded to its 16 bits: the
+scales already travel in 16 bits, and float16 would lose the smallest (an Adam step of 1e-6
+is a float16 subnormal; bfloat16 keeps float32's range). ``"sign_per_variable"`` rounds its
+float32 scales to the compression's 16 bits (the error kept in the residual).
 ``exchange="auto"`` chooses between it and dense where ``exchange=None`` means signs (with
 Adam), never between it and the top-k exchanges: it changes what is averaged, not only how it
 travels.
@@ -110,6 +111,9 @@ class ScaledSign(Sparsifier):
 
     def __init__(self, block=0):
         self.block = block
+        # with blocks the scales travel as bfloat16 whatever ``compression`` says: rounding
+        # them to float16 too would only lose the small ones (float16's range ends near 6e-8)
+        self.own_wire_precision = block > 0
 
     def __call__(self, flat, k):
         return Selection(scaled_signs(flat, self.block),

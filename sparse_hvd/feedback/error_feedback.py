@@ -159,7 +159,9 @@ class ErrorFeedback:
         With momentum correction the rank's velocity ``u = m*u + g`` is sparsified instead of
         the gradient, and (with masking) the sent entries' velocity is cleared.
         With ``compression`` (``sparse_hvd.exchanges.compression``) the selected values are rounded by it
-        and the rounding error stays in the residual at their positions.
+        and the rounding error stays in the residual at their positions (not where the
+        sparsifier says its values travel in a 16-bit code of their own,
+        ``own_wire_precision``: the sign exchange's bfloat16 scales).
         Returns the selection and the (variable, new flat value) writes; nothing is written.
         """
         updates = []
@@ -167,7 +169,8 @@ class ErrorFeedback:
             grad = accumulated_velocity(grad, self.velocities[index], self.momentum)
         selection, remainder = compensate_and_select(
             grad, self.residuals[index], sparsifier, k, self.enabled)
-        if compression.wire_dtype(grad.dtype) is not None:
+        if (compression.wire_dtype(grad.dtype) is not None
+                and not getattr(sparsifier, "own_wire_precision", False)):
             sent, error = compression.round(selection.values)
             selection = selection._replace(values=sent)
             if remainder is not None:  # zero at the selected positions: now their error
