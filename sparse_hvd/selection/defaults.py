@@ -51,8 +51,8 @@ the user says otherwise:
   LSTM 1.01 and 1.08 (top-k of the update: 1.22, 1.31), the CNN 0.97 (1.03), the transformer
   1.40 (1.90); with the noise estimate and a scale per 64 entries
   (``docs/steps_to_loss_sign_blocks.md``): the transformer 1.10 and 1.06, the LSTM 0.95 and
-  0.96, the CNN 0.97 and 0.80 (one scale per variable: 1.13 and 1.08, 0.84 and 0.91, 0.94
-  and 0.80).
+  0.96, the CNN 0.94 (6 seeds) and 0.80 (one scale per variable: 1.13 and 1.08, 0.84 and
+  0.91, 0.94 and 0.80).
 * **With the signs, the noise estimate** (``second_moment=None``,
   :func:`resolve_second_moment`): each worker's Adam divides by an estimate of the mean
   gradient's second moment (``feedback.second_moment``): the transformer 1.13 and 1.08 at 4
