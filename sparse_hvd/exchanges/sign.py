@@ -71,17 +71,20 @@ def blocks_of(n, block):
     return 1 if block == 0 else -(-n // block)
 
 
+def in_blocks(flat, block):
+    """The flat tensor as ``[blocks, block]`` rows (``block`` 0: one row of all of it), the
+    last row padded with zeros, and each row's count of real entries (a list)."""
+    n = flat.shape.num_elements()  # static: a variable's layout
+    size, blocks = (block or n), blocks_of(n, block)
+    rows = tf.reshape(tf.pad(flat, [[0, blocks * size - n]]), [blocks, size])
+    return rows, [min(size, n - b * size) for b in range(blocks)]
+
+
 def block_scales(magnitudes, block):
     """Each block's mean of the flat ``magnitudes`` (the last block's over what it holds), in
     float32; one mean with ``block`` 0."""
-    magnitudes = tf.cast(magnitudes, tf.float32)
-    if block == 0:
-        return tf.reshape(tf.reduce_mean(magnitudes), [1])
-    n = magnitudes.shape.num_elements()  # static: a variable's layout
-    blocks = blocks_of(n, block)
-    padded = tf.pad(magnitudes, [[0, blocks * block - n]])
-    counts = tf.constant([min(block, n - b * block) for b in range(blocks)], tf.float32)
-    return tf.reduce_sum(tf.reshape(padded, [blocks, block]), 1) / counts
+    rows, counts = in_blocks(tf.cast(magnitudes, tf.float32), block)
+    return tf.reduce_sum(rows, 1) / tf.constant(counts, tf.float32)
 
 
 def per_entry(scales, n, block):
@@ -220,11 +223,8 @@ class SignAllgather(FusedAllgather):
             if native is not None:  # the same words and scales in one pass (sign_sum.cc)
                 own, largest = native(values, block=block)
             else:
-                n = values.shape.num_elements()
-                magnitudes = tf.pad(tf.abs(values), [[0, blocks_of(n, block) * (block or n)
-                                                      - n]])
                 own = pack_signs(values)
-                largest = tf.reduce_max(tf.reshape(magnitudes, [blocks_of(n, block), -1]), 1)
+                largest = tf.reduce_max(in_blocks(tf.abs(values), block)[0], 1)
             words.append(own)
             scales.append(tf.bitcast(largest, tf.int32) if block == 0
                           else bfloat16_words(largest))
