@@ -294,8 +294,9 @@ def test_the_native_compensation_sends_the_mean_magnitude_signed_and_keeps_the_r
     native = native_op(kernels.compensate_sign)
     rng = np.random.RandomState(n)
     grad, residual = (rng.randn(n).astype("float32") for _ in range(2))
-    sent, remainder = (t.numpy() for t in native(tf.constant(grad), tf.constant(residual),
-                                                 block=block))
+    sent, remainder, finite = (t.numpy() for t in native(tf.constant(grad),
+                                                         tf.constant(residual), block=block))
+    assert finite
     compensated = grad + residual
     np.testing.assert_array_equal(sent, block_signs(compensated, block))
     np.testing.assert_array_equal(remainder, compensated - sent)
@@ -304,6 +305,34 @@ def test_the_native_compensation_sends_the_mean_magnitude_signed_and_keeps_the_r
     np.testing.assert_array_equal(selection.values.numpy(), sent)
     np.testing.assert_array_equal(kept.numpy(), remainder)
     np.testing.assert_array_equal(selection.indices.numpy(), np.arange(n))
+
+
+@pytest.mark.parametrize("block", [0, 64])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, "overflow"])
+def test_the_native_compensation_finds_a_non_finite_entry_in_its_own_pass(bad, block):
+    """The compensation's third output is the payload's finiteness check: False where one
+    entry of c = gradient + residual is not finite (a float32 sum can overflow from finite
+    parts), in any block; the payload then skips its own pass over the update."""
+    from helpers import native_op
+    from sparse_hvd import kernels
+
+    native = native_op(kernels.compensate_sign)
+    n = 1000
+    grad, residual = np.ones(n, "float32"), np.zeros(n, "float32")
+    for position in (0, 517, n - 1):
+        broken = grad.copy()
+        if bad == "overflow":
+            broken[position], residual[position] = 3e38, 3e38
+        else:
+            broken[position] = bad
+        _, _, finite = native(tf.constant(broken), tf.constant(residual), block=block)
+        residual[:] = 0.0
+        assert not finite.numpy(), position
+    *_, finite = native(tf.constant(grad), tf.constant(residual), block=block)
+    assert finite.numpy()
+    selection, _ = ScaledSign(block).fused_compensate_select(tf.constant(grad),
+                                                             tf.constant(residual), 1)
+    assert selection.finite.numpy()  # handed to the payload
 
 
 @pytest.mark.parametrize("exchange,block", [("sign", 64), ("sign_per_variable", 0)])

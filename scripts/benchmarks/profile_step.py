@@ -2,7 +2,7 @@
 
 The 4.35M-parameter MLP (64-2048-2048-10, batch 64 per worker, SGD momentum 0.9) trained with
 ``SparseDistributedOptimizer`` at ``--density`` with ``--exchange`` and ``--budget`` (no
-warm-up), or with a user's own ``hvd.grouped_allreduce`` (``--exchange plain``). After
+warm-up; ``--inner adam`` wraps Adam 1e-3 instead), or with a user's own ``hvd.grouped_allreduce`` (``--exchange plain``). After
 ``--warmup`` steps, ``--steps`` steps run under ``tf.profiler``; rank 0 reads the trace it
 wrote (the ``/host:CPU`` plane's op events) and prints the wall time per step and the ops
 that took the most time per step, summed over their runs. Ops of different threads overlap,
@@ -29,8 +29,11 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--exchange", default="allgather",
                         help="an exchange name, or plain (Horovod's grouped_allreduce)")
-    parser.add_argument("--budget", choices=("model", "layer"), default="model")
+    parser.add_argument("--budget", choices=("model", "layer", "default"), default="model",
+                        help="default: the library's own (what the exchange needs)")
     parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--inner", choices=("sgd", "adam"), default="sgd",
+                        help="the wrapped optimizer: SGD momentum 0.9, or Adam 1e-3")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=25)
@@ -82,9 +85,11 @@ def main(argv=None):
                               keras.layers.Dense(10)])
     variables = model.trainable_variables
     plain = args.exchange == "plain"
-    inner = keras.optimizers.SGD(0.01, momentum=0.9)
+    inner = (keras.optimizers.Adam(1e-3) if args.inner == "adam"
+             else keras.optimizers.SGD(0.01, momentum=0.9))
     optimizer = inner if plain else sparse_hvd.SparseDistributedOptimizer(
-        inner, density=args.density, exchange=args.exchange, budget=args.budget,
+        inner, density=args.density, exchange=args.exchange,
+        budget=None if args.budget == "default" else args.budget,
         warmup_steps=0, name="profile")
     optimizer.build(variables)
 

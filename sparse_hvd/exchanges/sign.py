@@ -124,10 +124,11 @@ class ScaledSign(Sparsifier):
 
     def fused_compensate_select(self, flat_grad, flat_residual, k):
         native = kernels.compensate_sign() if flat_grad.dtype == tf.float32 else None
-        if native is not None:  # two passes (kernels/sign_sum.cc)
-            sent, remainder = native(flat_grad, tf.cast(flat_residual, tf.float32),
-                                     block=self.block)
-            return Selection(sent, tf.range(tf.size(sent, out_type=tf.int32))), remainder
+        if native is not None:  # two passes, the payload's finiteness found in them too
+            sent, remainder, finite = native(flat_grad, tf.cast(flat_residual, tf.float32),
+                                             block=self.block)
+            return Selection(sent, tf.range(tf.size(sent, out_type=tf.int32)),
+                             finite=finite), remainder
         compensated = flat_grad + tf.cast(flat_residual, flat_grad.dtype)
         selection = self(compensated, k)
         return selection, compensated - selection.values

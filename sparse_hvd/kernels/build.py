@@ -53,9 +53,10 @@ def _flags():
 
 
 # our own compiler flags (-fno-math-errno: std::sqrt may then be vectorised; no kernel reads
-# errno)
-OWN_FLAGS = ("-shared", "-fPIC", "-O3", "-fno-math-errno", "-Wno-deprecated-declarations",
-             "-Wno-interference-size")
+# errno; -ffp-contract=off: no fused multiply-add, so that every version of a function gives
+# the same bits, vectorised.h)
+OWN_FLAGS = ("-shared", "-fPIC", "-O3", "-fno-math-errno", "-ffp-contract=off",
+             "-Wno-deprecated-declarations", "-Wno-interference-size")
 
 
 def build_key() -> str:

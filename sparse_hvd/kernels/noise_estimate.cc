@@ -24,6 +24,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "vectorised.h"
 
 namespace sparse_hvd {
 
@@ -60,7 +61,7 @@ struct Coefficients {
 // weights w. The pointers do not alias (the outputs are fresh tensors): said so, the loop is
 // vectorised.
 template <bool kDecayed>
-void EstimateRange(const float* __restrict u, const float* __restrict first,
+SPARSE_HVD_INLINE void EstimateRange(const float* __restrict u, const float* __restrict first,
                    const float* __restrict second, const float* __restrict average,
                    const float* __restrict w, float* __restrict out, float* __restrict kept,
                    int64_t begin, int64_t end, const Coefficients k) {
@@ -79,6 +80,23 @@ void EstimateRange(const float* __restrict u, const float* __restrict first,
     }
     kept[i] = e;
   }
+}
+
+// EstimateRange for Adam and for AdamW, each compiled for AVX2 and for the baseline.
+SPARSE_HVD_VECTORISED
+void Estimate(const float* __restrict u, const float* __restrict first,
+              const float* __restrict second, const float* __restrict average,
+              float* __restrict out, float* __restrict kept, int64_t begin, int64_t end,
+              const Coefficients k) {
+  EstimateRange<false>(u, first, second, average, nullptr, out, kept, begin, end, k);
+}
+
+SPARSE_HVD_VECTORISED
+void EstimateDecayed(const float* __restrict u, const float* __restrict first,
+                     const float* __restrict second, const float* __restrict average,
+                     const float* __restrict w, float* __restrict out, float* __restrict kept,
+                     int64_t begin, int64_t end, const Coefficients k) {
+  EstimateRange<true>(u, first, second, average, w, out, kept, begin, end, k);
 }
 
 class NoiseEstimateOp : public OpKernel {
@@ -120,11 +138,10 @@ class NoiseEstimateOp : public OpKernel {
                       [&](int64_t begin, int64_t end) {
                         const int64_t from = begin * kShard, to = std::min(n, end * kShard);
                         if (decayed) {
-                          EstimateRange<true>(u, first, second, average, w, out, kept, from,
-                                              to, k);
+                          EstimateDecayed(u, first, second, average, w, out, kept, from, to,
+                                          k);
                         } else {
-                          EstimateRange<false>(u, first, second, average, w, out, kept, from,
-                                               to, k);
+                          Estimate(u, first, second, average, out, kept, from, to, k);
                         }
                       });
   }

@@ -4,12 +4,13 @@
 // (``exchange="sign"``), the last block holding what is left.
 //
 // SparseHvdCompensateSign: error feedback's step for the scaled signs (step 1), in two passes:
-// c = gradient + residual and, per block, the sum of |c| (in double, in index order); the
+// c = gradient + residual and, per block, the sum of |c| (in double, in eight lanes); the
 // block's scale is that sum over its entries, rounded to float (and with block > 0 to
 // bfloat16, round to nearest even, as its scales travel); then sent = -scale where c < 0, else
-// scale, and the remainder c - sent. The TensorFlow path (``scaled_signs``) takes about five
-// passes; its mean is float32's reduction, which may differ in the last bit: each rank sends
-// its own scales, so replicas stay identical either way.
+// scale, and the remainder c - sent; and whether every c was finite (the payload's check,
+// found in the same pass). The TensorFlow path (``scaled_signs``) takes about five passes; its
+// mean is float32's reduction, which may differ in the last bit: each rank sends its own
+// scales, so replicas stay identical either way.
 //
 // SparseHvdSignPack: one rank's sign bits of a variable's scaled signs and their magnitudes
 // (step 2), in one pass: bit i of word i / 32 (little-endian) is set where value i is negative,
@@ -42,6 +43,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "vectorised.h"
 
 namespace sparse_hvd {
 
@@ -98,8 +100,9 @@ inline tsl::Status CheckedBlock(int64_t block) {
 // Steps 1-3 for the ``count`` (at most 32) entries of one word: ``bits`` is rank 0's word,
 // rank r's is ``width`` words further on; ``scale`` is rank 0's scale of the word's block,
 // rank r's is ``blocks`` further on. Each entry is added up in a register and written once.
-inline void SumWord(const uint32_t* bits, int64_t width, int64_t ranks, const float* scale,
-                    int64_t blocks, float divisor, float* out, int64_t count) {
+SPARSE_HVD_INLINE void SumWord(const uint32_t* bits, int64_t width, int64_t ranks,
+                               const float* scale, int64_t blocks, float divisor, float* out,
+                               int64_t count) {
   alignas(64) float sums[32] = {0.0f};  // step 1
   alignas(64) uint32_t lanes[32];
   for (int64_t r = 0; r < ranks; ++r) {  // step 2, rank by rank
@@ -111,6 +114,18 @@ inline void SumWord(const uint32_t* bits, int64_t width, int64_t ranks, const fl
     for (int b = 0; b < 32; ++b) sums[b] += lanes[b] ? minus : plus;
   }
   for (int64_t b = 0; b < count; ++b) out[b] = sums[b] / divisor;  // step 3
+}
+
+// Steps 1-3 for the entries of words [first, last) of a variable of ``n`` entries.
+SPARSE_HVD_VECTORISED
+void SumWords(const uint32_t* bits, int64_t width, int64_t ranks, const float* scale,
+              int64_t blocks, int64_t block, float divisor, float* out, int64_t n,
+              int64_t first, int64_t last) {
+  for (int64_t word = first; word < last; ++word) {
+    const int64_t at = block == 0 ? 0 : word * 32 / block;
+    SumWord(bits + word, width, ranks, scale + at, blocks, divisor, out + word * 32,
+            std::min<int64_t>(32, n - word * 32));
+  }
 }
 
 class SignSumOp : public OpKernel {
@@ -146,12 +161,8 @@ class SignSumOp : public OpKernel {
     const int64_t shards = (n + kShard - 1) / kShard;
     tensorflow::Shard(pool->num_threads, pool->workers, shards, kShard * ranks,
                       [&](int64_t first, int64_t last) {
-                        const int64_t end = std::min(n, last * kShard);
-                        for (int64_t word = first * kShard / 32; word * 32 < end; ++word) {
-                          const int64_t at = block_ == 0 ? 0 : word * 32 / block_;
-                          SumWord(bits + word, width, ranks, scale + at, blocks, divisor,
-                                  out + word * 32, std::min<int64_t>(32, end - word * 32));
-                        }
+                        SumWords(bits, width, ranks, scale, blocks, block_, divisor, out, n,
+                                 first * kShard / 32, std::min(width, last * kShard / 32));
                       });
   }
 
@@ -168,11 +179,60 @@ REGISTER_OP("SparseHvdCompensateSign")
     .Input("residual: float")  // [n]
     .Output("sent: float")     // [n]: +-scale
     .Output("remainder: float")  // [n]: c - sent
+    .Output("finite: bool")      // every c was finite
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
       c->set_output(0, c->input(0));
       c->set_output(1, c->input(0));
+      c->set_output(2, c->Scalar());
       return tsl::OkStatus();
     });
+
+// The sum of |g + r| over [begin, end), each c = g + r written to ``c``: in eight double
+// lanes (entry i in lane i % 8, the lanes added in a fixed order at the end), so that the
+// compiler can add several at once where one running sum would wait on each addition. A
+// double holds the sum of 64 float magnitudes nearly exactly, so the order barely matters;
+// it is fixed in the source, so every version of the loop gives the same bits.
+SPARSE_HVD_INLINE double CompensatedMagnitudes(const float* __restrict g,
+                                               const float* __restrict r, float* __restrict c,
+                                               int64_t begin, int64_t end) {
+  double lanes[8] = {0.0};
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    for (int l = 0; l < 8; ++l) {
+      c[i + l] = g[i + l] + r[i + l];
+      lanes[l] += std::fabs(static_cast<double>(c[i + l]));
+    }
+  }
+  for (; i < end; ++i) {
+    c[i] = g[i] + r[i];
+    lanes[(i - begin) & 7] += std::fabs(static_cast<double>(c[i]));
+  }
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+// Step 1 for a variable of ``n`` entries in blocks of ``block`` (the whole of it for 0):
+// writes the sent +-scale and the remainder (``c``); returns whether every c was finite (a
+// block's sum of magnitudes in double is finite iff each of its entries is: it cannot
+// overflow), so that the payload needs no pass of its own to find out.
+SPARSE_HVD_VECTORISED
+bool CompensateSigns(const float* __restrict g, const float* __restrict r,
+                     float* __restrict s, float* __restrict c, int64_t n, int64_t block) {
+  const int64_t size = block == 0 ? std::max<int64_t>(n, 1) : block;
+  bool finite = true;
+  for (int64_t begin = 0; begin < n; begin += size) {
+    const int64_t end = std::min(n, begin + size);
+    const double total = CompensatedMagnitudes(g, r, c, begin, end);
+    finite = finite && std::isfinite(total);
+    float scale = static_cast<float>(total / static_cast<double>(end - begin));
+    if (block > 0) scale = RoundedToBfloat16(scale);
+    for (int64_t i = begin; i < end; ++i) {
+      s[i] = c[i] < 0.0f ? -scale : scale;
+      c[i] -= s[i];
+    }
+  }
+  return finite;
+}
 
 class CompensateSignOp : public OpKernel {
  public:
@@ -189,27 +249,13 @@ class CompensateSignOp : public OpKernel {
     const int64_t n = gradient.dim_size(0);
     Tensor* sent = nullptr;
     Tensor* remainder = nullptr;
+    Tensor* finite = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, gradient.shape(), &sent));
     OP_REQUIRES_OK(context, context->allocate_output(1, gradient.shape(), &remainder));
-    const float* g = gradient.flat<float>().data();
-    const float* r = residual.flat<float>().data();
-    float* s = sent->flat<float>().data();
-    float* c = remainder->flat<float>().data();  // holds c until the second pass
-    const int64_t block = block_ == 0 ? std::max<int64_t>(n, 1) : block_;
-    for (int64_t begin = 0; begin < n; begin += block) {
-      const int64_t end = std::min(n, begin + block);
-      double total = 0.0;
-      for (int64_t i = begin; i < end; ++i) {
-        c[i] = g[i] + r[i];
-        total += std::fabs(c[i]);
-      }
-      float scale = static_cast<float>(total / static_cast<double>(end - begin));
-      if (block_ > 0) scale = RoundedToBfloat16(scale);
-      for (int64_t i = begin; i < end; ++i) {
-        s[i] = c[i] < 0.0f ? -scale : scale;
-        c[i] -= s[i];
-      }
-    }
+    OP_REQUIRES_OK(context, context->allocate_output(2, TensorShape({}), &finite));
+    finite->scalar<bool>()() = CompensateSigns(
+        gradient.flat<float>().data(), residual.flat<float>().data(),
+        sent->flat<float>().data(), remainder->flat<float>().data(), n, block_);
   }
 
  private:
@@ -238,6 +284,38 @@ REGISTER_OP("SparseHvdSignPack")
       return tsl::OkStatus();
     });
 
+// Step 2 for a variable of ``n`` entries: the sign bits of each word, and each block's
+// largest |value| (in eight lanes the compiler can compare at once; a maximum is exact in any
+// order).
+SPARSE_HVD_VECTORISED
+void PackSigns(const float* __restrict in, int64_t n, int64_t block, uint32_t* __restrict out,
+               float* __restrict largest) {
+  const int64_t blocks = BlocksOf(n, block), width = (n + 31) / 32;
+  std::fill(largest, largest + blocks, 0.0f);
+  for (int64_t word = 0; word < width; ++word) {
+    const int64_t begin = word * 32, count = std::min<int64_t>(32, n - begin);
+    float& scale = largest[block == 0 ? 0 : begin / block];  // a word is in one block
+    uint32_t bits = 0;
+    if (count == 32) {
+      float lanes[8] = {scale, scale, scale, scale, scale, scale, scale, scale};
+      for (int64_t b = 0; b < 32; ++b) {
+        bits |= static_cast<uint32_t>(in[begin + b] < 0.0f) << b;
+      }
+      for (int64_t b = 0; b < 32; b += 8) {
+        for (int l = 0; l < 8; ++l) lanes[l] = std::max(lanes[l], std::fabs(in[begin + b + l]));
+      }
+      for (int l = 0; l < 8; ++l) scale = std::max(scale, lanes[l]);
+    } else {
+      for (int64_t b = 0; b < count; ++b) {
+        const float value = in[begin + b];
+        bits |= static_cast<uint32_t>(value < 0.0f) << b;
+        scale = std::max(scale, std::fabs(value));
+      }
+    }
+    out[word] = bits;
+  }
+}
+
 class SignPackOp : public OpKernel {
  public:
   explicit SignPackOp(OpKernelConstruction* context) : OpKernel(context) {
@@ -254,21 +332,9 @@ class SignPackOp : public OpKernel {
     Tensor* scales = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({width}), &words));
     OP_REQUIRES_OK(context, context->allocate_output(1, TensorShape({blocks}), &scales));
-    const float* in = values.flat<float>().data();
-    uint32_t* out = reinterpret_cast<uint32_t*>(words->flat<int32_t>().data());
-    float* largest = scales->flat<float>().data();
-    std::fill(largest, largest + blocks, 0.0f);
-    for (int64_t word = 0; word < width; ++word) {
-      const int64_t begin = word * 32, count = std::min<int64_t>(32, n - begin);
-      float& scale = largest[block_ == 0 ? 0 : begin / block_];  // a word is in one block
-      uint32_t bits = 0;
-      for (int64_t b = 0; b < count; ++b) {
-        const float value = in[begin + b];
-        bits |= static_cast<uint32_t>(value < 0.0f) << b;
-        scale = std::max(scale, std::fabs(value));
-      }
-      out[word] = bits;
-    }
+    PackSigns(values.flat<float>().data(), n, block_,
+              reinterpret_cast<uint32_t*>(words->flat<int32_t>().data()),
+              scales->flat<float>().data());
   }
 
  private:
