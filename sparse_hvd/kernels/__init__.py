@@ -34,6 +34,9 @@
 * ``signs_of_rest()``: the ``SparseHvdSignsOfRest`` op (signs_of_rest.cc,
   ``exchange="topk_sign"``: the signs of what the top-k left, and the residual, in two
   passes);
+* ``local_adam()``: the ``SparseHvdLocalAdam`` op (local_adam.cc, ``sparsify="update"`` with a
+  plain Keras Adam: this worker's Adam step as an update, the moments written and the noise
+  estimate applied, in one pass, the weights untouched);
 * ``watch_enter()``, ``watch_leave()`` and ``watch_table()``: the ``SparseHvdWatchEnter`` and
   ``SparseHvdWatchLeave`` ops and the C functions that read their table (watch.cc: the stall
   watchdog's brackets around a traced step's collectives).
@@ -208,6 +211,11 @@ def signs_of_rest():
 def noise_estimate():
     """The native noise-estimate op of ``second_moment="noise_estimate"``, or None."""
     return _op("sparse_hvd_noise_estimate")
+
+
+def local_adam():
+    """The native local Adam step of ``sparsify="update"`` (``feedback.fused_adam``), or None."""
+    return _op("sparse_hvd_local_adam")
 
 
 def watch_enter():

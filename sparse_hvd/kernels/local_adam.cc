@@ -1,0 +1,187 @@
+// SparseHvdLocalAdam: ``sparsify="update"``'s local step for a plain Keras Adam or AdamW
+// (sparse_hvd/feedback/fused_adam.py), one variable in one pass. Keras' own step, traced as
+// TensorFlow operations, takes about a dozen passes over the variable, and the update cut
+// three more around it (a copy of the weights, the difference, the weights written back):
+// 22 ms a step for the 4.35M-parameter MLP at 2 workers, where this pass reads g, m, v, w
+// (and q) once and writes m, v, the update (and q) once. Per entry, with Keras' float32
+// operations in Keras' order (so that both give the same bits):
+//
+//   1. m' = m + (g - m) * (1 - beta_1);  v' = v + (g * g - v) * (1 - beta_2);
+//   2. w1 = w - (w * weight_decay) * learning_rate where the decoupled decay applies
+//      (Keras' ``_apply_weight_decay``, before the moments' step), else w;
+//   3. w2 = w1 - (m' * alpha) / (sqrt(v') + epsilon) (alpha = lr sqrt(1 - beta_2^t) /
+//      (1 - beta_1^t), computed by the caller as Keras does);
+//   4. the update u = w - w2 (what the weights would have lost: the update cut sends it, and
+//      the weights are not written);
+//   5. with ``correct`` (``second_moment="noise_estimate"``): the noise estimate's steps of
+//      noise_estimate.cc on u, m', v' and q, writing q' and the corrected u.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+#include "vectorised.h"
+
+namespace sparse_hvd {
+
+using absl::InvalidArgumentError;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+
+REGISTER_OP("SparseHvdLocalAdam")
+    .Attr("correct: bool")  // step 5: second_moment="noise_estimate"
+    .Input("gradient: float")  // this worker's gradient, flat
+    .Input("m: float")         // Adam's first moment before the step
+    .Input("v: float")         // Adam's second moment before the step
+    .Input("weights: float")   // the weights before the step
+    .Input("q: float")         // the beta_2 average of m_hat^2 before the step (correct), or
+                               // no entries
+    .Input("coefficients: float")  // see Coefficients
+    .Output("update: float")
+    .Output("m_out: float")
+    .Output("v_out: float")
+    .Output("q_out: float")  // q' (correct), or no entries
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      for (int i = 0; i < 3; ++i) c->set_output(i, c->input(0));
+      c->set_output(3, c->input(4));
+      return tsl::OkStatus();
+    });
+
+constexpr int64_t kShard = 1 << 15;
+
+// In the order of the op's ``coefficients``: Adam's, then the decay's (``decayed`` 1: step 2
+// applies; ``kept_out`` 1: the correction leaves the decay unscaled, as
+// second_moment.Decay.kept_out), then the noise estimate's (noise_estimate.cc).
+struct Coefficients {
+  float one_minus_beta_1, one_minus_beta_2, alpha, epsilon;
+  float decayed, weight_decay, learning_rate, kept_out;
+  float inv_first, stationary, shrink, workers;
+};
+constexpr int kCoefficients = 12;
+
+// Steps 1-5 for entries [begin, end), the choices as template arguments (a branch in the loop
+// would keep the compiler from vectorising it). The pointers do not alias (the outputs are
+// fresh tensors).
+template <bool kCorrect, bool kDecayed, bool kKeptOut>
+SPARSE_HVD_INLINE void AdamRange(const float* __restrict g, const float* __restrict m,
+                                 const float* __restrict v, const float* __restrict w,
+                                 const float* __restrict q, float* __restrict u,
+                                 float* __restrict m_out, float* __restrict v_out,
+                                 float* __restrict q_out, int64_t begin, int64_t end,
+                                 const Coefficients k) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float first = m[i] + (g[i] - m[i]) * k.one_minus_beta_1;            // step 1
+    const float second = v[i] + (g[i] * g[i] - v[i]) * k.one_minus_beta_2;
+    const float decay = (w[i] * k.weight_decay) * k.learning_rate;             // step 2
+    const float w1 = kDecayed ? w[i] - decay : w[i];
+    const float w2 = w1 - (first * k.alpha) / (std::sqrt(second) + k.epsilon);  // step 3
+    float update = w[i] - w2;                                                  // step 4
+    if (kCorrect) {                                                            // step 5
+      const float m_hat = first * k.inv_first;
+      const float e = q[i] + (m_hat * m_hat - q[i]) * k.one_minus_beta_2;
+      const float s = std::max(second - e, 0.0f) * k.stationary;
+      const float v_mean = std::max(second - s * k.shrink, second / k.workers);
+      const float factor = (std::sqrt(second) + k.epsilon) / (std::sqrt(v_mean) + k.epsilon);
+      update = kKeptOut ? (update - decay) * factor + decay : update * factor;
+      q_out[i] = e;
+    }
+    u[i] = update;
+    m_out[i] = first;
+    v_out[i] = second;
+  }
+}
+
+// One function per choice, each compiled for AVX2 and for the baseline.
+#define SPARSE_HVD_ADAM_STEP(Name, kCorrect, kDecayed, kKeptOut)                               \
+  SPARSE_HVD_VECTORISED                                                                       \
+  void Name(const float* __restrict g, const float* __restrict m, const float* __restrict v,  \
+            const float* __restrict w, const float* __restrict q, float* __restrict u,        \
+            float* __restrict m_out, float* __restrict v_out, float* __restrict q_out,        \
+            int64_t begin, int64_t end, const Coefficients k) {                               \
+    AdamRange<kCorrect, kDecayed, kKeptOut>(g, m, v, w, q, u, m_out, v_out, q_out, begin, end, \
+                                            k);                                               \
+  }
+SPARSE_HVD_ADAM_STEP(AdamStep, false, false, false)
+SPARSE_HVD_ADAM_STEP(AdamStepDecayed, false, true, false)
+SPARSE_HVD_ADAM_STEP(AdamStepCorrected, true, false, false)
+SPARSE_HVD_ADAM_STEP(AdamStepCorrectedDecayed, true, true, false)
+SPARSE_HVD_ADAM_STEP(AdamStepCorrectedKeptOut, true, true, true)
+#undef SPARSE_HVD_ADAM_STEP
+
+using AdamStepFunction = void (*)(const float*, const float*, const float*, const float*,
+                                  const float*, float*, float*, float*, float*, int64_t,
+                                  int64_t, const Coefficients);
+
+// The function for the choices (the decay kept out of the correction only where it applies).
+AdamStepFunction ChosenStep(bool correct, bool decayed, bool kept_out) {
+  if (!correct) return decayed ? AdamStepDecayed : AdamStep;
+  if (!decayed) return AdamStepCorrected;
+  return kept_out ? AdamStepCorrectedKeptOut : AdamStepCorrectedDecayed;
+}
+
+class LocalAdamOp : public OpKernel {
+ public:
+  explicit LocalAdamOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("correct", &correct_));
+  }
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& gradient = context->input(0);
+    const Tensor& m = context->input(1);
+    const Tensor& v = context->input(2);
+    const Tensor& weights = context->input(3);
+    const Tensor& q = context->input(4);
+    const Tensor& coefficients = context->input(5);
+    const int64_t n = gradient.NumElements();
+    OP_REQUIRES(context, gradient.dims() == 1,
+                InvalidArgumentError("gradient must be 1-D (flat)"));
+    OP_REQUIRES(context,
+                m.NumElements() == n && v.NumElements() == n && weights.NumElements() == n,
+                InvalidArgumentError("gradient, m, v and weights must have as many entries"));
+    OP_REQUIRES(context, q.NumElements() == (correct_ ? n : 0),
+                InvalidArgumentError(correct_ ? "q must have as many entries as gradient"
+                                              : "q must be empty without correct"));
+    OP_REQUIRES(context, coefficients.NumElements() == kCoefficients,
+                InvalidArgumentError("coefficients must hold 12 values"));
+    Tensor* outputs[4] = {nullptr, nullptr, nullptr, nullptr};
+    for (int i = 0; i < 3; ++i) {
+      OP_REQUIRES_OK(context, context->allocate_output(i, gradient.shape(), &outputs[i]));
+    }
+    OP_REQUIRES_OK(context, context->allocate_output(3, q.shape(), &outputs[3]));
+    const float* c = coefficients.flat<float>().data();
+    const Coefficients k{c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10],
+                         c[11]};
+    const float* g = gradient.flat<float>().data();
+    const float* first = m.flat<float>().data();
+    const float* second = v.flat<float>().data();
+    const float* w = weights.flat<float>().data();
+    const float* average = correct_ ? q.flat<float>().data() : nullptr;
+    float* u = outputs[0]->flat<float>().data();
+    float* m_out = outputs[1]->flat<float>().data();
+    float* v_out = outputs[2]->flat<float>().data();
+    float* q_out = correct_ ? outputs[3]->flat<float>().data() : nullptr;
+    const AdamStepFunction step =
+        ChosenStep(correct_, k.decayed != 0.0f, correct_ && k.kept_out != 0.0f);
+    auto* pool = context->device()->tensorflow_cpu_worker_threads();
+    const int64_t shards = (n + kShard - 1) / kShard;
+    tensorflow::Shard(pool->num_threads, pool->workers, shards, kShard * 40,
+                      [&](int64_t begin, int64_t end) {
+                        step(g, first, second, w, average, u, m_out, v_out, q_out,
+                             begin * kShard, std::min(n, end * kShard), k);
+                      });
+  }
+
+ private:
+  bool correct_ = false;
+};
+
+REGISTER_KERNEL_BUILDER(Name("SparseHvdLocalAdam").Device(tensorflow::DEVICE_CPU),
+                        LocalAdamOp);
+
+}  // namespace sparse_hvd

@@ -1,0 +1,126 @@
+"""The update cut's native local Adam step (``sparse_hvd.feedback.fused_adam``,
+``kernels/local_adam.cc``) against Keras' own step on the same optimizer: the same updates,
+moments and q, bit for bit, step after step; and Keras' path wherever the native step would
+not be Keras' step."""
+
+from unittest import mock
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparse_hvd
+from helpers import native_op
+from sparse_hvd import kernels
+from sparse_hvd.feedback import application, fused_adam, local_update
+
+SHAPES = {"kernel": (400, 100), "bias": (100,)}  # 40,000 entries: two of the op's shards
+STEPS = 4
+
+
+def _optimizers():
+    schedule = keras.optimizers.schedules.ExponentialDecay(3e-3, decay_steps=2, decay_rate=0.5)
+    adamw = keras.optimizers.AdamW(schedule, weight_decay=0.1, beta_1=0.8, epsilon=1e-6)
+    adamw.exclude_from_weight_decay(var_names=["bias"])
+    return {
+        "adam": lambda: keras.optimizers.Adam(1e-3),
+        "adamw_schedule_excluded_bias": lambda: adamw,
+        "adam_weight_decay": lambda: keras.optimizers.Adam(2e-3, weight_decay=0.05),
+    }
+
+
+def _run(inner, second_moment, workers, native):
+    """STEPS local steps (step count moved between them, as an applied step would):
+    [(updates, m, v, q)] a step, the weights checked untouched, and how many native calls."""
+    rng = np.random.RandomState(5)
+    variables = [keras.Variable(rng.randn(*shape).astype("float32"), name=name)
+                 for name, shape in SHAPES.items()]
+    start = [v.numpy().copy() for v in variables]
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        inner, density=0.05, warmup_steps=0, sparsify="update", exchange="allgather",
+        second_moment=second_moment, name=f"fused_{native}")
+    optimizer.build(variables)
+    adam = optimizer.inner_optimizer
+    calls = []
+    real = kernels.local_adam
+
+    def counted():
+        op = real() if native else None
+        if op is not None:
+            calls.append(1)
+        return op
+
+    records = []
+    with mock.patch.object(kernels, "local_adam", counted), \
+            mock.patch.object(local_update.runtime, "size", lambda process_set=None: workers):
+        for _ in range(STEPS):
+            grads = [tf.constant(rng.randn(*v.shape).astype("float32")) for v in variables]
+            updates = local_update.local_updates(optimizer, grads, variables,
+                                                 application.own_step)
+            adam.iterations.assign_add(1)
+            for variable, value in zip(variables, start):
+                np.testing.assert_array_equal(variable.numpy(), value)
+            records.append((
+                [u.numpy() for u in updates], [m.numpy() for m in adam._momentums],
+                [v.numpy() for v in adam._velocities],
+                [q.numpy() for q in optimizer._second_moment.variables]))
+    return records, len(calls)
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+@pytest.mark.parametrize("second_moment", ["own", "noise_estimate"])
+@pytest.mark.parametrize("kind", sorted(_optimizers()))
+def test_the_native_local_step_is_keras_step_bit_for_bit(kind, second_moment, workers):
+    """Adam, AdamW with a schedule and a variable excluded from the decay, Adam with a
+    weight decay; no correction and the noise estimate (at 4 workers, the decay kept out
+    of it): every update, m, v and q equal to Keras' path's, each of 4 steps."""
+    native_op(kernels.local_adam)
+    made = _optimizers()[kind]
+    fused, calls = _run(made(), second_moment, workers, native=True)
+    assert calls > 0  # the native step ran
+    keras_path, none = _run(_optimizers()[kind](), second_moment, workers, native=False)
+    assert none == 0
+    for step, (ours, theirs) in enumerate(zip(fused, keras_path)):
+        for part, (a, b) in enumerate(zip(ours, theirs)):
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x, y, err_msg=f"step {step}, part {part}")
+        assert any(np.any(u != 0) for u in ours[0])
+
+
+@pytest.mark.parametrize("make,why", [
+    (lambda: keras.optimizers.Adam(1e-3, amsgrad=True), "amsgrad"),
+    (lambda: keras.optimizers.Adam(1e-3, clipnorm=1.0), "its own clipping"),
+    (lambda: keras.optimizers.Adam(1e-3, loss_scale_factor=8.0), "a loss-scale factor"),
+    (lambda: type("MyAdam", (keras.optimizers.Adam,), {})(1e-3), "a subclass"),
+    (lambda: keras.optimizers.Lion(1e-3), "another optimizer"),
+])
+def test_anything_but_a_plain_adam_takes_keras_path(make, why):
+    variable = keras.Variable(np.ones((40, 50), "float32"))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        make(), density=0.05, warmup_steps=0, sparsify="update", exchange="allgather")
+    optimizer.build([variable])
+    adam = optimizer._loss_scaling.base_optimizer
+    assert not fused_adam.usable(optimizer, adam, [tf.ones((40, 50))], [variable], 1), why
+
+
+def test_a_plain_adam_is_usable_and_not_with_the_mean_estimate_or_a_constraint():
+    native_op(kernels.local_adam)
+    variable = keras.Variable(np.ones((40, 50), "float32"))
+    grads = [tf.ones((40, 50))]
+
+    def usable(second_moment="noise_estimate", workers=2, target=variable):
+        optimizer = sparse_hvd.SparseDistributedOptimizer(
+            keras.optimizers.Adam(1e-3), density=0.05, warmup_steps=0, sparsify="update",
+            exchange="allgather", second_moment=second_moment)
+        optimizer.build([target])
+        return fused_adam.usable(optimizer, optimizer.inner_optimizer, grads, [target],
+                                 workers)
+
+    assert usable()
+    assert usable("own")
+    assert not usable("mean_estimate")
+    assert usable("mean_estimate", workers=1)  # nothing is corrected with one worker
+    constrained = keras.Variable(np.ones((40, 50), "float32"))
+    constrained.constraint = keras.constraints.NonNeg()  # as a layer's add_weight sets it
+    assert not usable(target=constrained)
