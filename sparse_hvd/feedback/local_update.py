@@ -25,9 +25,9 @@ Each step, on every rank:
    average of the sent updates, is subtracted from the weights (``apply_averages``), and the
    step is counted then, so a skipped step counts nothing.
 
-For a plain Keras Adam or AdamW, steps 1-3 are one native pass per variable that writes
-the moments and returns the update without touching the weights (:mod:`.fused_adam`, the
-same bits).
+For a plain Keras Adam, AdamW or SGD, steps 1-3 are one native pass per variable that
+writes the optimizer's state and returns the update without touching the weights
+(:mod:`.fused_step`, the same bits).
 
 Only variables on the sparse route are handled so: a variable always sent whole (under
 ``min_elements``) gets the inner optimizer on the averaged gradient, as without sparse_hvd.
@@ -60,7 +60,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from . import fused_adam, nonfinite
+from . import fused_step, nonfinite
 from ..runtime import startup as runtime
 
 
@@ -74,8 +74,8 @@ def local_updates(opt, grads, variables, own_step):
 
     def step():
         adam, workers = opt._loss_scaling.base_optimizer, runtime.size(opt.process_set)
-        fused = fused_adam.steps_if_usable(opt, adam, grads, variables, workers)
-        if fused is not None:  # a plain Adam: the same steps in one native pass a variable
+        fused = fused_step.steps_if_usable(opt, adam, grads, variables, workers)
+        if fused is not None:  # a plain Adam or SGD: the same steps in one native pass each
             return fused
         before = [tf.identity(v) for v in variables]
         # second_moment corrects Adam's step, not its weight decay (read now: this step's rate)

@@ -34,9 +34,10 @@
 * ``signs_of_rest()``: the ``SparseHvdSignsOfRest`` op (signs_of_rest.cc,
   ``exchange="topk_sign"``: the signs of what the top-k left, and the residual, in two
   passes);
-* ``local_adam()``: the ``SparseHvdLocalAdam`` op (local_adam.cc, ``sparsify="update"`` with a
-  plain Keras Adam: this worker's Adam step as an update, the moments written and the noise
-  estimate applied, in one pass, the weights untouched);
+* ``local_adam()`` and ``local_sgd()``: the ``SparseHvdLocalAdam`` and ``SparseHvdLocalSgd``
+  ops (local_step.cc, ``sparsify="update"`` with a plain Keras Adam or SGD: this worker's step
+  as an update, the optimizer's state written (and Adam's noise estimate applied), in one
+  pass, the weights untouched);
 * ``watch_enter()``, ``watch_leave()`` and ``watch_table()``: the ``SparseHvdWatchEnter`` and
   ``SparseHvdWatchLeave`` ops and the C functions that read their table (watch.cc: the stall
   watchdog's brackets around a traced step's collectives).
@@ -214,8 +215,13 @@ def noise_estimate():
 
 
 def local_adam():
-    """The native local Adam step of ``sparsify="update"`` (``feedback.fused_adam``), or None."""
+    """The native local Adam step of ``sparsify="update"`` (``feedback.fused_step``), or None."""
     return _op("sparse_hvd_local_adam")
+
+
+def local_sgd():
+    """The native local SGD step of ``sparsify="update"`` (``feedback.fused_step``), or None."""
+    return _op("sparse_hvd_local_sgd")
 
 
 def watch_enter():

@@ -1,20 +1,25 @@
-// SparseHvdLocalAdam: ``sparsify="update"``'s local step for a plain Keras Adam or AdamW
-// (sparse_hvd/feedback/fused_adam.py), one variable in one pass. Keras' own step, traced as
-// TensorFlow operations, takes about a dozen passes over the variable, and the update cut
-// three more around it (a copy of the weights, the difference, the weights written back):
-// 22 ms a step for the 4.35M-parameter MLP at 2 workers, where this pass reads g, m, v, w
-// (and q) once and writes m, v, the update (and q) once. Per entry, with Keras' float32
-// operations in Keras' order (so that both give the same bits):
+// The update cut's local step (``sparsify="update"``) for a plain Keras optimizer, one
+// variable in one pass (sparse_hvd/feedback/fused_step.py). Keras' own step, traced as
+// TensorFlow operations, takes several passes over the variable (about a dozen for Adam), and
+// the update cut three more around it (a copy of the weights, the difference, the weights
+// written back): 22 ms a step with Adam for the 4.35M-parameter MLP at 2 workers. Here each
+// input is read once and each output written once; the weights are not written. The float32
+// operations are Keras' own in Keras' order, so both give the same bits.
+//
+// SparseHvdLocalAdam (``keras.optimizers.Adam``/``AdamW``), per entry:
 //
 //   1. m' = m + (g - m) * (1 - beta_1);  v' = v + (g * g - v) * (1 - beta_2);
 //   2. w1 = w - (w * weight_decay) * learning_rate where the decoupled decay applies
 //      (Keras' ``_apply_weight_decay``, before the moments' step), else w;
 //   3. w2 = w1 - (m' * alpha) / (sqrt(v') + epsilon) (alpha = lr sqrt(1 - beta_2^t) /
 //      (1 - beta_1^t), computed by the caller as Keras does);
-//   4. the update u = w - w2 (what the weights would have lost: the update cut sends it, and
-//      the weights are not written);
+//   4. the update u = w - w2 (what the weights would have lost: the update cut sends it);
 //   5. with ``correct`` (``second_moment="noise_estimate"``): the noise estimate's steps of
 //      noise_estimate.cc on u, m', v' and q, writing q' and the corrected u.
+//
+// SparseHvdLocalSgd (``keras.optimizers.SGD``), per entry: step 2 as above, then with momentum
+// m' = m * momentum - g * lr and w2 = w1 + m' (Nesterov: w1 + (m' * momentum - g * lr)),
+// without it w2 = w1 - g * lr; and u = w - w2.
 
 #include <algorithm>
 #include <cmath>
@@ -183,5 +188,114 @@ class LocalAdamOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("SparseHvdLocalAdam").Device(tensorflow::DEVICE_CPU),
                         LocalAdamOp);
+
+REGISTER_OP("SparseHvdLocalSgd")
+    .Attr("nesterov: bool")
+    .Input("gradient: float")  // this worker's gradient, flat
+    .Input("m: float")         // the momentum's velocity before the step, or no entries (none)
+    .Input("weights: float")   // the weights before the step
+    .Input("coefficients: float")  // [learning_rate, momentum, decayed, weight_decay]
+    .Output("update: float")
+    .Output("m_out: float")  // the velocity after the step, or no entries
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      c->set_output(1, c->input(1));
+      return tsl::OkStatus();
+    });
+
+struct SgdCoefficients {
+  float learning_rate, momentum, decayed, weight_decay;
+};
+
+template <bool kMomentum, bool kNesterov, bool kDecayed>
+SPARSE_HVD_INLINE void SgdRange(const float* __restrict g, const float* __restrict m,
+                                const float* __restrict w, float* __restrict u,
+                                float* __restrict m_out, int64_t begin, int64_t end,
+                                const SgdCoefficients k) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float w1 = kDecayed ? w[i] - (w[i] * k.weight_decay) * k.learning_rate : w[i];
+    float w2;
+    if (kMomentum) {
+      const float velocity = m[i] * k.momentum - g[i] * k.learning_rate;
+      w2 = kNesterov ? w1 + (velocity * k.momentum - g[i] * k.learning_rate) : w1 + velocity;
+      m_out[i] = velocity;
+    } else {
+      w2 = w1 - g[i] * k.learning_rate;
+    }
+    u[i] = w[i] - w2;
+  }
+}
+
+#define SPARSE_HVD_SGD_STEP(Name, kMomentum, kNesterov, kDecayed)                              \
+  SPARSE_HVD_VECTORISED                                                                       \
+  void Name(const float* __restrict g, const float* __restrict m, const float* __restrict w,  \
+            float* __restrict u, float* __restrict m_out, int64_t begin, int64_t end,         \
+            const SgdCoefficients k) {                                                        \
+    SgdRange<kMomentum, kNesterov, kDecayed>(g, m, w, u, m_out, begin, end, k);               \
+  }
+SPARSE_HVD_SGD_STEP(SgdStep, false, false, false)
+SPARSE_HVD_SGD_STEP(SgdStepDecayed, false, false, true)
+SPARSE_HVD_SGD_STEP(SgdStepMomentum, true, false, false)
+SPARSE_HVD_SGD_STEP(SgdStepMomentumDecayed, true, false, true)
+SPARSE_HVD_SGD_STEP(SgdStepNesterov, true, true, false)
+SPARSE_HVD_SGD_STEP(SgdStepNesterovDecayed, true, true, true)
+#undef SPARSE_HVD_SGD_STEP
+
+using SgdStepFunction = void (*)(const float*, const float*, const float*, float*, float*,
+                                 int64_t, int64_t, const SgdCoefficients);
+
+SgdStepFunction ChosenSgdStep(bool momentum, bool nesterov, bool decayed) {
+  if (!momentum) return decayed ? SgdStepDecayed : SgdStep;
+  if (!nesterov) return decayed ? SgdStepMomentumDecayed : SgdStepMomentum;
+  return decayed ? SgdStepNesterovDecayed : SgdStepNesterov;
+}
+
+class LocalSgdOp : public OpKernel {
+ public:
+  explicit LocalSgdOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("nesterov", &nesterov_));
+  }
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& gradient = context->input(0);
+    const Tensor& m = context->input(1);
+    const Tensor& weights = context->input(2);
+    const Tensor& coefficients = context->input(3);
+    const int64_t n = gradient.NumElements();
+    OP_REQUIRES(context, gradient.dims() == 1,
+                InvalidArgumentError("gradient must be 1-D (flat)"));
+    OP_REQUIRES(context, weights.NumElements() == n,
+                InvalidArgumentError("gradient and weights must have as many entries"));
+    const bool momentum = m.NumElements() > 0;
+    OP_REQUIRES(context, !momentum || m.NumElements() == n,
+                InvalidArgumentError("m must be empty or have as many entries as gradient"));
+    OP_REQUIRES(context, coefficients.NumElements() == 4,
+                InvalidArgumentError("coefficients must hold 4 values"));
+    Tensor* update = nullptr;
+    Tensor* velocity = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, gradient.shape(), &update));
+    OP_REQUIRES_OK(context, context->allocate_output(1, m.shape(), &velocity));
+    const float* c = coefficients.flat<float>().data();
+    const SgdCoefficients k{c[0], c[1], c[2], c[3]};
+    const SgdStepFunction step = ChosenSgdStep(momentum, nesterov_, k.decayed != 0.0f);
+    const float* g = gradient.flat<float>().data();
+    const float* first = momentum ? m.flat<float>().data() : nullptr;
+    const float* w = weights.flat<float>().data();
+    float* u = update->flat<float>().data();
+    float* m_out = momentum ? velocity->flat<float>().data() : nullptr;
+    auto* pool = context->device()->tensorflow_cpu_worker_threads();
+    const int64_t shards = (n + kShard - 1) / kShard;
+    tensorflow::Shard(pool->num_threads, pool->workers, shards, kShard * 16,
+                      [&](int64_t begin, int64_t end) {
+                        step(g, first, w, u, m_out, begin * kShard,
+                             std::min(n, end * kShard), k);
+                      });
+  }
+
+ private:
+  bool nesterov_ = false;
+};
+
+REGISTER_KERNEL_BUILDER(Name("SparseHvdLocalSgd").Device(tensorflow::DEVICE_CPU), LocalSgdOp);
 
 }  // namespace sparse_hvd

@@ -1,7 +1,7 @@
-"""The update cut's native local Adam step (``sparse_hvd.feedback.fused_adam``,
-``kernels/local_adam.cc``) against Keras' own step on the same optimizer: the same updates,
-moments and q, bit for bit, step after step; and Keras' path wherever the native step would
-not be Keras' step."""
+"""The update cut's native local step (``sparse_hvd.feedback.fused_step``,
+``kernels/local_step.cc``) against Keras' own step on the same optimizer: the same updates,
+optimizer state and q, bit for bit, step after step; and Keras' path wherever the native step
+would not be Keras' step."""
 
 from unittest import mock
 
@@ -13,7 +13,7 @@ import tensorflow as tf
 import sparse_hvd
 from helpers import native_op
 from sparse_hvd import kernels
-from sparse_hvd.feedback import application, fused_adam, local_update
+from sparse_hvd.feedback import application, fused_step, local_update
 
 SHAPES = {"kernel": (400, 100), "bias": (100,)}  # 40,000 entries: two of the op's shards
 STEPS = 4
@@ -27,12 +27,24 @@ def _optimizers():
         "adam": lambda: keras.optimizers.Adam(1e-3),
         "adamw_schedule_excluded_bias": lambda: adamw,
         "adam_weight_decay": lambda: keras.optimizers.Adam(2e-3, weight_decay=0.05),
+        "sgd": lambda: keras.optimizers.SGD(0.05),
+        "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+        "sgd_nesterov_decay_schedule": lambda: keras.optimizers.SGD(
+            keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=2, decay_rate=0.5),
+            momentum=0.8, nesterov=True, weight_decay=0.01),
     }
+
+
+def _state(inner):
+    """The inner optimizer's floating-point state (moments, velocities), in order."""
+    return [v.numpy() for v in inner.variables
+            if v is not inner.iterations and "learning_rate" not in v.path]
 
 
 def _run(inner, second_moment, workers, native):
     """STEPS local steps (step count moved between them, as an applied step would):
-    [(updates, m, v, q)] a step, the weights checked untouched, and how many native calls."""
+    [(updates, state, q)] a step, the weights checked untouched, and how many native
+    calls."""
     rng = np.random.RandomState(5)
     variables = [keras.Variable(rng.randn(*shape).astype("float32"), name=name)
                  for name, shape in SHAPES.items()]
@@ -43,16 +55,18 @@ def _run(inner, second_moment, workers, native):
     optimizer.build(variables)
     adam = optimizer.inner_optimizer
     calls = []
-    real = kernels.local_adam
 
-    def counted():
-        op = real() if native else None
-        if op is not None:
-            calls.append(1)
-        return op
+    def counted(real):
+        def getter():
+            op = real() if native else None
+            if op is not None:
+                calls.append(1)
+            return op
+        return getter
 
     records = []
-    with mock.patch.object(kernels, "local_adam", counted), \
+    with mock.patch.object(kernels, "local_adam", counted(kernels.local_adam)), \
+            mock.patch.object(kernels, "local_sgd", counted(kernels.local_sgd)), \
             mock.patch.object(local_update.runtime, "size", lambda process_set=None: workers):
         for _ in range(STEPS):
             grads = [tf.constant(rng.randn(*v.shape).astype("float32")) for v in variables]
@@ -61,20 +75,20 @@ def _run(inner, second_moment, workers, native):
             adam.iterations.assign_add(1)
             for variable, value in zip(variables, start):
                 np.testing.assert_array_equal(variable.numpy(), value)
-            records.append((
-                [u.numpy() for u in updates], [m.numpy() for m in adam._momentums],
-                [v.numpy() for v in adam._velocities],
-                [q.numpy() for q in optimizer._second_moment.variables]))
+            records.append(([u.numpy() for u in updates], _state(adam),
+                            [q.numpy() for q in optimizer._second_moment.variables]))
     return records, len(calls)
 
 
 @pytest.mark.parametrize("workers", [1, 4])
-@pytest.mark.parametrize("second_moment", ["own", "noise_estimate"])
-@pytest.mark.parametrize("kind", sorted(_optimizers()))
+@pytest.mark.parametrize("kind,second_moment", [
+    (kind, second_moment) for kind in sorted(_optimizers())
+    for second_moment in (("own",) if kind.startswith("sgd") else ("own", "noise_estimate"))])
 def test_the_native_local_step_is_keras_step_bit_for_bit(kind, second_moment, workers):
     """Adam, AdamW with a schedule and a variable excluded from the decay, Adam with a
     weight decay; no correction and the noise estimate (at 4 workers, the decay kept out
-    of it): every update, m, v and q equal to Keras' path's, each of 4 steps."""
+    of it); SGD without and with momentum, Nesterov with a decay and a schedule: every
+    update, moment, velocity and q equal to Keras' path's, each of 4 steps."""
     native_op(kernels.local_adam)
     made = _optimizers()[kind]
     fused, calls = _run(made(), second_moment, workers, native=True)
@@ -94,6 +108,8 @@ def test_the_native_local_step_is_keras_step_bit_for_bit(kind, second_moment, wo
     (lambda: keras.optimizers.Adam(1e-3, loss_scale_factor=8.0), "a loss-scale factor"),
     (lambda: type("MyAdam", (keras.optimizers.Adam,), {})(1e-3), "a subclass"),
     (lambda: keras.optimizers.Lion(1e-3), "another optimizer"),
+    (lambda: keras.optimizers.SGD(1e-3, momentum=0.9, global_clipnorm=1.0), "SGD clipping"),
+    (lambda: type("MySGD", (keras.optimizers.SGD,), {})(1e-3), "an SGD subclass"),
 ])
 def test_anything_but_a_plain_adam_takes_keras_path(make, why):
     variable = keras.Variable(np.ones((40, 50), "float32"))
@@ -101,7 +117,7 @@ def test_anything_but_a_plain_adam_takes_keras_path(make, why):
         make(), density=0.05, warmup_steps=0, sparsify="update", exchange="allgather")
     optimizer.build([variable])
     adam = optimizer._loss_scaling.base_optimizer
-    assert not fused_adam.usable(optimizer, adam, [tf.ones((40, 50))], [variable], 1), why
+    assert not fused_step.usable(optimizer, adam, [tf.ones((40, 50))], [variable], 1), why
 
 
 def test_a_plain_adam_is_usable_and_not_with_the_mean_estimate_or_a_constraint():
@@ -114,7 +130,7 @@ def test_a_plain_adam_is_usable_and_not_with_the_mean_estimate_or_a_constraint()
             keras.optimizers.Adam(1e-3), density=0.05, warmup_steps=0, sparsify="update",
             exchange="allgather", second_moment=second_moment)
         optimizer.build([target])
-        return fused_adam.usable(optimizer, optimizer.inner_optimizer, grads, [target],
+        return fused_step.usable(optimizer, optimizer.inner_optimizer, grads, [target],
                                  workers)
 
     assert usable()
