@@ -39,6 +39,12 @@ _PLAIN_ADAMS = (keras.optimizers.Adam, keras.optimizers.AdamW)
 _NUMBERS = (int, float)
 
 
+def _float32(value) -> tf.Tensor:
+    """A Python number as Keras' ops take it beside a float32 tensor: rounded once to float32
+    (1 - 0.999 computed in float64 first)."""
+    return tf.constant(value, tf.float32)
+
+
 def usable(opt, inner, grads, variables, workers) -> bool:
     """Whether the fused step is Keras' step for ``inner`` (the base optimizer) on these
     gradients and variables (the module's list), and the native op is there."""
@@ -86,8 +92,8 @@ def sgd_steps(inner, grads, variables) -> List[tf.Tensor]:
     for gradient, variable in zip(grads, variables):
         velocity = (inner.momentums[inner._get_variable_index(variable)]
                     if inner.momentum != 0 else None)
-        coefficients = tf.stack([rate, momentum,
-                                 tf.constant(float(_decayed(inner, variable))), decay])
+        coefficients = tf.stack([rate, momentum, _float32(float(_decayed(inner, variable))),
+                                 decay])
         update, kept = native(
             tf.reshape(gradient, [-1]),
             tf.reshape(velocity, [-1]) if velocity is not None else tf.zeros([0]),
@@ -112,7 +118,6 @@ def adam_steps(opt, adam, grads, variables, workers) -> List[tf.Tensor]:
     alpha = rate * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)  # as Keras' update_step
     first = 1 - beta_1_power  # the noise estimate's, as second_moment._moments reads it
     inv_first = tf.cast(1 / tf.cast(first, tf.float64), tf.float32)
-    constant = lambda value: tf.constant(value, tf.float32)  # noqa: E731 (float64 -> float32)
     decay = tf.cast(adam.weight_decay or 0.0, tf.float32)
     updates = []
     for gradient, variable in zip(grads, variables):
@@ -121,10 +126,10 @@ def adam_steps(opt, adam, grads, variables, workers) -> List[tf.Tensor]:
         # second_moment.decays: the correction keeps out a decay that takes something
         kept_out = correct and bool(adam.weight_decay) and decayed
         coefficients = tf.stack([
-            constant(1 - adam.beta_1), constant(1 - adam.beta_2), alpha,
-            constant(adam.epsilon), constant(float(decayed)), decay, rate,
-            constant(float(kept_out)), inv_first, constant((1 + adam.beta_1) / (2 * adam.beta_1)),
-            constant(1 - 1 / workers), constant(workers)])
+            _float32(1 - adam.beta_1), _float32(1 - adam.beta_2), alpha, _float32(adam.epsilon),
+            _float32(float(decayed)), decay, rate, _float32(float(kept_out)), inv_first,
+            _float32((1 + adam.beta_1) / (2 * adam.beta_1)), _float32(1 - 1 / workers),
+            _float32(workers)])
         q = second_moment.variables[opt._get_variable_index(variable)] if correct else None
         update, m, v, explained = native(
             tf.reshape(gradient, [-1]), tf.reshape(adam._momentums[index], [-1]),
