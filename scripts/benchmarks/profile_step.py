@@ -1,12 +1,13 @@
 """Where one training step's time goes, op by op, on rank 0 (TensorFlow's profiler).
 
-The 4.35M-parameter MLP (64-2048-2048-10, batch 64 per worker, SGD momentum 0.9) trained with
-``SparseDistributedOptimizer`` at ``--density`` with ``--exchange`` and ``--budget`` (no
-warm-up; ``--inner adam`` wraps Adam 1e-3 instead), or with a user's own ``hvd.grouped_allreduce`` (``--exchange plain``). After
-``--warmup`` steps, ``--steps`` steps run under ``tf.profiler``; rank 0 reads the trace it
-wrote (the ``/host:CPU`` plane's op events) and prints the wall time per step and the ops
-that took the most time per step, summed over their runs. Ops of different threads overlap,
-so the column adds up to more than the wall time.
+The 4.35M-parameter MLP (64-2048-2048-10, batch 64 per worker, SGD momentum 0.9; ``--inner
+adam``: Adam 1e-3) trained with ``SparseDistributedOptimizer`` at ``--density`` with
+``--exchange`` and ``--budget`` (no warm-up), or with a user's own ``hvd.grouped_allreduce``
+(``--exchange plain``). After ``--warmup`` steps, ``--steps`` steps run under
+``tf.profiler``; rank 0 reads the trace it wrote (the ``/host:CPU`` plane's op events) and
+prints the wall time per step and the ops that took the most time per step, summed over
+their runs. Ops of different threads overlap, so the column adds up to more than the wall
+time.
 
     mpirun -np 2 --bind-to none .venv/bin/python scripts/benchmarks/profile_step.py \\
         --exchange allgather --budget model
