@@ -26,8 +26,8 @@ if [ "$QUICK" = 1 ]; then
     exec timeout -k 30 600 "$PY" -m pytest -q -rs --durations=10 -m "not distributed or quick" "$@"
 fi
 # The suite takes about 21 minutes on a slower 2-core machine (15 on a faster one before the
-# rank tests were split between the launchers); 50 minutes is a hard
-# stop, never a goal (--full: 90).
+# rank tests were split between the launchers); 50 minutes is a hard stop, never a goal
+# (--full: 90).
 LIMIT=3000
 if [ -n "${SPARSE_HVD_FULL_SUITE:-}" ]; then LIMIT=5400; fi
 exec timeout -k 30 "$LIMIT" "$PY" -m pytest -q -rs --durations=15 "$@"
