@@ -20,13 +20,14 @@ JOB_TIMEOUT = 1200
 bounded_by_the_job = pytest.mark.timeout(JOB_TIMEOUT + 60)
 
 
-# The default tier runs each file of tests/distributed under at least one launcher, and the
-# files whose collectives differ by transport under both; the two whose tests cost the most
-# (about 3 s a test on 3 ranks sharing 2 cores: tracing) each under one launcher only. With
-# SPARSE_HVD_FULL_SUITE=1 (`scripts/test.sh --full`) both launchers run every file.
+# The default tier runs every file of tests/distributed under MPI (3 ranks) or Gloo (2 ranks)
+# or both: the replicas, logging and staleness files under both (their collectives differ by
+# transport), the fused exchange's under MPI only, and the two costliest (the auto exchange's
+# trials and the option matrix: about 3 s a test on 3 ranks sharing 2 cores, 240 of the 3-rank
+# job's 440 s) under Gloo only. SPARSE_HVD_FULL_SUITE=1 (`scripts/test.sh --full`): every file
+# under both.
 GLOO_FILES = ("test_replicas.py", "test_option_matrix.py", "test_auto_exchange.py",
               "test_logging.py", "test_staleness.py")
-# run under Gloo (2 ranks) only, outside the full suite: 240 of the 3-rank job's 440 s
 GLOO_ONLY = ("test_option_matrix.py", "test_auto_exchange.py")
 
 
