@@ -26,8 +26,7 @@ bounded_by_the_job = pytest.mark.timeout(JOB_TIMEOUT + 60)
 # trials and the option matrix: about 3 s a test on 3 ranks sharing 2 cores, 240 of the 3-rank
 # job's 440 s) under Gloo only. SPARSE_HVD_FULL_SUITE=1 (`scripts/test.sh --full`): every file
 # under both.
-GLOO_FILES = ("test_replicas.py", "test_option_matrix.py", "test_auto_exchange.py",
-              "test_logging.py", "test_staleness.py")
+BOTH_LAUNCHERS = ("test_replicas.py", "test_logging.py", "test_staleness.py")
 GLOO_ONLY = ("test_option_matrix.py", "test_auto_exchange.py")
 
 
@@ -36,7 +35,7 @@ def rank_test_targets(launcher):
     if os.environ.get("SPARSE_HVD_FULL_SUITE"):
         return [RANK_TESTS]
     if launcher == "gloo":
-        return [os.path.join(RANK_TESTS, name) for name in GLOO_FILES]
+        return [os.path.join(RANK_TESTS, name) for name in BOTH_LAUNCHERS + GLOO_ONLY]
     return [RANK_TESTS] + [f"--ignore={os.path.join(RANK_TESTS, name)}" for name in GLOO_ONLY]
 
 
