@@ -9,7 +9,11 @@ and launch it with ``horovodrun``, ``mpirun`` or ``srun``.
 
 __version__ = "0.1.0"
 
-from . import _moved
+from .runtime import allocator
+
+allocator.prefer_pooled()  # before TensorFlow makes its CPU allocator (runtime/allocator.py)
+
+from . import _moved  # noqa: E402
 
 _moved.install(__name__)  # the old module paths (sparse_hvd.density, ...) keep working
 

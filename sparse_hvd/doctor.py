@@ -12,7 +12,8 @@ Run it first on a new cluster (on a login node, and once inside a job), the way
 4. mpi4py and the MPI library it found (optional: only ``sparse_hvd.init(comm=...)`` needs it);
 5. the native kernels load for this TensorFlow, compiled first if missing (needed, unless
    ``--allow-fallback``: without them the TensorFlow path computes the same bits, slower);
-6. GPUs visible to TensorFlow; the launchers on PATH (mpirun, horovodrun, srun);
+6. GPUs visible to TensorFlow; TensorFlow's CPU allocator (``runtime.allocator``); the
+   launchers on PATH (mpirun, horovodrun, srun);
 7. one training step of ``SparseDistributedOptimizer`` in this process (needed).
 
 Each line starts with ``ok``, ``FAIL`` or ``info``; the exit status is 1 when a needed part
@@ -123,6 +124,12 @@ def check_devices(report):
     gpus = tf.config.list_physical_devices("GPU")
     report.info("GPUs", f"{len(gpus)} visible to TensorFlow" + (
         " (the native CPU kernels stand aside; TensorFlow ops run on the GPU)" if gpus else ""))
+    from .runtime import allocator
+
+    setting = os.environ.get(allocator.VARIABLE)
+    report.info("CPU allocator", "TensorFlow's pooled one (BFC)" if allocator.pooled_in_use()
+                else f"TensorFlow's default ({allocator.VARIABLE}={setting}): the sparse step "
+                "pays page faults for its temporaries")
     found = [name for name in ("mpirun", "horovodrun", "srun") if shutil.which(name)]
     report.info("launchers on PATH", ", ".join(found) or "none")
 

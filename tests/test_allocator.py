@@ -1,0 +1,58 @@
+"""TensorFlow's CPU allocator under sparse_hvd (``sparse_hvd.runtime.allocator``): pooled unless
+the environment chose, and a message when TensorFlow made it before sparse_hvd's import.
+
+Each case runs in a fresh Python, since TensorFlow chooses its allocator once per process."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"
+NOTE = "TensorFlow made its CPU allocator before sparse_hvd was imported"
+
+# builds two optimizers with a sparse route (the message is said once) and prints the allocator
+SCRIPT = """
+import os, sys
+import tensorflow as tf, keras
+if sys.argv[1] == "tensorflow_first":
+    tf.ones([4]).numpy()  # TensorFlow makes its CPU allocator here
+import sparse_hvd
+from sparse_hvd.runtime import allocator
+for name in ("one", "two"):
+    variable = keras.Variable(tf.zeros([64, 64]))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), density=0.01,
+                                                      name=name)
+    optimizer.build([variable])
+print("pooled", allocator.pooled_in_use(), "environment", os.environ.get(allocator.VARIABLE))
+"""
+
+
+def run(order, setting=None):
+    environment = {k: v for k, v in os.environ.items()
+                   if not k.startswith(("OMPI_", "PMI", "HOROVOD_", "SLURM_")) and k != VARIABLE}
+    if setting is not None:
+        environment[VARIABLE] = setting
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT), order],
+                            capture_output=True, text=True, env=environment, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.strip().splitlines()[-1], result.stderr
+
+
+def test_imported_with_tensorflow_and_keras_the_pooled_allocator_is_used_silently():
+    line, errors = run("sparse_hvd_first")
+    assert line == "pooled True environment true"
+    assert NOTE not in errors
+
+
+def test_the_users_choice_of_the_default_allocator_is_kept_silently():
+    line, errors = run("sparse_hvd_first", setting="false")
+    assert line == "pooled False environment false"
+    assert NOTE not in errors
+
+
+def test_an_allocator_made_before_the_import_is_named_once_with_the_remedy():
+    line, errors = run("tensorflow_first")
+    assert line == "pooled False environment true"
+    assert errors.count(NOTE) == 1, errors
+    assert f"set {VARIABLE}=true in the job's environment" in errors
