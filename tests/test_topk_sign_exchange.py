@@ -163,6 +163,11 @@ def test_the_rests_signs_native_and_tensorflow_against_numpy(native, monkeypatch
     if native:
         np.testing.assert_array_equal(signs.numpy(), expected)
         np.testing.assert_array_equal(residual.numpy(), remainder - expected)
+        # a temporary remainder (the error feedback's): the residual written over its buffer
+        traced = tf.function(lambda r: topk_sign.signs_of_rest(r * 1.0, tf.constant(1000)))
+        (signs,), residual = traced(tf.constant(remainder))
+        np.testing.assert_array_equal(signs.numpy(), expected)
+        np.testing.assert_array_equal(residual.numpy(), remainder - expected)
     else:
         np.testing.assert_allclose(signs.numpy(), expected, rtol=1e-5)
         np.testing.assert_allclose(residual.numpy(), remainder - expected, rtol=0,

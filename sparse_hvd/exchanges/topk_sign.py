@@ -23,8 +23,9 @@ by the large ones. Measured under SGD with momentum (``docs/steps_to_loss_topk_s
 seeds, steps to dense's half-run loss over dense's): a character LSTM 1.07 at 4 workers and
 1.11 at 8, a CNN 1.05 and 0.89, where top-k at 1% of each worker's update needs 1.21, 1.23,
 1.18 and 0.83. Under Adam it did worse than the sign code (a probe on the transformer). It
-is not a default: its step costs more (a bit an entry and four more passes over each cut
-variable), and timed on the emulated 1 Gbit/s cluster the wide CNN reached dense's loss later
+is not a default: its step costs more (a bit an entry, and about four more passes over each
+cut variable: 1.22x top-k's step on the 4.35M MLP at 4 workers and 1 Gbit/s, README "The CPU
+allocator"), and timed on the emulated 1 Gbit/s cluster the wide CNN reached dense's loss later
 with it than with top-k alone (``docs/time_to_loss_topk_sign.md``).
 
 Bytes: the selections' (8 bytes an entry, float32) plus n/8 + 4 per variable: at 1%, 0.051
