@@ -29,7 +29,7 @@ from .feedback.preparation import with_tensor_parts
 from .feedback.second_moment import SecondMoment
 from .feedback.state import LocalState
 from .monitoring.stats import EMPTY, CommunicationCounters, layer_stats
-from .runtime import allocator, consistency, lockstep, startup
+from .runtime import allocator, consistency, lockstep
 from .selection.density import serialize_density_policy
 from .selection.routing import route_densely_where_faster
 from .selection.sparsifiers import serialize_sparsifier
@@ -224,8 +224,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         self._second_moment.build(self, var_list)
         self._routes = self._exchange.routes_for(var_list, self.density, self.min_elements)
         checks.check_index_range(var_list, self._routes)
-        if any(route.sparse for route in self._routes) and startup.rank(self.process_set) == 0:
-            allocator.note_if_unpooled()
+        allocator.note_if_unpooled(self._routes, self.process_set)
         self._counters = CommunicationCounters(len(var_list))
         self._step.build(var_list, self._routes)
         self.inner_optimizer.build(var_list)

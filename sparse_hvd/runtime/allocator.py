@@ -51,11 +51,16 @@ def pooled_in_use() -> bool:
     return True
 
 
-def note_if_unpooled():
-    """Step 2's message, once per process: the default allocator is in use although the user did
-    not choose it (TensorFlow made it before sparse_hvd was imported). Nothing on GPUs, whose
-    sparse steps run there."""
+def note_if_unpooled(routes, process_set=None):
+    """Step 2's message, once per process, on rank 0, for an optimizer with a sparse route
+    among ``routes``: the default allocator is in use although the user did not choose it
+    (TensorFlow made it before sparse_hvd was imported). Nothing on GPUs, whose sparse steps
+    run there."""
+    from .startup import rank
+
     if _state.noted or _state.chosen_by_user is not None:
+        return
+    if not any(route.sparse for route in routes) or rank(process_set) != 0:
         return
     _state.noted = True
     import tensorflow as tf
