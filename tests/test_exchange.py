@@ -52,7 +52,7 @@ def _use(monkeypatch, path):
         pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
     if path != "native":
         monkeypatch.setattr(averaging_module.kernels, "scatter_mean", lambda: None)
-    monkeypatch.setattr(averaging_module, "_GPU", path == "gpu")
+    monkeypatch.setattr(averaging_module.startup, "_GPU", path == "gpu")
 
 
 PATHS = ["native", "tensorflow", "gpu"]

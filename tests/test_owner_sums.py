@@ -53,7 +53,7 @@ def _use(monkeypatch, path):
         pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
     if path != "native":
         monkeypatch.setattr(module.kernels, "owner_sum", lambda: None)
-    monkeypatch.setattr(averaging, "_GPU", path == "gpu")
+    monkeypatch.setattr(averaging.startup, "_GPU", path == "gpu")
 
 
 @pytest.mark.parametrize("path", ["native", "tensorflow", "gpu"])

@@ -21,6 +21,7 @@ from typing import List
 import tensorflow as tf
 
 from .. import kernels
+from ..runtime import startup
 
 
 def average_entries(indices, values, counts, columns, sizes, divisor) -> List[tf.Tensor]:
@@ -78,16 +79,6 @@ def divided(total, divisor) -> tf.Tensor:
     return tf.math.divide_no_nan(total, tf.cast(divisor, total.dtype))
 
 
-def _gpu_visible() -> bool:
-    global _GPU
-    if _GPU is None:
-        _GPU = bool(tf.config.list_physical_devices("GPU"))
-    return _GPU
-
-
-_GPU = None
-
-
 def sum_rank_by_rank(values, places, per_rank, size) -> tf.Tensor:
     """``values`` added into ``size`` zeros at ``places``: the first ``per_rank[0]`` entries,
     then the next ``per_rank[1]``, and so on, each rank's places distinct.
@@ -98,7 +89,7 @@ def sum_rank_by_rank(values, places, per_rank, size) -> tf.Tensor:
     once, and the additions are the same, in the same order (measured on CPU: 14 ms against
     5 ms for the segment sum, 8 ranks of 25,000 entries, which is why it is not used there).
     """
-    if not _gpu_visible():
+    if not startup.gpu_visible():
         return tf.math.unsorted_segment_sum(values, places, size)
     return _sum_one_rank_at_a_time(values, places, per_rank, size)
 

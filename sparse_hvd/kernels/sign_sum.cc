@@ -207,8 +207,7 @@ SPARSE_HVD_INLINE double CompensatedMagnitudes(const float* __restrict g,
     c[i] = g[i] + r[i];
     lanes[(i - begin) & 7] += std::fabs(static_cast<double>(c[i]));
   }
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  return SumOfEightLanes(lanes);
 }
 
 // Step 1 for a variable of ``n`` entries in blocks of ``block`` (the whole of it for 0):

@@ -54,8 +54,7 @@ double AbsoluteSum(const float* __restrict r, int64_t n) {
     for (int l = 0; l < 8; ++l) lanes[l] += std::fabs(static_cast<double>(r[i + l]));
   }
   for (; i < n; ++i) lanes[i & 7] += std::fabs(static_cast<double>(r[i]));
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  return SumOfEightLanes(lanes);
 }
 
 // Pass 2; ``out`` may be ``r`` itself (the remainder's buffer forwarded).

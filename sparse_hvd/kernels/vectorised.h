@@ -30,4 +30,12 @@
 #define SPARSE_HVD_INLINE inline
 #endif
 
+// The sum of eight lanes of partial sums (entry i of a loop in lane i % 8), added in one fixed
+// order, so that every compiled version, and every kernel that sums this way, gives the same
+// bits for the same entries.
+SPARSE_HVD_INLINE double SumOfEightLanes(const double (&lanes)[8]) {
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
 #endif  // SPARSE_HVD_KERNELS_VECTORISED_H_

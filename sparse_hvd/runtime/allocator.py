@@ -56,16 +56,14 @@ def note_if_unpooled(routes, process_set=None):
     among ``routes``: the default allocator is in use although the user did not choose it
     (TensorFlow made it before sparse_hvd was imported). Nothing on GPUs, whose sparse steps
     run there."""
-    from .startup import rank
+    from .startup import gpu_visible, rank
 
     if _state.noted or _state.chosen_by_user is not None:
         return
     if not any(route.sparse for route in routes) or rank(process_set) != 0:
         return
     _state.noted = True
-    import tensorflow as tf
-
-    if tf.config.list_physical_devices("GPU") or pooled_in_use():
+    if gpu_visible() or pooled_in_use():
         return
     log.info("TensorFlow made its CPU allocator before sparse_hvd was imported, so it is the "
              "default one, which costs the sparse step about 10%% in page faults; set %s=true in "

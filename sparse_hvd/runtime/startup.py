@@ -100,6 +100,21 @@ def init(pin_gpu=True, stall_timeout=None, comm=None, process_sets=None):
     return hvd
 
 
+def gpu_visible() -> bool:
+    """Whether TensorFlow sees a GPU: asked once per process, since the answer decides how
+    traced steps are built (which kernels, which order of additions) and cannot change while
+    the process runs."""
+    global _GPU
+    if _GPU is None:
+        import tensorflow as tf
+
+        _GPU = bool(tf.config.list_physical_devices("GPU"))
+    return _GPU
+
+
+_GPU = None
+
+
 def _start_with(comm, process_sets):
     """``hvd.init(comm, process_sets)``, with mpi4py communicators refused under Gloo."""
     import horovod.tensorflow as hvd
