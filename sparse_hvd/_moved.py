@@ -57,10 +57,16 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec):
-        return importlib.import_module(f"{self.package}.{MOVED[spec.name.rpartition('.')[2]]}")
+        module = importlib.import_module(f"{self.package}.{MOVED[spec.name.rpartition('.')[2]]}")
+        spec.loader_state = module.__spec__  # the import system replaces it: see exec_module
+        return module
 
     def exec_module(self, module):
-        """The module was executed at its new place."""
+        """The module was executed at its new place. Loading it under the old name set its
+        ``__spec__`` to the old name's, whose parent is not its ``__package__``: its relative
+        imports would then raise an ImportWarning (an error under ``-W error``), so its own
+        spec is put back."""
+        module.__spec__ = module.__spec__.loader_state
 
 
 def install(package):

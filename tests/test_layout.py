@@ -14,8 +14,11 @@ PACKAGE = os.path.dirname(os.path.abspath(sparse_hvd.__file__))
 
 @pytest.mark.parametrize("old,new", sorted(MOVED.items()))
 def test_every_old_module_path_gives_the_moved_module(old, new):
-    assert importlib.import_module(f"sparse_hvd.{old}") is importlib.import_module(
-        f"sparse_hvd.{new}")
+    moved = importlib.import_module(f"sparse_hvd.{new}")
+    assert importlib.import_module(f"sparse_hvd.{old}") is moved
+    # the module keeps its own spec, so that its relative imports raise no ImportWarning
+    assert moved.__spec__.name == f"sparse_hvd.{new}"
+    assert moved.__spec__.parent == moved.__package__
 
 
 def test_names_users_imported_from_old_paths():
