@@ -21,6 +21,10 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import emulated_cluster as ec  # noqa: E402
 
+# one test at a time, in one process, when the suite runs on several (scripts/test.sh): two
+# tests count the root namespace's links around their own cluster's set-up and teardown
+pytestmark = pytest.mark.xdist_group("emulated_cluster")
+
 # Probed once at collection: creates and deletes one namespace of this process's own.
 _REASON = ec.namespaces_unavailable()
 needs_namespaces = pytest.mark.skipif(bool(_REASON), reason=f"emulated cluster unavailable here: {_REASON}")
