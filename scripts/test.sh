@@ -25,7 +25,7 @@ PY="${SPARSE_HVD_VENV:-$ROOT/.venv}/bin/python"
 # The single-process tests run in parallel, one pytest-xdist process per core (at most 4: each
 # holds a TensorFlow); the multi-rank jobs then run one at a time, since each already fills the
 # cores and the failure drills bound the time a dying rank takes to end the others. Measured on
-# a slower 2-core machine: the single-process tests 302 s in one process, 164-169 s in two.
+# a slower 2-core machine: the single-process tests 302 s in one process, 124-169 s in two.
 # SPARSE_HVD_TEST_WORKERS=1 (or an environment without pytest-xdist): one process, file order.
 WORKERS="${SPARSE_HVD_TEST_WORKERS:-$(nproc)}"
 if [ "$WORKERS" -gt 4 ]; then WORKERS=4; fi
@@ -38,7 +38,7 @@ if [ "$QUICK" = 1 ]; then
     exec timeout -k 30 600 "$PY" -m pytest -q -rs --durations=10 "${PARALLEL[@]}" \
         -m "not distributed or quick" "$@"
 fi
-# The suite takes about 15 minutes on a slower 2-core machine; 50 minutes is a hard stop,
+# The suite takes 12-16 minutes on a slower 2-core machine; 50 minutes is a hard stop,
 # never a goal (--full: 90).
 LIMIT=3000
 if [ -n "${SPARSE_HVD_FULL_SUITE:-}" ]; then LIMIT=5400; fi
