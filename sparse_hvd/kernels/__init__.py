@@ -101,7 +101,9 @@ def _library():
             return None
         import tensorflow as tf
 
-        if tf.config.list_physical_devices("GPU"):
+        from ..runtime.startup import gpu_visible
+
+        if gpu_visible():
             state.problem = "a GPU is visible (the TensorFlow path runs on it instead)"
             return None
         try:
