@@ -61,19 +61,33 @@ def usable(opt, inner, grads, variables, workers) -> bool:
         native = kernels.local_sgd
     else:
         return False
+    if not plain_step_inputs(opt, inner, grads, variables):
+        return False
+    if any(getattr(variable, "constraint", None) is not None for variable in variables):
+        return False
+    return native() is not None
+
+
+def plain_step_inputs(opt, inner, grads, variables, dtypes=("float32",)) -> bool:
+    """What a fused step needs besides the optimizer's kind: no gradient accumulation or
+    loss-scale factor, no clipping of the inner optimizer's own in the step (or
+    ``clipping="local"``, which turns it off), and dense gradients of variables of
+    ``dtypes`` (each gradient of its variable's dtype), none overwritten by its gradient."""
     if inner.gradient_accumulation_steps or inner.loss_scale_factor is not None:
         return False
     clips = any(getattr(inner, option, None) is not None for option in clipping_rules.OPTIONS)
     if clips and not (opt.clipping == "local" and opt._clipper is inner):
         return False
+    if len(grads) != len(variables):
+        return False
     for gradient, variable in zip(grads, variables):
-        if not isinstance(gradient, tf.Tensor) or gradient.dtype != tf.float32:
+        if variable.dtype not in dtypes or not isinstance(gradient, tf.Tensor):
             return False
-        if variable.dtype != "float32" or getattr(variable, "constraint", None) is not None:
+        if gradient.dtype != tf.as_dtype(variable.dtype):
             return False
         if getattr(variable, "overwrite_with_gradient", False):
             return False
-    return native() is not None
+    return True
 
 
 def _decayed(inner, variable) -> bool:

@@ -155,14 +155,14 @@ def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_s
         apply_inner([g for g, _ in whole], [v for _, v in whole])
         return
     count_finite_step()
-    _moving_average_step(opt._clipper)
+    moving_average_step(opt._clipper)
     opt.inner_optimizer.iterations.assign_add(1)
 
 
 @contextlib.contextmanager
 def _moving_average_off(optimizer):
     """``use_ema`` off while the inner optimizer steps on the local gradient (whose weights are
-    then written back): the EMA follows the applied weights only (``_moving_average_step``)."""
+    then written back): the EMA follows the applied weights only (``moving_average_step``)."""
     saved = optimizer.use_ema
     optimizer.use_ema = False
     try:
@@ -171,7 +171,7 @@ def _moving_average_off(optimizer):
         optimizer.use_ema = saved
 
 
-def _moving_average_step(optimizer):
+def moving_average_step(optimizer):
     """What Keras' optimizer does after a step with ``use_ema`` (its EMA of every trainable
     variable, and the overwrite every ``ema_overwrite_frequency`` steps), for a step in which
     it applied nothing itself."""

@@ -1,0 +1,135 @@
+"""The inner SGD's fused step on averaged gradients (``sparse_hvd.feedback.fused_apply``)
+against Keras' own ``apply`` of the same optimizer: the same weights, velocities, moving
+averages and step count, bit for bit, step after step; and Keras' path wherever the fused op
+would not be Keras' step."""
+
+from unittest import mock
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sparse_hvd
+from sparse_hvd.feedback import application, fused_apply
+
+SHAPES = {"kernel": (300, 70), "bias": (70,)}
+STEPS = 4
+
+
+def _optimizers():
+    def decayed_nesterov():
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=2,
+                                                               decay_rate=0.5)
+        sgd = keras.optimizers.SGD(schedule, momentum=0.8, nesterov=True, weight_decay=0.01)
+        sgd.exclude_from_weight_decay(var_names=["bias"])
+        return sgd
+
+    return {
+        "plain": lambda: keras.optimizers.SGD(0.05),
+        "momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+        "nesterov_decay_schedule_excluded_bias": decayed_nesterov,
+        "momentum_ema": lambda: keras.optimizers.SGD(0.05, momentum=0.9, use_ema=True,
+                                                      ema_momentum=0.5,
+                                                      ema_overwrite_frequency=3),
+        "local_clipping": lambda: keras.optimizers.SGD(0.05, momentum=0.9, clipnorm=0.5),
+    }
+
+
+def _variables(dtype, constrained):
+    rng = np.random.RandomState(3)
+    constraint = keras.constraints.MaxNorm(0.7) if constrained else None
+    return [keras.Variable(rng.randn(*shape).astype(dtype), name=name,
+                           constraint=constraint if name == "kernel" else None)
+            for name, shape in SHAPES.items()]
+
+
+def _run(kind, dtype="float32", constrained=False, fused=True):
+    """STEPS steps of the inner optimizer on the same gradients: by the wrapper's
+    ``inner_step`` (``fused``) or by Keras' ``apply``. Returns [(weights, state)] a step and
+    how many fused variable steps ran."""
+    variables = _variables(dtype, constrained)
+    inner = _optimizers()[kind]()
+    clipping = "local" if kind == "local_clipping" else "after"
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        inner, density=0.05, exchange="dense", clipping=clipping, name=f"fused_apply_{kind}")
+    optimizer.build(variables)
+    inner = optimizer.inner_optimizer
+    fused_calls = []
+    real_step = fused_apply._sgd_step
+
+    def counted(*args):
+        fused_calls.append(1)
+        return real_step(*args)
+
+    @tf.function
+    def step(grads):
+        if fused:
+            application.inner_step(optimizer, grads, variables)
+        else:
+            with application._local_clipping_off(optimizer):
+                inner.apply(grads, variables)
+
+    rng = np.random.RandomState(11)
+    records = []
+    with mock.patch.object(fused_apply, "_sgd_step", counted):
+        for _ in range(STEPS):
+            step([tf.constant(rng.randn(*v.shape).astype(dtype)) for v in variables])
+            records.append(([v.numpy() for v in variables],
+                            [v.numpy() for v in inner.variables]))
+    return records, len(fused_calls)
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("kind", sorted(_optimizers()))
+def test_the_fused_step_is_keras_step_bit_for_bit(kind, dtype, constrained):
+    """SGD without momentum, with momentum, Nesterov with a weight decay (the bias excluded)
+    and a schedule, with the weights' moving average overwriting them every 3 steps, with
+    clipping turned off by ``clipping="local"``; float32 and float64; a constraint or none:
+    every weight and every optimizer variable (velocities, averages, the step count) equal to
+    Keras' ``apply``'s after each of 4 steps, and the weights moved."""
+    ours, calls = _run(kind, dtype, constrained, fused=True)
+    assert calls == len(SHAPES)  # traced once: one fused step per variable
+    theirs, none = _run(kind, dtype, constrained, fused=False)
+    assert none == 0
+    start = [v.numpy() for v in _variables(dtype, constrained)]
+    for step, ((weights, state), (keras_weights, keras_state)) in enumerate(zip(ours, theirs)):
+        for a, b in zip(weights + state, keras_weights + keras_state):
+            np.testing.assert_array_equal(a, b, err_msg=f"step {step}")
+    assert all(np.any(w != s) for w, s in zip(ours[-1][0], start))
+
+
+@pytest.mark.parametrize("make,why", [
+    (lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=1.0), "its own clipping"),
+    (lambda: keras.optimizers.SGD(0.1, loss_scale_factor=8.0), "a loss-scale factor"),
+    (lambda: type("MySGD", (keras.optimizers.SGD,), {})(0.1), "a subclass"),
+    (lambda: keras.optimizers.Adam(1e-3), "another optimizer"),
+])
+def test_anything_but_a_plain_sgd_takes_keras_path(make, why):
+    variable = keras.Variable(np.ones((40, 50), "float32"))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(make(), density=0.05, exchange="dense")
+    optimizer.build([variable])
+    inner = optimizer.inner_optimizer
+    assert not fused_apply.usable(optimizer, inner, [tf.ones((40, 50))], [variable]), why
+    assert not fused_apply.apply_if_usable(optimizer, [tf.ones((40, 50))], [variable])
+    np.testing.assert_array_equal(variable.numpy(), 1.0)  # nothing written
+
+
+def test_gradients_it_cannot_take_go_to_keras():
+    """Rows of an embedding (IndexedSlices), a gradient of another dtype, a float16
+    variable, a variable overwritten by its gradient: Keras' path; dense float32: fused."""
+    variable = keras.Variable(np.ones((40, 50), "float32"))
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), density=0.05, exchange="dense")
+    optimizer.build([variable])
+    inner = optimizer.inner_optimizer
+    rows = tf.IndexedSlices(tf.ones((2, 50)), tf.constant([0, 3]), tf.constant([40, 50]))
+    assert fused_apply.usable(optimizer, inner, [tf.ones((40, 50))], [variable])
+    assert not fused_apply.usable(optimizer, inner, [rows], [variable])
+    assert not fused_apply.usable(optimizer, inner, [tf.ones((40, 50), tf.float64)],
+                                  [variable])
+    half = keras.Variable(np.ones((4, 5), "float16"))
+    assert not fused_apply.usable(optimizer, inner, [tf.ones((4, 5), tf.float16)], [half])
+    variable.overwrite_with_gradient = True
+    assert not fused_apply.usable(optimizer, inner, [tf.ones((40, 50))], [variable])
