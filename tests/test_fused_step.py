@@ -140,3 +140,37 @@ def test_a_plain_adam_is_usable_and_not_with_the_mean_estimate_or_a_constraint()
     constrained = keras.Variable(np.ones((40, 50), "float32"))
     constrained.constraint = keras.constraints.NonNeg()  # as a layer's add_weight sets it
     assert not usable(target=constrained)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("kind", ["adam", "sgd_momentum", "sgd_nesterov_decay_schedule"])
+def test_a_non_finite_gradient_writes_no_state_and_hands_on_a_non_finite_update(kind, bad):
+    """One entry of one gradient NaN or infinite: the pass says so (its ``finite``), the
+    optimizer state is left as it was on every variable, and the updates handed on are
+    non-finite at that entry (so the exchange skips the step); a finite gradient's pass says
+    it is finite."""
+    native_op(kernels.local_adam)
+    rng = np.random.RandomState(2)
+    variables = [keras.Variable(rng.randn(*shape).astype("float32"), name=name)
+                 for name, shape in SHAPES.items()]
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        _optimizers()[kind](), density=0.05, warmup_steps=0, sparsify="update",
+        exchange="allgather", second_moment="own")
+    optimizer.build(variables)
+    inner = optimizer.inner_optimizer
+    warm = [tf.constant(rng.randn(*v.shape).astype("float32")) for v in variables]
+    local_update.local_updates(optimizer, warm, variables, application.own_step)
+    before = _state(inner)
+    assert any(np.any(s != 0) for s in before)  # the first step wrote a state
+    grads = [g.numpy().copy() for g in warm]
+    grads[0][7, 3] = bad
+    fused = fused_step.steps_if_usable(optimizer, inner, [tf.constant(g) for g in grads],
+                                       variables, 1)
+    assert not bool(fused.finite)
+    updates = local_update.local_updates(optimizer, [tf.constant(g) for g in grads], variables,
+                                         application.own_step)
+    for kept, now in zip(before, _state(inner)):
+        np.testing.assert_array_equal(kept, now)
+    assert not np.isfinite(updates[0].numpy()[7, 3])
+    assert np.all(np.isfinite(updates[1].numpy()))
+    assert bool(fused_step.steps_if_usable(optimizer, inner, warm, variables, 1).finite)

@@ -8,7 +8,9 @@ Why: measured with ``scripts/benchmarks/profile_step.py --inner adam --exchange 
 and the update cut's passes around it (a copy of the weights, the difference, the weights
 written back) took about 22 ms of a 65 ms step: about fifteen passes over the variable,
 each a TensorFlow op of its own. The native pass reads the gradient, the optimizer's state
-and the weights once and writes the state and the update once; with
+and the weights once and writes the new state and the update once, and says whether the
+update is finite (so no pass over the gradient comes first: the state is written only if it
+is, ``local_update``); with
 ``second_moment="noise_estimate"`` it corrects Adam's update and writes q in the same pass.
 Weights, the step count and the learning rate schedule are not touched (the update cut takes
 them back anyway).
@@ -27,7 +29,7 @@ which turns it off), float32 variables and gradients without constraints, ``seco
 visible).
 """
 
-from typing import List, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import keras
 import tensorflow as tf
@@ -95,33 +97,51 @@ def _decayed(inner, variable) -> bool:
     return inner.weight_decay is not None and inner._use_weight_decay(variable)
 
 
-def sgd_steps(inner, grads, variables) -> List[tf.Tensor]:
+class LocalSteps(NamedTuple):
+    """The native passes' results, nothing written yet: each variable's ``updates``, whether
+    every update is ``finite`` (a bool tensor: a NaN or infinity in a gradient makes its update
+    non-finite, ``kernels/local_step.cc``), and ``write_state()``, which assigns the optimizer
+    state the passes computed (the caller does only where ``finite``)."""
+
+    updates: List[tf.Tensor]
+    finite: tf.Tensor
+    write_state: Callable[[], None]
+
+
+def sgd_steps(inner, grads, variables) -> LocalSteps:
     """Steps 1-3 of :func:`local_update.local_updates` for a plain SGD by the native pass: per
-    variable this rank's update, and the momentum's velocity written."""
+    variable this rank's update, and the momentum's velocity to write."""
     native = kernels.local_sgd()
     rate = tf.cast(inner.learning_rate, tf.float32)  # this step's: the count is not moved
     momentum = tf.cast(inner.momentum, tf.float32)
     decay = tf.cast(inner.weight_decay or 0.0, tf.float32)
-    updates = []
+    updates, flags, writes = [], [], []
     for gradient, variable in zip(grads, variables):
         velocity = (inner.momentums[inner._get_variable_index(variable)]
                     if inner.momentum != 0 else None)
         coefficients = tf.stack([rate, momentum, _float32(float(_decayed(inner, variable))),
                                  decay])
-        update, kept = native(
+        update, kept, finite = native(
             tf.reshape(gradient, [-1]),
             tf.reshape(velocity, [-1]) if velocity is not None else tf.zeros([0]),
             tf.reshape(variable, [-1]), coefficients, nesterov=bool(inner.nesterov))
         if velocity is not None:
-            inner.assign(velocity, tf.reshape(kept, variable.shape))
+            writes.append((inner, velocity, tf.reshape(kept, variable.shape)))
         updates.append(tf.reshape(update, variable.shape))
-    return updates
+        flags.append(finite)
+    return LocalSteps(updates, tf.reduce_all(flags), lambda: _assign_all(writes))
 
 
-def adam_steps(opt, adam, grads, variables, workers) -> List[tf.Tensor]:
+def _assign_all(writes):
+    """Each (optimizer, variable, value): the optimizer's ``assign`` (Keras' rule)."""
+    for optimizer, variable, value in writes:
+        optimizer.assign(variable, value)
+
+
+def adam_steps(opt, adam, grads, variables, workers) -> LocalSteps:
     """Steps 1-3 of :func:`local_update.local_updates` for a plain Adam by the native pass:
     per variable, this rank's update (corrected by the noise estimate where
-    ``second_moment`` asks), and Adam's m and v (and q) written."""
+    ``second_moment`` asks), and Adam's m and v (and q) to write."""
     native = kernels.local_adam()
     second_moment = opt._second_moment
     correct = second_moment.kind == "noise_estimate" and workers > 1
@@ -133,7 +153,7 @@ def adam_steps(opt, adam, grads, variables, workers) -> List[tf.Tensor]:
     first = 1 - beta_1_power  # the noise estimate's, as second_moment._moments reads it
     inv_first = tf.cast(1 / tf.cast(first, tf.float64), tf.float32)
     decay = tf.cast(adam.weight_decay or 0.0, tf.float32)
-    updates = []
+    updates, flags, writes = [], [], []
     for gradient, variable in zip(grads, variables):
         index = adam._get_variable_index(variable)
         decayed = _decayed(adam, variable)
@@ -145,22 +165,24 @@ def adam_steps(opt, adam, grads, variables, workers) -> List[tf.Tensor]:
             _float32((1 + adam.beta_1) / (2 * adam.beta_1)), _float32(1 - 1 / workers),
             _float32(workers)])
         q = second_moment.variables[opt._get_variable_index(variable)] if correct else None
-        update, m, v, explained = native(
+        update, m, v, explained, finite = native(
             tf.reshape(gradient, [-1]), tf.reshape(adam._momentums[index], [-1]),
             tf.reshape(adam._velocities[index], [-1]), tf.reshape(variable, [-1]),
             tf.reshape(q, [-1]) if q is not None else tf.zeros([0]), coefficients,
             correct=correct)
-        adam.assign(adam._momentums[index], tf.reshape(m, variable.shape))
-        adam.assign(adam._velocities[index], tf.reshape(v, variable.shape))
+        writes.append((adam, adam._momentums[index], tf.reshape(m, variable.shape)))
+        writes.append((adam, adam._velocities[index], tf.reshape(v, variable.shape)))
         if q is not None:
-            second_moment.writer.assign(q, tf.reshape(explained, variable.shape))
+            writes.append((second_moment.writer, q, tf.reshape(explained, variable.shape)))
         updates.append(tf.reshape(update, variable.shape))
-    return updates
+        flags.append(finite)
+    return LocalSteps(updates, tf.reduce_all(flags), lambda: _assign_all(writes))
 
 
-def steps_if_usable(opt, inner, grads, variables, workers) -> Optional[List[tf.Tensor]]:
-    """The updates by the native pass where :func:`usable` (the optimizer's state written,
-    the weights and the step count left alone), else None (Keras' path)."""
+def steps_if_usable(opt, inner, grads, variables, workers) -> Optional[LocalSteps]:
+    """The native passes' :class:`LocalSteps` where :func:`usable` (nothing written: the
+    state by ``write_state()``, the weights and the step count never), else None (Keras'
+    path)."""
     if not usable(opt, inner, grads, variables, workers):
         return None
     if type(inner) is keras.optimizers.SGD:

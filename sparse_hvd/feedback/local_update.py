@@ -41,9 +41,11 @@ A trial's dense turn (``Route.held``) shares the state first and steps so too, k
 residuals for the sparse steps after the trial (``steps.plan_step``).
 
 A rank whose gradient is not finite skips step 2 and hands its gradient on unchanged: the
-exchange sees it and the step is skipped on every rank (``nonfinite``). The ranks whose
-gradients were finite have then already moved their moments by that step's gradient; their
-weights and step counts are untouched.
+exchange sees it and the step is skipped on every rank (``nonfinite``). (The native passes
+compute the step into new tensors and say whether every update is finite, which a non-finite
+gradient makes it not; that rank writes no state and hands the non-finite updates on.) The
+ranks whose gradients were finite have then already moved their moments by that step's
+gradient; their weights and step counts are untouched.
 
 What differs from the gradient cut, by construction: the inner optimizer's state is each worker's
 own (only the weights are the same everywhere). A checkpoint written by one rank holds that
@@ -71,20 +73,20 @@ def local_updates(opt, grads, variables, own_step):
     (``feedback.application.own_step``: past an inner LossScaleOptimizer, clipping off after
     local clipping)."""
     inner = opt.inner_optimizer
+    base, workers = opt._loss_scaling.base_optimizer, runtime.size(opt.process_set)
+    fused = fused_step.steps_if_usable(opt, base, grads, variables, workers)
+    if fused is not None:  # a plain Adam or SGD: the same steps in one native pass each
+        return _written_where_finite(opt, fused)
 
     def step():
-        adam, workers = opt._loss_scaling.base_optimizer, runtime.size(opt.process_set)
-        fused = fused_step.steps_if_usable(opt, adam, grads, variables, workers)
-        if fused is not None:  # a plain Adam or SGD: the same steps in one native pass each
-            return fused
         before = [tf.identity(v) for v in variables]
         # second_moment corrects Adam's step, not its weight decay (read now: this step's rate)
-        decays = opt._second_moment.decays(adam, variables, before, workers)
+        decays = opt._second_moment.decays(base, variables, before, workers)
         with tf.control_dependencies(before + [d.learning_rate for d in decays if d]):
             with _moving_average_off(opt._clipper):
                 own_step(opt, list(grads), variables)
         updates = [b - tf.identity(v) for b, v in zip(before, variables)]
-        updates = opt._second_moment.corrected(adam, updates, variables, workers,
+        updates = opt._second_moment.corrected(base, updates, variables, workers,
                                                opt._get_variable_index, decays)
         with tf.control_dependencies(updates):
             for variable, value in zip(variables, before):
@@ -96,6 +98,20 @@ def local_updates(opt, grads, variables, own_step):
         return step()
     finite = tf.reduce_all([nonfinite.all_finite(g) for g in grads])  # the payload's own test
     return tf.cond(finite, step, lambda: [tf.identity(g) for g in grads])
+
+
+def _written_where_finite(opt, fused):
+    """The native passes' updates (``fused_step.LocalSteps``), their optimizer state written
+    where every update is finite; else the updates (non-finite: the exchange sees it) go on
+    with nothing written. The passes say it themselves, so no pass over the gradients comes
+    before them."""
+    def written():
+        fused.write_state()
+        return [tf.identity(u) for u in fused.updates]
+
+    if opt.nonfinite == "ignore":
+        return written()
+    return tf.cond(fused.finite, written, lambda: [tf.identity(u) for u in fused.updates])
 
 
 def own_state(opt):

@@ -98,7 +98,8 @@ def compile_library(output: str):
     command = [compiler, *OWN_FLAGS, *compile_flags, *sources(), "-o", temporary, *link_flags]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        os.unlink(temporary)
+        if os.path.exists(temporary):  # the compiler removes its output when it fails
+            os.unlink(temporary)
         raise BuildError(f"compiling sparse_hvd's kernels failed ({' '.join(command[:3])} ...):\n"
                          f"{result.stderr[-4000:]}")
     os.replace(temporary, output)

@@ -29,6 +29,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "finite_output.h"
 
 namespace sparse_hvd {
 
@@ -141,14 +142,6 @@ std::vector<std::vector<Candidate<T>>> CollectCandidates(OpKernelContext* contex
   *total = count.load();
   *finite = nonfinite.load() == 0;
   return shard_candidates;
-}
-
-// Both ops: ``finite`` into output ``index``.
-tsl::Status WriteFinite(OpKernelContext* context, int index, bool finite) {
-  Tensor* out = nullptr;
-  TF_RETURN_IF_ERROR(context->allocate_output(index, TensorShape({}), &out));
-  out->scalar<bool>()() = finite;
-  return tsl::OkStatus();
 }
 
 REGISTER_OP("SparseHvdCompensateCut")

@@ -20,8 +20,17 @@
 // SparseHvdLocalSgd (``keras.optimizers.SGD``), per entry: step 2 as above, then with momentum
 // m' = m * momentum - g * lr and w2 = w1 + m' (Nesterov: w1 + (m' * momentum - g * lr)),
 // without it w2 = w1 - g * lr; and u = w - w2.
+//
+// Both also say whether every u is finite (``finite``), counted in the same pass: a NaN or
+// an infinity in g reaches u through every formula above (g * lr, g - m and g * g are
+// non-finite, and no later operation makes them finite again), so a finite u means a finite
+// g, and a u that overflowed is caught too. The caller writes the state only when it is
+// finite everywhere (``feedback.local_update``): a separate reduction over the gradient
+// before the step took 4.3 ms of a 131 ms step (the 4.35M MLP at 2 workers, profile_step.py).
 
 #include <algorithm>
+#include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
@@ -29,6 +38,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "finite_output.h"
 #include "vectorised.h"
 
 namespace sparse_hvd {
@@ -52,13 +62,18 @@ REGISTER_OP("SparseHvdLocalAdam")
     .Output("m_out: float")
     .Output("v_out: float")
     .Output("q_out: float")  // q' (correct), or no entries
+    .Output("finite: bool")  // whether every entry of update is finite
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
       for (int i = 0; i < 3; ++i) c->set_output(i, c->input(0));
       c->set_output(3, c->input(4));
+      c->set_output(4, c->Scalar());
       return tsl::OkStatus();
     });
 
 constexpr int64_t kShard = 1 << 15;
+
+// 1 where ``x`` is NaN or infinite, else 0, without a branch (so the loops stay vectorised).
+SPARSE_HVD_INLINE int NotFinite(float x) { return !(std::fabs(x) <= FLT_MAX); }
 
 // In the order of the op's ``coefficients``: Adam's, then the decay's (``decayed`` 1: step 2
 // applies; ``kept_out`` 1: the correction leaves the decay unscaled, as
@@ -74,12 +89,13 @@ constexpr int kCoefficients = 12;
 // would keep the compiler from vectorising it). The pointers do not alias (the outputs are
 // fresh tensors).
 template <bool kCorrect, bool kDecayed, bool kKeptOut>
-SPARSE_HVD_INLINE void AdamRange(const float* __restrict g, const float* __restrict m,
-                                 const float* __restrict v, const float* __restrict w,
-                                 const float* __restrict q, float* __restrict u,
-                                 float* __restrict m_out, float* __restrict v_out,
-                                 float* __restrict q_out, int64_t begin, int64_t end,
-                                 const Coefficients k) {
+SPARSE_HVD_INLINE int AdamRange(const float* __restrict g, const float* __restrict m,
+                                const float* __restrict v, const float* __restrict w,
+                                const float* __restrict q, float* __restrict u,
+                                float* __restrict m_out, float* __restrict v_out,
+                                float* __restrict q_out, int64_t begin, int64_t end,
+                                const Coefficients k) {
+  int not_finite = 0;
   for (int64_t i = begin; i < end; ++i) {
     const float first = m[i] + (g[i] - m[i]) * k.one_minus_beta_1;            // step 1
     const float second = v[i] + (g[i] * g[i] - v[i]) * k.one_minus_beta_2;
@@ -97,20 +113,22 @@ SPARSE_HVD_INLINE void AdamRange(const float* __restrict g, const float* __restr
       q_out[i] = e;
     }
     u[i] = update;
+    not_finite |= NotFinite(update);
     m_out[i] = first;
     v_out[i] = second;
   }
+  return not_finite;
 }
 
 // One function per choice, each compiled for AVX2 and for the baseline.
 #define SPARSE_HVD_ADAM_STEP(Name, kCorrect, kDecayed, kKeptOut)                               \
   SPARSE_HVD_VECTORISED                                                                       \
-  void Name(const float* __restrict g, const float* __restrict m, const float* __restrict v,  \
+  int Name(const float* __restrict g, const float* __restrict m, const float* __restrict v,   \
             const float* __restrict w, const float* __restrict q, float* __restrict u,        \
             float* __restrict m_out, float* __restrict v_out, float* __restrict q_out,        \
             int64_t begin, int64_t end, const Coefficients k) {                               \
-    AdamRange<kCorrect, kDecayed, kKeptOut>(g, m, v, w, q, u, m_out, v_out, q_out, begin, end, \
-                                            k);                                               \
+    return AdamRange<kCorrect, kDecayed, kKeptOut>(g, m, v, w, q, u, m_out, v_out, q_out,     \
+                                                   begin, end, k);                            \
   }
 SPARSE_HVD_ADAM_STEP(AdamStep, false, false, false)
 SPARSE_HVD_ADAM_STEP(AdamStepDecayed, false, true, false)
@@ -119,9 +137,9 @@ SPARSE_HVD_ADAM_STEP(AdamStepCorrectedDecayed, true, true, false)
 SPARSE_HVD_ADAM_STEP(AdamStepCorrectedKeptOut, true, true, true)
 #undef SPARSE_HVD_ADAM_STEP
 
-using AdamStepFunction = void (*)(const float*, const float*, const float*, const float*,
-                                  const float*, float*, float*, float*, float*, int64_t,
-                                  int64_t, const Coefficients);
+using AdamStepFunction = int (*)(const float*, const float*, const float*, const float*,
+                                 const float*, float*, float*, float*, float*, int64_t,
+                                 int64_t, const Coefficients);
 
 // The function for the choices (the decay kept out of the correction only where it applies).
 AdamStepFunction ChosenStep(bool correct, bool decayed, bool kept_out) {
@@ -175,11 +193,15 @@ class LocalAdamOp : public OpKernel {
         ChosenStep(correct_, k.decayed != 0.0f, correct_ && k.kept_out != 0.0f);
     auto* pool = context->device()->tensorflow_cpu_worker_threads();
     const int64_t shards = (n + kShard - 1) / kShard;
+    std::atomic<int> not_finite{0};
     tensorflow::Shard(pool->num_threads, pool->workers, shards, kShard * 40,
                       [&](int64_t begin, int64_t end) {
-                        step(g, first, second, w, average, u, m_out, v_out, q_out,
-                             begin * kShard, std::min(n, end * kShard), k);
+                        if (step(g, first, second, w, average, u, m_out, v_out, q_out,
+                                 begin * kShard, std::min(n, end * kShard), k)) {
+                          not_finite.store(1, std::memory_order_relaxed);
+                        }
                       });
+    OP_REQUIRES_OK(context, WriteFinite(context, 4, not_finite.load() == 0));
   }
 
  private:
@@ -197,9 +219,11 @@ REGISTER_OP("SparseHvdLocalSgd")
     .Input("coefficients: float")  // [learning_rate, momentum, decayed, weight_decay]
     .Output("update: float")
     .Output("m_out: float")  // the velocity after the step, or no entries
+    .Output("finite: bool")  // whether every entry of update is finite
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
       c->set_output(0, c->input(0));
       c->set_output(1, c->input(1));
+      c->set_output(2, c->Scalar());
       return tsl::OkStatus();
     });
 
@@ -208,10 +232,11 @@ struct SgdCoefficients {
 };
 
 template <bool kMomentum, bool kNesterov, bool kDecayed>
-SPARSE_HVD_INLINE void SgdRange(const float* __restrict g, const float* __restrict m,
-                                const float* __restrict w, float* __restrict u,
-                                float* __restrict m_out, int64_t begin, int64_t end,
-                                const SgdCoefficients k) {
+SPARSE_HVD_INLINE int SgdRange(const float* __restrict g, const float* __restrict m,
+                               const float* __restrict w, float* __restrict u,
+                               float* __restrict m_out, int64_t begin, int64_t end,
+                               const SgdCoefficients k) {
+  int not_finite = 0;
   for (int64_t i = begin; i < end; ++i) {
     const float w1 = kDecayed ? w[i] - (w[i] * k.weight_decay) * k.learning_rate : w[i];
     float w2;
@@ -223,15 +248,17 @@ SPARSE_HVD_INLINE void SgdRange(const float* __restrict g, const float* __restri
       w2 = w1 - g[i] * k.learning_rate;
     }
     u[i] = w[i] - w2;
+    not_finite |= NotFinite(u[i]);
   }
+  return not_finite;
 }
 
 #define SPARSE_HVD_SGD_STEP(Name, kMomentum, kNesterov, kDecayed)                              \
   SPARSE_HVD_VECTORISED                                                                       \
-  void Name(const float* __restrict g, const float* __restrict m, const float* __restrict w,  \
+  int Name(const float* __restrict g, const float* __restrict m, const float* __restrict w,   \
             float* __restrict u, float* __restrict m_out, int64_t begin, int64_t end,         \
             const SgdCoefficients k) {                                                        \
-    SgdRange<kMomentum, kNesterov, kDecayed>(g, m, w, u, m_out, begin, end, k);               \
+    return SgdRange<kMomentum, kNesterov, kDecayed>(g, m, w, u, m_out, begin, end, k);        \
   }
 SPARSE_HVD_SGD_STEP(SgdStep, false, false, false)
 SPARSE_HVD_SGD_STEP(SgdStepDecayed, false, false, true)
@@ -241,8 +268,8 @@ SPARSE_HVD_SGD_STEP(SgdStepNesterov, true, true, false)
 SPARSE_HVD_SGD_STEP(SgdStepNesterovDecayed, true, true, true)
 #undef SPARSE_HVD_SGD_STEP
 
-using SgdStepFunction = void (*)(const float*, const float*, const float*, float*, float*,
-                                 int64_t, int64_t, const SgdCoefficients);
+using SgdStepFunction = int (*)(const float*, const float*, const float*, float*, float*,
+                                int64_t, int64_t, const SgdCoefficients);
 
 SgdStepFunction ChosenSgdStep(bool momentum, bool nesterov, bool decayed) {
   if (!momentum) return decayed ? SgdStepDecayed : SgdStep;
@@ -285,11 +312,15 @@ class LocalSgdOp : public OpKernel {
     float* m_out = momentum ? velocity->flat<float>().data() : nullptr;
     auto* pool = context->device()->tensorflow_cpu_worker_threads();
     const int64_t shards = (n + kShard - 1) / kShard;
+    std::atomic<int> not_finite{0};
     tensorflow::Shard(pool->num_threads, pool->workers, shards, kShard * 16,
                       [&](int64_t begin, int64_t end) {
-                        step(g, first, w, u, m_out, begin * kShard,
-                             std::min(n, end * kShard), k);
+                        if (step(g, first, w, u, m_out, begin * kShard,
+                                 std::min(n, end * kShard), k)) {
+                          not_finite.store(1, std::memory_order_relaxed);
+                        }
                       });
+    OP_REQUIRES_OK(context, WriteFinite(context, 2, not_finite.load() == 0));
   }
 
  private:
