@@ -1,4 +1,4 @@
-"""The inner SGD's fused step on averaged gradients (``sparse_hvd.feedback.fused_apply``)
+"""The inner SGD's and Adam's fused step on averaged gradients (``feedback.fused_apply``)
 against Keras' own ``apply`` of the same optimizer: the same weights, velocities, moving
 averages and step count, bit for bit, step after step; and Keras' path wherever the fused op
 would not be Keras' step."""
@@ -11,6 +11,8 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
+from helpers import native_op
+from sparse_hvd import kernels
 from sparse_hvd.feedback import application, fused_apply
 
 SHAPES = {"kernel": (300, 70), "bias": (70,)}
@@ -36,6 +38,27 @@ def _optimizers():
     }
 
 
+def _adams():
+    def adamw():
+        schedule = keras.optimizers.schedules.ExponentialDecay(3e-3, decay_steps=2,
+                                                               decay_rate=0.5)
+        adam = keras.optimizers.AdamW(schedule, weight_decay=0.1, beta_1=0.8, epsilon=1e-6)
+        adam.exclude_from_weight_decay(var_names=["bias"])
+        return adam
+
+    return {
+        "adam": lambda: keras.optimizers.Adam(1e-2),
+        "adamw_schedule_excluded_bias": adamw,
+        "adam_weight_decay_ema": lambda: keras.optimizers.Adam(
+            2e-2, weight_decay=0.05, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=3),
+        "adam_local_clipping": lambda: keras.optimizers.Adam(1e-2, global_clipnorm=0.5),
+    }
+
+
+def _make(kind):
+    return {**_optimizers(), **_adams()}[kind]()
+
+
 def _variables(dtype, constrained):
     rng = np.random.RandomState(3)
     constraint = keras.constraints.MaxNorm(0.7) if constrained else None
@@ -49,18 +72,19 @@ def _run(kind, dtype="float32", constrained=False, fused=True):
     ``inner_step`` (``fused``) or by Keras' ``apply``. Returns [(weights, state)] a step and
     how many fused variable steps ran."""
     variables = _variables(dtype, constrained)
-    inner = _optimizers()[kind]()
-    clipping = "local" if kind == "local_clipping" else "after"
+    inner = _make(kind)
+    clipping = "local" if kind.endswith("local_clipping") else "after"
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         inner, density=0.05, exchange="dense", clipping=clipping, name=f"fused_apply_{kind}")
     optimizer.build(variables)
     inner = optimizer.inner_optimizer
     fused_calls = []
-    real_step = fused_apply._sgd_step
 
-    def counted(*args):
-        fused_calls.append(1)
-        return real_step(*args)
+    def counted(real):
+        def call(*args):
+            fused_calls.append(1)
+            return real(*args)
+        return call
 
     @tf.function
     def step(grads):
@@ -72,7 +96,8 @@ def _run(kind, dtype="float32", constrained=False, fused=True):
 
     rng = np.random.RandomState(11)
     records = []
-    with mock.patch.object(fused_apply, "_sgd_step", counted):
+    with mock.patch.object(fused_apply, "_sgd_step", counted(fused_apply._sgd_step)), \
+            mock.patch.object(fused_apply, "_adam_steps", counted(fused_apply._adam_steps)):
         for _ in range(STEPS):
             step([tf.constant(rng.randn(*v.shape).astype(dtype)) for v in variables])
             records.append(([v.numpy() for v in variables],
@@ -81,16 +106,22 @@ def _run(kind, dtype="float32", constrained=False, fused=True):
 
 
 @pytest.mark.parametrize("constrained", [False, True])
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("kind", sorted(_optimizers()))
+@pytest.mark.parametrize("kind,dtype", [(kind, dtype) for kind in sorted(_optimizers())
+                                        for dtype in ("float32", "float64")]
+                         + [(kind, "float32") for kind in sorted(_adams())])
 def test_the_fused_step_is_keras_step_bit_for_bit(kind, dtype, constrained):
     """SGD without momentum, with momentum, Nesterov with a weight decay (the bias excluded)
     and a schedule, with the weights' moving average overwriting them every 3 steps, with
-    clipping turned off by ``clipping="local"``; float32 and float64; a constraint or none:
-    every weight and every optimizer variable (velocities, averages, the step count) equal to
-    Keras' ``apply``'s after each of 4 steps, and the weights moved."""
+    clipping turned off by ``clipping="local"``, in float32 and float64; Adam, AdamW with a
+    schedule and the bias excluded from its decay, Adam with a decay and the moving average,
+    Adam with clipping turned off, in float32; a constraint or none: every weight and every
+    optimizer variable (velocities, moments, averages, the step count) equal to Keras'
+    ``apply``'s after each of 4 steps, and the weights moved."""
+    if kind in _adams():
+        native_op(kernels.local_adam)
     ours, calls = _run(kind, dtype, constrained, fused=True)
-    assert calls == len(SHAPES)  # traced once: one fused step per variable
+    # traced once: one fused step per SGD variable, one call for all of Adam's
+    assert calls == (1 if kind in _adams() else len(SHAPES))
     theirs, none = _run(kind, dtype, constrained, fused=False)
     assert none == 0
     start = [v.numpy() for v in _variables(dtype, constrained)]
@@ -104,7 +135,9 @@ def test_the_fused_step_is_keras_step_bit_for_bit(kind, dtype, constrained):
     (lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=1.0), "its own clipping"),
     (lambda: keras.optimizers.SGD(0.1, loss_scale_factor=8.0), "a loss-scale factor"),
     (lambda: type("MySGD", (keras.optimizers.SGD,), {})(0.1), "a subclass"),
-    (lambda: keras.optimizers.Adam(1e-3), "another optimizer"),
+    (lambda: keras.optimizers.Adam(1e-3, amsgrad=True), "AMSGrad"),
+    (lambda: type("MyAdam", (keras.optimizers.Adam,), {})(1e-3), "an Adam subclass"),
+    (lambda: keras.optimizers.Lion(1e-3), "another optimizer"),
 ])
 def test_anything_but_a_plain_sgd_takes_keras_path(make, why):
     variable = keras.Variable(np.ones((40, 50), "float32"))
@@ -118,7 +151,8 @@ def test_anything_but_a_plain_sgd_takes_keras_path(make, why):
 
 def test_gradients_it_cannot_take_go_to_keras():
     """Rows of an embedding (IndexedSlices), a gradient of another dtype, a float16
-    variable, a variable overwritten by its gradient: Keras' path; dense float32: fused."""
+    variable, a float64 one for Adam, a variable overwritten by its gradient: Keras' path;
+    dense float32: fused."""
     variable = keras.Variable(np.ones((40, 50), "float32"))
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(0.1, momentum=0.9), density=0.05, exchange="dense")
@@ -131,5 +165,11 @@ def test_gradients_it_cannot_take_go_to_keras():
                                   [variable])
     half = keras.Variable(np.ones((4, 5), "float16"))
     assert not fused_apply.usable(optimizer, inner, [tf.ones((4, 5), tf.float16)], [half])
+    double = keras.Variable(np.ones((4, 5), "float64"))
+    adam = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Adam(1e-3), density=0.05,
+                                                 exchange="dense")
+    adam.build([double])
+    assert not fused_apply.usable(adam, adam.inner_optimizer, [tf.ones((4, 5), tf.float64)],
+                                  [double])  # the native pass is float32 only
     variable.overwrite_with_gradient = True
     assert not fused_apply.usable(optimizer, inner, [tf.ones((40, 50))], [variable])

@@ -51,8 +51,7 @@ def usable(opt, inner, grads, variables, workers) -> bool:
     """Whether the fused step is Keras' step for ``inner`` (the base optimizer) on these
     gradients and variables (the module's list), and the native op is there."""
     if type(inner) in _PLAIN_ADAMS:
-        if inner.amsgrad or not all(isinstance(getattr(inner, name), _NUMBERS)
-                                    for name in ("beta_1", "beta_2", "epsilon")):
+        if not plain_adam(inner):
             return False
         if opt._second_moment.kind not in ("own", "noise_estimate") and workers > 1:
             return False
@@ -68,6 +67,13 @@ def usable(opt, inner, grads, variables, workers) -> bool:
     if any(getattr(variable, "constraint", None) is not None for variable in variables):
         return False
     return native() is not None
+
+
+def plain_adam(inner) -> bool:
+    """Whether ``inner`` is exactly Keras' ``Adam`` or ``AdamW`` without AMSGrad, with Python
+    numbers for its betas and epsilon (the native pass's step)."""
+    return type(inner) in _PLAIN_ADAMS and not inner.amsgrad and all(
+        isinstance(getattr(inner, name), _NUMBERS) for name in ("beta_1", "beta_2", "epsilon"))
 
 
 def plain_step_inputs(opt, inner, grads, variables, dtypes=("float32",)) -> bool:
@@ -138,13 +144,16 @@ def _assign_all(writes):
         optimizer.assign(variable, value)
 
 
-def adam_steps(opt, adam, grads, variables, workers) -> LocalSteps:
+def adam_steps(opt, adam, grads, variables, workers, new_weights=False) -> LocalSteps:
     """Steps 1-3 of :func:`local_update.local_updates` for a plain Adam by the native pass:
     per variable, this rank's update (corrected by the noise estimate where
-    ``second_moment`` asks), and Adam's m and v (and q) to write."""
+    ``second_moment`` asks), and Adam's m and v (and q) to write. With ``new_weights`` (the
+    inner step on averaged gradients, ``fused_apply``): Keras' new weights instead of the
+    update, never corrected, and no decay (the caller runs Keras' own, whose bits a traced
+    step's graph rewrites may change: ``fused_apply``)."""
     native = kernels.local_adam()
     second_moment = opt._second_moment
-    correct = second_moment.kind == "noise_estimate" and workers > 1
+    correct = second_moment.kind == "noise_estimate" and workers > 1 and not new_weights
     rate = tf.cast(adam.learning_rate, tf.float32)  # this step's: the count is not moved
     t = tf.cast(adam.iterations + 1, tf.float32)
     beta_1_power = tf.pow(tf.cast(adam.beta_1, tf.float32), t)
@@ -156,7 +165,7 @@ def adam_steps(opt, adam, grads, variables, workers) -> LocalSteps:
     updates, flags, writes = [], [], []
     for gradient, variable in zip(grads, variables):
         index = adam._get_variable_index(variable)
-        decayed = _decayed(adam, variable)
+        decayed = _decayed(adam, variable) and not new_weights  # fused_apply: Keras' decay
         # second_moment.decays: the correction keeps out a decay that takes something
         kept_out = correct and bool(adam.weight_decay) and decayed
         coefficients = tf.stack([
@@ -169,7 +178,7 @@ def adam_steps(opt, adam, grads, variables, workers) -> LocalSteps:
             tf.reshape(gradient, [-1]), tf.reshape(adam._momentums[index], [-1]),
             tf.reshape(adam._velocities[index], [-1]), tf.reshape(variable, [-1]),
             tf.reshape(q, [-1]) if q is not None else tf.zeros([0]), coefficients,
-            correct=correct)
+            correct=correct, new_weights=new_weights)
         writes.append((adam, adam._momentums[index], tf.reshape(m, variable.shape)))
         writes.append((adam, adam._velocities[index], tf.reshape(v, variable.shape)))
         if q is not None:
