@@ -31,8 +31,9 @@ def apply_averages(opt, grads, variables=None):
 
 
 def inner_step(opt, grads, variables):
-    """The inner optimizer's step on averaged true gradients: for a plain Keras SGD one fused
-    op per variable (``feedback.fused_apply``, the same bits), else Keras' ``apply``."""
+    """The inner optimizer's step on averaged true gradients: for a plain Keras SGD, Adam or
+    AdamW one fused pass per variable (``feedback.fused_apply``, the same bits), else Keras'
+    ``apply``."""
     if fused_apply.apply_if_usable(opt, grads, variables):
         return
     with _local_clipping_off(opt):

@@ -14,8 +14,7 @@ velocity's assignment, the weights' ``assign_add``), Adam about a dozen. Here:
   TensorFlow has them for (CPU and GPU).
 * **Adam, AdamW**: the update cut's native pass (``kernels/local_step.cc``,
   ``fused_step.adam_steps``) asked for Keras' new weights instead of the update: m, v and
-  the weights (the decoupled decay included) from one read of each; CPU only (the native
-  kernels), Keras' path on a GPU.
+  the weights from one read of each; CPU only (the native kernels), Keras' path on a GPU.
 
 The same float operations in Keras' order, so the same bits as Keras' path on a CPU (tested).
 Everything else of Keras' ``apply`` is Keras' own code, in its order: the weight decay
@@ -28,7 +27,9 @@ Why: measured with ``scripts/benchmarks/profile_step.py --exchange dense`` (2 wo
 loopback, the 4.35M-parameter MLP, SGD momentum 0.9), Keras' SGD step took about 17 ms of a
 129 ms step in six ops, where the dense allreduce's own work (the division and the check of
 the sums) took 4.3 ms; a single-process probe of the 2048x2048 layer: Keras' step 9.6 ms,
-the fused op 3.8 ms (with Nesterov 12.7 against 4.1).
+the fused op 3.8 ms (with Nesterov 12.7 against 4.1). With Adam the wrapper's dense step went
+from 1.05x a user's own allreduce step to 0.84x (``bench_step.py --inner adam``,
+``docs/step_cost_fused_apply.md``).
 
 Used only where this is Keras' step exactly: exactly ``keras.optimizers.SGD`` (a subclass may
 change the step) with a Python number for the momentum, or what :func:`fused_step.plain_adam`
