@@ -63,3 +63,26 @@ def test_each_built_controller_passes_when_asked_for(controller):
     code, output = doctor("--controller", controller)
     assert code == 0, output
     assert f"[ ok ] controller: {controller.upper()} is built in" in output
+
+
+@pytest.mark.parametrize("removes_output", [True, False])
+def test_a_failed_compile_says_what_the_compiler_said_and_leaves_no_temporary(
+        tmp_path, monkeypatch, removes_output):
+    """g++ deletes its output when it fails, /bin/false does not: either way the error is the
+    compiler's own message and no temporary file is left behind."""
+    from sparse_hvd.kernels import build
+
+    compiler = tmp_path / "failing-compiler"
+    removal = 'rm -f "$output"' if removes_output else ":"
+    compiler.write_text(
+        "#!/bin/sh\n"
+        'while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then output="$2"; fi; shift; done\n'
+        f"{removal}\n"
+        'echo "kernel.cc:1: error: this compiler refuses" >&2\n'
+        "exit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    target = tmp_path / "cache" / "key" / build.NAME
+    with pytest.raises(build.BuildError, match="this compiler refuses"):
+        build.compile_library(str(target))
+    assert os.listdir(target.parent) == []
