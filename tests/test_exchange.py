@@ -137,3 +137,61 @@ def test_an_index_outside_its_variable_is_an_error_that_names_it():
     with pytest.raises(tf.errors.InvalidArgumentError, match="index 40 is outside variable 1 of 33"):
         average_entries(tf.constant([1, 40], tf.int32), tf.constant([1.0, 2.0]),
                         tf.constant([[1, 1]]), [0, 1], [10, 33], 2)
+
+
+def _native_only():
+    if kernels.mean_at_positions() is None:
+        pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("rows,divisor", [(3, 3), (1, 1), (4, 4)])
+def test_averages_at_positions_are_the_dense_averages_where_entries_arrived(dtype, rows, divisor):
+    """The update cut's form of step 4: every position that received an entry once, in the
+    order it first arrived (rank by rank), with the bits of the dense average there."""
+    _native_only()
+    counts, indices, values = _gathered(rows, dtype)
+    columns = [0, 2]
+    group_values = [values[r * len(SIZES) + c] for r in range(rows) for c in columns]
+    result = averaging_module.average_at_positions(
+        tf.constant(np.concatenate(indices)), tf.constant(np.concatenate(group_values)),
+        tf.constant(counts), columns, [SIZES[c] for c in columns], divisor)
+    dense = _numpy(counts, indices, values, columns, divisor, dtype)
+    for column, got, expected in zip(columns, result, dense):
+        arrived = [i for r in range(rows) for i in indices[r * len(SIZES) + column]]
+        first_seen = list(dict.fromkeys(int(i) for i in arrived))
+        assert got.indices.numpy().tolist() == first_seen
+        assert got.values.dtype == dtype and got.dense_shape.numpy().tolist() == [SIZES[column]]
+        np.testing.assert_array_equal(got.values.numpy(), expected[first_seen])
+        np.testing.assert_array_equal(tf.convert_to_tensor(got).numpy(), expected)
+
+
+def test_a_negative_zero_sum_at_a_position_is_a_positive_zero_as_in_the_dense_average():
+    """0 + (-0.0) is +0.0: the dense average starts from zeros, and so does each position's
+    sum here; a weight of -0.0 less +0.0 stays -0.0 either way."""
+    _native_only()
+    result = averaging_module.average_at_positions(
+        tf.constant([3, 3], tf.int32), tf.constant([-0.0, -0.0]), tf.constant([[1], [1]]),
+        [0], [5], 2)[0]
+    dense = average_entries(tf.constant([3, 3], tf.int32), tf.constant([-0.0, -0.0]),
+                            tf.constant([[1], [1]]), [0], [5], 2)[0]
+    assert result.indices.numpy().tolist() == [3]
+    assert not np.signbit(result.values.numpy()[0]) and not np.signbit(dense.numpy()[3])
+
+
+def test_an_index_outside_its_variable_at_positions_is_an_error_that_names_it():
+    _native_only()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="index 40 is outside variable 1 of 33"):
+        averaging_module.average_at_positions(
+            tf.constant([1, 40], tf.int32), tf.constant([1.0, 2.0]), tf.constant([[1, 1]]),
+            [0, 1], [10, 33], 2)
+
+
+def test_without_the_kernel_there_are_no_averages_at_positions(monkeypatch):
+    """The TensorFlow paths (16-bit values, a GPU, no kernels) keep the dense averages."""
+    assert averaging_module.average_at_positions(
+        tf.constant([1], tf.int32), tf.constant([1.0], tf.float16), tf.constant([[1]]), [0],
+        [10], 2) is None
+    monkeypatch.setattr(averaging_module.kernels, "mean_at_positions", lambda: None)
+    assert averaging_module.average_at_positions(
+        tf.constant([1], tf.int32), tf.constant([1.0]), tf.constant([[1]]), [0], [10], 2) is None

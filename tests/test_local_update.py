@@ -291,3 +291,34 @@ def test_a_checkpoint_written_without_the_noise_estimate_loads_with_q_from_adams
     again.load_own_variables(with_q)
     for q, saved in zip(again._second_moment.variables, new._second_moment.variables):
         np.testing.assert_array_equal(q.numpy(), saved.numpy())
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 6), (2, 3, 4)])
+@pytest.mark.parametrize("traced", [False, True])
+def test_averages_at_positions_are_subtracted_in_place_with_the_dense_subtractions_bits(
+        shape, traced):
+    """``subtract_at_positions``: only the positions given are written, each ``w - a`` (a -0.0
+    weight less +0.0 stays -0.0), the same bits as subtracting the dense average."""
+    from sparse_hvd.feedback.local_update import subtract_at_positions
+
+    n = math.prod(shape)
+    rng = np.random.RandomState(7)
+    start = rng.randn(n).astype("float32")
+    start[4] = -0.0
+    positions = np.array([n - 1, 4, 0, 2], np.int32)
+    averages = rng.randn(4).astype("float32")
+    averages[1] = 0.0
+    variable = keras.Variable(start.reshape(shape))
+    dense = np.zeros(n, np.float32)
+    dense[positions] = averages
+    expected = start - dense
+
+    def subtract():
+        subtract_at_positions(variable, tf.IndexedSlices(tf.constant(averages),
+                                                         tf.constant(positions),
+                                                         tf.constant([n], tf.int64)))
+
+    (tf.function(subtract) if traced else subtract)()
+    got = variable.numpy().ravel()
+    np.testing.assert_array_equal(got, expected)
+    assert np.signbit(got[4]) and np.array_equal(np.signbit(got), np.signbit(expected))

@@ -13,7 +13,8 @@ meet one index twice, since those run with atomics there and add in whatever ord
    meet in one place);
 3. the whole tensor is divided by the number of workers, and split into the variables.
 
-Used by the allgather exchange and the sparse allreduce.
+Used by the allgather exchange and the sparse allreduce. With the update cut the allgather hands
+back only the averaged positions (:func:`average_at_positions`), which the weights lose in place.
 """
 
 from typing import List
@@ -67,6 +68,22 @@ def average_entries(indices, values, counts, columns, sizes, divisor) -> List[tf
     # Step 3
     total = divided(total, divisor)
     return tf.split(total, sizes) if columns else []
+
+
+def average_at_positions(indices, values, counts, columns, sizes, divisor):
+    """:func:`average_entries`'s averages only where entries arrived, one ``tf.IndexedSlices``
+    per column (flat positions in the order they first arrived, and their averages: the same
+    bits as the dense average there; it is 0 elsewhere), for a caller that subtracts them in
+    place; None where the native kernel does not run (then :func:`average_entries`)."""
+    native = kernels.mean_at_positions() if values.dtype in (tf.float32, tf.float64) else None
+    if native is None:
+        return None
+    columns, sizes = list(columns), list(sizes)
+    positions, averages = native(indices, values, counts, tf.constant(divisor, values.dtype),
+                                 columns=columns, num_elements=sizes,
+                                 num_outputs=len(columns))
+    return [tf.IndexedSlices(average, where, tf.constant([size], tf.int64))
+            for where, average, size in zip(positions, averages, sizes)]
 
 
 def divided(total, divisor) -> tf.Tensor:

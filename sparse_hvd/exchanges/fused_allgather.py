@@ -16,7 +16,9 @@ after backprop.
    first, every rank in this step (else every rank raises before unpacking);
 4. sum (``sparse_hvd.exchanges.averaging``): each variable's entries are added into zeros rank by rank,
    so every rank adds the same numbers in the same order: the same bits everywhere; then
-   divided by the number of workers;
+   divided by the number of workers. With the update cut (whose averages are subtracted from
+   the weights) and the native kernels, only the positions that received entries come back
+   (``tf.IndexedSlices``, the same bits there): no pass over the whole variable;
 5. the small dense-route gradients are summed over the ranks in rank order too; those too
    large to gather (``base.DENSE_GATHER_LIMIT``) are averaged by one ``grouped_allreduce`` per
    dtype instead, and embeddings' row-sparse gradients by allgathers of their rows;
@@ -29,7 +31,7 @@ from typing import NamedTuple, Optional
 import tensorflow as tf
 
 from ..runtime import collectives, lockstep
-from .averaging import average_entries
+from .averaging import average_at_positions, average_entries
 from ..feedback.payload import Payload
 from .base import Exchange, checked_headers, group_positions_by_dtype, header, register
 
@@ -50,9 +52,19 @@ class PackedSelections(NamedTuple):
 class FusedAllgather(Exchange):
     """Steps 1-6 of the module doc."""
 
+    # its sparse averages may come back as (positions, averages) (step 4): False where a
+    # subclass adds something dense to them (``with_extra``) or averages otherwise
+    averages_at_positions = True
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._layout = None  # (header fields, tensors after the header): what _announce sends
+        self._at_positions = False  # set by build: the optimizer subtracts the averages
+
+    def build(self, optimizer, routes):
+        """Step 4's form: at positions where the averages are updates (``sparsify="update"``),
+        which ``feedback.local_update`` subtracts where they arrived."""
+        self._at_positions = self.averages_at_positions and optimizer.sparsify == "update"
 
     @property
     def traced(self) -> bool:
@@ -94,8 +106,8 @@ class FusedAllgather(Exchange):
         for (dtype, positions), group_words in zip(value_groups.items(), gathered_words):
             values = self._unpack_values(group_words, dtype, value_groups, counts,
                                          fields[:, len(selections):])
-            averages = average_entries(all_indices, values, counts, positions,
-                                       [sizes[p] for p in positions], size)
+            averages = self._average(all_indices, values, counts, positions,
+                                     [sizes[p] for p in positions], size)
             for position, average in zip(positions, averages):
                 sparse[position] = average
         sparse = self.with_extra(sparse, gathered_extra, selections, sizes)
@@ -103,6 +115,15 @@ class FusedAllgather(Exchange):
         averaged_dense = self.unpack_dense(dense, dense_groups, gathered_dense,
                                            payload.dense.keys, step)
         return sparse, averaged_dense, finite, ()
+
+    def _average(self, indices, values, counts, positions, sizes, size):
+        """Step 4 for the variables ``positions``: their averages at positions when
+        :meth:`build` said so and the native kernel runs, else dense."""
+        if self._at_positions:
+            averages = average_at_positions(indices, values, counts, positions, sizes, size)
+            if averages is not None:
+                return averages
+        return average_entries(indices, values, counts, positions, sizes, size)
 
     def extra_words(self, selections) -> list:
         """Int32 tensors this exchange sends in its collective besides the selections' entries

@@ -178,6 +178,7 @@ class SignAllgather(FusedAllgather):
     layer_budgets = False
     staleness = False
     chooses_entries = True
+    averages_at_positions = False  # every entry has an average
     code = "signs"
     grouping_reason = "its one allgather carries every variable's signs."
     block = BLOCK

@@ -369,6 +369,7 @@ class SparseAllreduceExchange(FusedAllgather):
 
     staleness = False
     returns_unsent = True
+    averages_at_positions = False  # its averages are the owners' (``SparseAllreduce``)
     # the allgather's selection, plus the split into regions, the owners' sums and their top-k
     # (measured slower than the allgather's step on this project's machines: issue-12 note)
     builds_on = "allgather"

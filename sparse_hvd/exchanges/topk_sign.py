@@ -160,6 +160,7 @@ class TopkSignAllgather(FusedAllgather):
     staleness = False
     grouping_reason = "its one allgather carries every variable's signs."
     levels = 1  # layers of signs
+    averages_at_positions = False  # the signs add to every entry (``with_extra``)
 
     def sent_bytes_per_entry(self, density, value_bytes):
         """A selected entry's value and index, and the bits of the 1/density entries per

@@ -163,7 +163,10 @@ def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_s
     for average, variable, sparse in zip(averages, variables, cut):
         if not sparse:
             continue
-        opt.assign_sub(variable, tf.cast(tf.reshape(average, variable.shape), variable.dtype))
+        if isinstance(average, tf.IndexedSlices):
+            subtract_at_positions(variable, average)
+        else:
+            opt.assign_sub(variable, tf.cast(tf.reshape(average, variable.shape), variable.dtype))
         if getattr(variable, "constraint", None) is not None:
             opt.assign(variable, variable.constraint(variable))
     whole = [(g, v) for g, v, sparse in zip(averages, variables, cut) if not sparse]
@@ -173,6 +176,20 @@ def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_s
     count_finite_step()
     moving_average_step(opt._clipper)
     opt.inner_optimizer.iterations.assign_add(1)
+
+
+def subtract_at_positions(variable, average):
+    """``variable`` less ``average``, a ``tf.IndexedSlices`` of flat positions (distinct) and
+    their averages (the exchange's, at positions), in place: only those entries are written
+    (each ``w - a``, the bits of subtracting the dense average, which is 0 elsewhere)."""
+    target = variable.value if isinstance(variable, keras.Variable) else variable  # as Keras does
+    values = tf.cast(average.values, target.dtype)
+    if len(target.shape) == 1:
+        target.scatter_sub(tf.IndexedSlices(values, average.indices))
+        return
+    shape = tf.constant(target.shape.as_list(), average.indices.dtype)
+    places = tf.transpose(tf.unravel_index(average.indices, shape))
+    target.scatter_nd_sub(places, values)
 
 
 @contextlib.contextmanager

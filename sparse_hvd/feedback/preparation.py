@@ -195,7 +195,8 @@ def inner_gradients(opt, payload, averaged, variables):
     grads = list(averaged)
     state_updates = list(payload.state_updates)
     for position in payload.sparse.positions:
-        grads[position] = tf.reshape(averaged[position], variables[position].shape)
+        if not isinstance(averaged[position], tf.IndexedSlices):  # those stay flat positions
+            grads[position] = tf.reshape(averaged[position], variables[position].shape)
     for position, index in zip(payload.dense.positions, payload.dense.keys):
         if opt._routes[index].flushed:  # momentum was applied before sending, as selected
             grads[position] = tf.reshape(averaged[position], variables[position].shape)

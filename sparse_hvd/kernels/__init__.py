@@ -6,6 +6,9 @@
   the exact top-k from the candidates above a cut, in one pass plus work on the candidates);
 * ``scatter_mean()``: the ``SparseHvdScatterMean`` op (scatter_mean.cc: the gathered entries of
   every variable summed in rank order and divided where they arrived, in one walk);
+* ``mean_at_positions()``: the ``SparseHvdMeanAtPositions`` op (scatter_mean.cc: the same
+  averages as (positions, values) where entries arrived, no pass over the variable: the update
+  cut subtracts them in place);
 * ``owner_sum()``: the ``SparseHvdOwnerSum`` op (owner_sum.cc: what a sparse allreduce owner
   received, summed in rank order, counted at the threshold's levels and kept, in one pass
   after a radix sort);
@@ -134,6 +137,12 @@ def compensate_cut():
 def scatter_mean():
     """The native scatter-and-average op, or None."""
     return _op("sparse_hvd_scatter_mean")
+
+
+def mean_at_positions():
+    """The native op giving each variable's averages only where entries arrived, as
+    (positions, values), or None."""
+    return _op("sparse_hvd_mean_at_positions")
 
 
 def compensate_topk():

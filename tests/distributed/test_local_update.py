@@ -62,6 +62,8 @@ def test_the_mean_of_every_ranks_cut_adam_update_is_applied_on_every_rank(hvd, e
     if exchange == "allgather":
         np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residuals[rank],
                                    rtol=0, atol=2e-6, err_msg=f"rank {rank}")
+        # the averaged updates came back at their positions and were subtracted in place
+        assert optimizer._exchange._at_positions
     # with the cut each rank's Adam followed its own gradients; sent whole, the average
     mine = adams[rank].m if exchange == "allgather" else shared[0].m
     np.testing.assert_allclose(optimizer.inner_optimizer._momentums[0].numpy().ravel(), mine,
