@@ -295,11 +295,20 @@ def test_a_checkpoint_written_without_the_noise_estimate_loads_with_q_from_adams
 
 @pytest.mark.parametrize("shape", [(7,), (5, 6), (2, 3, 4)])
 @pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("path", ["native", "dense"])
 def test_averages_at_positions_are_subtracted_in_place_with_the_dense_subtractions_bits(
-        shape, traced):
+        monkeypatch, shape, traced, path):
     """``subtract_at_positions``: only the positions given are written, each ``w - a`` (a -0.0
-    weight less +0.0 stays -0.0), the same bits as subtracting the dense average."""
+    weight less +0.0 stays -0.0), the same bits as subtracting the dense average; by the native
+    kernel or, without it, by the dense subtraction."""
+    from sparse_hvd import kernels
+    from sparse_hvd.feedback import local_update
     from sparse_hvd.feedback.local_update import subtract_at_positions
+
+    if path == "native" and kernels.subtract_at() is None:
+        pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
+    if path == "dense":
+        monkeypatch.setattr(local_update.kernels, "subtract_at", lambda: None)
 
     n = math.prod(shape)
     rng = np.random.RandomState(7)
@@ -322,3 +331,14 @@ def test_averages_at_positions_are_subtracted_in_place_with_the_dense_subtractio
     got = variable.numpy().ravel()
     np.testing.assert_array_equal(got, expected)
     assert np.signbit(got[4]) and np.array_equal(np.signbit(got), np.signbit(expected))
+
+
+def test_a_position_outside_the_variable_is_refused_naming_it_and_nothing_is_written():
+    from sparse_hvd import kernels
+
+    if kernels.subtract_at() is None:
+        pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
+    variable = tf.Variable(np.arange(6, dtype="float32").reshape(2, 3))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"positions\[1\] = 6 is not in \[0, 6\)"):
+        kernels.subtract_at()(variable.handle, tf.constant([0, 6]), tf.constant([1.0, 1.0]))
+    np.testing.assert_array_equal(variable.numpy().ravel(), np.arange(6))

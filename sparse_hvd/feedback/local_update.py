@@ -63,6 +63,7 @@ import keras
 import tensorflow as tf
 
 from . import fused_step, nonfinite
+from .. import kernels
 from ..runtime import startup as runtime
 
 
@@ -179,17 +180,19 @@ def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_s
 
 
 def subtract_at_positions(variable, average):
-    """``variable`` less ``average``, a ``tf.IndexedSlices`` of flat positions (distinct) and
-    their averages (the exchange's, at positions), in place: only those entries are written
-    (each ``w - a``, the bits of subtracting the dense average, which is 0 elsewhere)."""
+    """``variable`` less ``average``, a ``tf.IndexedSlices`` of distinct flat positions and
+    their averages (the exchange's, at positions): in place by the native kernel, only those
+    entries written, each ``w - a``: the bits of subtracting the dense average, which is 0
+    elsewhere. (Not TensorFlow's scatter ops: they switch the variable to copy-on-read, and
+    every later read of the weights copies them.) Without the kernel, or for a 16-bit
+    variable, the dense subtraction."""
     target = variable.value if isinstance(variable, keras.Variable) else variable  # as Keras does
-    values = tf.cast(average.values, target.dtype)
-    if len(target.shape) == 1:
-        target.scatter_sub(tf.IndexedSlices(values, average.indices))
+    native = kernels.subtract_at() if target.dtype in (tf.float32, tf.float64) else None
+    if native is not None:
+        native(target.handle, average.indices, tf.cast(average.values, target.dtype))
         return
-    shape = tf.constant(target.shape.as_list(), average.indices.dtype)
-    places = tf.transpose(tf.unravel_index(average.indices, shape))
-    target.scatter_nd_sub(places, values)
+    dense = tf.reshape(tf.convert_to_tensor(average), target.shape)
+    target.assign_sub(tf.cast(dense, target.dtype))
 
 
 @contextlib.contextmanager

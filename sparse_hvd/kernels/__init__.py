@@ -9,6 +9,8 @@
 * ``mean_at_positions()``: the ``SparseHvdMeanAtPositions`` op (scatter_mean.cc: the same
   averages as (positions, values) where entries arrived, no pass over the variable: the update
   cut subtracts them in place);
+* ``subtract_at()``: the ``SparseHvdSubtractAt`` op (subtract_at.cc: those averages subtracted
+  from the weights in place, the variable taken as TensorFlow's dense training ops take it);
 * ``owner_sum()``: the ``SparseHvdOwnerSum`` op (owner_sum.cc: what a sparse allreduce owner
   received, summed in rank order, counted at the threshold's levels and kept, in one pass
   after a radix sort);
@@ -143,6 +145,12 @@ def mean_at_positions():
     """The native op giving each variable's averages only where entries arrived, as
     (positions, values), or None."""
     return _op("sparse_hvd_mean_at_positions")
+
+
+def subtract_at():
+    """The native op subtracting values at flat positions of a resource variable in place, or
+    None."""
+    return _op("sparse_hvd_subtract_at")
 
 
 def compensate_topk():
