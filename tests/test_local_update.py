@@ -295,12 +295,13 @@ def test_a_checkpoint_written_without_the_noise_estimate_loads_with_q_from_adams
 
 @pytest.mark.parametrize("shape", [(7,), (5, 6), (2, 3, 4)])
 @pytest.mark.parametrize("traced", [False, True])
-@pytest.mark.parametrize("path", ["native", "dense"])
+@pytest.mark.parametrize("path", ["native", "dense", "subclass"])
 def test_averages_at_positions_are_subtracted_in_place_with_the_dense_subtractions_bits(
         monkeypatch, shape, traced, path):
     """``subtract_at_positions``: only the positions given are written, each ``w - a`` (a -0.0
     weight less +0.0 stays -0.0), the same bits as subtracting the dense average; by the native
-    kernel or, without it, by the dense subtraction."""
+    kernel or, without it, by the dense subtraction, which a subclass with its own
+    ``assign_sub`` gets too (and sees)."""
     from sparse_hvd import kernels
     from sparse_hvd.feedback import local_update
     from sparse_hvd.feedback.local_update import subtract_at_positions
@@ -309,6 +310,15 @@ def test_averages_at_positions_are_subtracted_in_place_with_the_dense_subtractio
         pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
     if path == "dense":
         monkeypatch.setattr(local_update.kernels, "subtract_at", lambda: None)
+    seen = []
+
+    class Watching(sparse_hvd.SparseDistributedOptimizer):
+        def assign_sub(self, variable, value):
+            seen.append(value.shape)
+            super().assign_sub(variable, value)
+
+    kind = Watching if path == "subclass" else sparse_hvd.SparseDistributedOptimizer
+    opt = kind(keras.optimizers.SGD(0.1), density=0.5)
 
     n = math.prod(shape)
     rng = np.random.RandomState(7)
@@ -323,11 +333,11 @@ def test_averages_at_positions_are_subtracted_in_place_with_the_dense_subtractio
     expected = start - dense
 
     def subtract():
-        subtract_at_positions(variable, tf.IndexedSlices(tf.constant(averages),
-                                                         tf.constant(positions),
-                                                         tf.constant([n], tf.int64)))
+        subtract_at_positions(opt, variable, tf.IndexedSlices(
+            tf.constant(averages), tf.constant(positions), tf.constant([n], tf.int64)))
 
     (tf.function(subtract) if traced else subtract)()
+    assert seen == ([tuple(shape)] if path == "subclass" else [])
     got = variable.numpy().ravel()
     np.testing.assert_array_equal(got, expected)
     assert np.signbit(got[4]) and np.array_equal(np.signbit(got), np.signbit(expected))

@@ -165,7 +165,7 @@ def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_s
         if not sparse:
             continue
         if isinstance(average, tf.IndexedSlices):
-            subtract_at_positions(variable, average)
+            subtract_at_positions(opt, variable, average)
         else:
             opt.assign_sub(variable, tf.cast(tf.reshape(average, variable.shape), variable.dtype))
         if getattr(variable, "constraint", None) is not None:
@@ -179,20 +179,21 @@ def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_s
     opt.inner_optimizer.iterations.assign_add(1)
 
 
-def subtract_at_positions(variable, average):
+def subtract_at_positions(opt, variable, average):
     """``variable`` less ``average``, a ``tf.IndexedSlices`` of distinct flat positions and
     their averages (the exchange's, at positions): in place by the native kernel, only those
     entries written, each ``w - a``: the bits of subtracting the dense average, which is 0
     elsewhere. (Not TensorFlow's scatter ops: they switch the variable to copy-on-read, and
-    every later read of the weights copies them.) Without the kernel, or for a 16-bit
-    variable, the dense subtraction."""
+    every later read of the weights copies them.) Without the kernel, for a 16-bit variable,
+    or where a subclass of the wrapper has its own ``assign_sub``: the dense average through
+    ``opt.assign_sub``, as before."""
     target = variable.value if isinstance(variable, keras.Variable) else variable  # as Keras does
     native = kernels.subtract_at() if target.dtype in (tf.float32, tf.float64) else None
-    if native is not None:
+    if native is not None and type(opt).assign_sub is keras.optimizers.Optimizer.assign_sub:
         native(target.handle, average.indices, tf.cast(average.values, target.dtype))
         return
-    dense = tf.reshape(tf.convert_to_tensor(average), target.shape)
-    target.assign_sub(tf.cast(dense, target.dtype))
+    dense = tf.reshape(tf.convert_to_tensor(average), variable.shape)
+    opt.assign_sub(variable, tf.cast(dense, variable.dtype))
 
 
 @contextlib.contextmanager
