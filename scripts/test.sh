@@ -38,7 +38,7 @@ if [ "$QUICK" = 1 ]; then
     exec timeout -k 30 600 "$PY" -m pytest -q -rs --durations=10 "${PARALLEL[@]}" \
         -m "not distributed or quick" "$@"
 fi
-# The suite takes 12-16 minutes on a slower 2-core machine; 50 minutes is a hard stop,
+# The suite takes about 15 minutes on a slower 2-core machine; 50 minutes is a hard stop,
 # never a goal (--full: 90).
 LIMIT=3000
 if [ -n "${SPARSE_HVD_FULL_SUITE:-}" ]; then LIMIT=5400; fi
