@@ -131,11 +131,13 @@ def test_without_the_kernel_an_index_outside_the_variables_is_an_error(monkeypat
                         tf.constant([[1, 1]]), [0, 1], [10, 33], 2)
 
 
-def test_an_index_outside_its_variable_is_an_error_that_names_it():
+@pytest.mark.parametrize("index", [40, -3])  # -3: what an overflowing int32 index becomes
+def test_an_index_outside_its_variable_is_an_error_that_names_it(index):
     if kernels.scatter_mean() is None:
         pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
-    with pytest.raises(tf.errors.InvalidArgumentError, match="index 40 is outside variable 1 of 33"):
-        average_entries(tf.constant([1, 40], tf.int32), tf.constant([1.0, 2.0]),
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=f"index {index} is outside variable 1 of 33"):
+        average_entries(tf.constant([1, index], tf.int32), tf.constant([1.0, 2.0]),
                         tf.constant([[1, 1]]), [0, 1], [10, 33], 2)
 
 
@@ -179,11 +181,13 @@ def test_a_negative_zero_sum_at_a_position_is_a_positive_zero_as_in_the_dense_av
     assert not np.signbit(result.values.numpy()[0]) and not np.signbit(dense.numpy()[3])
 
 
-def test_an_index_outside_its_variable_at_positions_is_an_error_that_names_it():
+@pytest.mark.parametrize("index", [40, -3])
+def test_an_index_outside_its_variable_at_positions_is_an_error_that_names_it(index):
     _native_only()
-    with pytest.raises(tf.errors.InvalidArgumentError, match="index 40 is outside variable 1 of 33"):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=f"index {index} is outside variable 1 of 33"):
         averaging_module.average_at_positions(
-            tf.constant([1, 40], tf.int32), tf.constant([1.0, 2.0]), tf.constant([[1, 1]]),
+            tf.constant([1, index], tf.int32), tf.constant([1.0, 2.0]), tf.constant([[1, 1]]),
             [0, 1], [10, 33], 2)
 
 

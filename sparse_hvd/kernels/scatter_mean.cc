@@ -28,6 +28,7 @@
 // An index outside its variable is an error that names the variable, never a silent drop.
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -127,11 +128,15 @@ struct EntryRuns {
   }
 };
 
-// The error for an index ``bad[i]`` (>= 0) outside output ``i``'s variable, if any.
+// What ``bad[i]`` holds while output ``i`` met no index outside its variable (a negative index
+// is as wrong as one past the end: an int32 index that overflowed).
+constexpr int64_t kNoneOutside = std::numeric_limits<int64_t>::min();
+
+// The error for an index ``bad[i]`` outside output ``i``'s variable, if any.
 void RefuseOutside(OpKernelContext* context, const std::vector<int64_t>& bad,
                    const std::vector<int64_t>& columns, const std::vector<int64_t>& sizes) {
   for (size_t i = 0; i < bad.size(); ++i) {
-    OP_REQUIRES(context, bad[i] < 0,
+    OP_REQUIRES(context, bad[i] == kNoneOutside,
                 InvalidArgumentError(absl::StrCat("index ", bad[i], " is outside variable ",
                                                   columns[i], " of ", sizes[i], " entries")));
   }
@@ -192,7 +197,7 @@ class ScatterMeanOp : public EntriesOp {
     // Steps 2-3: one thread per output, entries in rank order.
     const int32_t* idx = context->input(0).flat<int32_t>().data();
     const T* val = context->input(1).flat<T>().data();
-    std::vector<int64_t> bad(outputs, -1);  // an out-of-range index seen, per output
+    std::vector<int64_t> bad(outputs, kNoneOutside);  // an index outside, per output
     tensorflow::Shard(
         pool->num_threads, pool->workers, outputs, /*cost_per_unit=*/1 << 20,
         [&](int64_t first, int64_t last) {
@@ -212,7 +217,7 @@ class ScatterMeanOp : public EntriesOp {
                 o[j] += rv[e];
               }
             }
-            if (bad[i] >= 0 || divisor == T(1)) continue;
+            if (bad[i] != kNoneOutside || divisor == T(1)) continue;
             std::vector<uint64_t> divided((n + 63) / 64, 0);
             for (int64_t r = 0; r < ranks; ++r) {
               const int32_t* ri = idx + runs.index_start[r * outputs + i];
@@ -287,7 +292,7 @@ class MeanAtPositionsOp : public EntriesOp {
 
     std::vector<std::vector<int32_t>> positions(outputs);
     std::vector<std::vector<T>> sums(outputs);
-    std::vector<int64_t> bad(outputs, -1);
+    std::vector<int64_t> bad(outputs, kNoneOutside);
     auto* pool = context->device()->tensorflow_cpu_worker_threads();
     tensorflow::Shard(
         pool->num_threads, pool->workers, outputs, /*cost_per_unit=*/1 << 20,
@@ -302,7 +307,7 @@ class MeanAtPositionsOp : public EntriesOp {
             std::vector<T>& sum = sums[i];
             order.reserve(arriving);
             sum.reserve(arriving);
-            for (int64_t r = 0; r < ranks && bad[i] < 0; ++r) {  // Step 2
+            for (int64_t r = 0; r < ranks && bad[i] == kNoneOutside; ++r) {  // Step 2
               const int32_t* ri = idx + runs.index_start[r * outputs + i];
               const T* rv = val + runs.value_start[r * outputs + i];
               for (int64_t e = 0, m = count(r, v); e < m; ++e) {
