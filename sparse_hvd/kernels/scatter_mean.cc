@@ -80,6 +80,20 @@ REGISTER_OP("SparseHvdMeanAtPositions")
       return tsl::OkStatus();
     });
 
+// What ``bad[i]`` holds while output ``i`` met no index outside its variable (a negative index
+// is as wrong as one past the end: an int32 index that overflowed).
+constexpr int64_t kNoneOutside = std::numeric_limits<int64_t>::min();
+
+// The error for an index ``bad[i]`` outside output ``i``'s variable, if any.
+void RefuseOutside(OpKernelContext* context, const std::vector<int64_t>& bad,
+                   const std::vector<int64_t>& columns, const std::vector<int64_t>& sizes) {
+  for (size_t i = 0; i < bad.size(); ++i) {
+    OP_REQUIRES(context, bad[i] == kNoneOutside,
+                InvalidArgumentError(absl::StrCat("index ", bad[i], " is outside variable ",
+                                                  columns[i], " of ", sizes[i], " entries")));
+  }
+}
+
 // Where each (rank, output) run of entries starts in ``indices`` and in ``values``, read from
 // the op's inputs and checked against them (both ops' inputs are the same); a failed check
 // sets the context's status.
@@ -128,19 +142,51 @@ struct EntryRuns {
   }
 };
 
-// What ``bad[i]`` holds while output ``i`` met no index outside its variable (a negative index
-// is as wrong as one past the end: an int32 index that overflowed).
-constexpr int64_t kNoneOutside = std::numeric_limits<int64_t>::min();
+// The inputs both ops read: the entry runs, checked, and what each entry holds.
+template <typename T>
+struct Entries : EntryRuns {
+  const int32_t* idx = nullptr;
+  const T* val = nullptr;
+  T divisor = T(1);
 
-// The error for an index ``bad[i]`` outside output ``i``'s variable, if any.
-void RefuseOutside(OpKernelContext* context, const std::vector<int64_t>& bad,
-                   const std::vector<int64_t>& columns, const std::vector<int64_t>& sizes) {
-  for (size_t i = 0; i < bad.size(); ++i) {
-    OP_REQUIRES(context, bad[i] == kNoneOutside,
-                InvalidArgumentError(absl::StrCat("index ", bad[i], " is outside variable ",
-                                                  columns[i], " of ", sizes[i], " entries")));
+  // False (with the context's status set) where the inputs do not agree.
+  bool Read(OpKernelContext* context, const std::vector<int64_t>& columns) {
+    EntryRuns::Read(context, columns);
+    if (!context->status().ok()) return false;
+    counts_ = context->input(2).flat<int32_t>().data();
+    idx = context->input(0).flat<int32_t>().data();
+    val = context->input(1).flat<T>().data();
+    divisor = context->input(3).scalar<T>()();
+    return true;
   }
-}
+
+  // How many entries of variable ``column`` arrived from all ranks.
+  int64_t Arriving(int64_t column) const {
+    int64_t total = 0;
+    for (int64_t r = 0; r < ranks; ++r) total += counts_[r * variables + column];
+    return total;
+  }
+
+  // Calls ``step(j, value)`` for each entry of output ``i`` (variable ``column`` of ``size``
+  // entries), rank by rank in rank order; stops at an index outside the variable and returns
+  // it, else kNoneOutside.
+  template <typename Step>
+  int64_t Walk(int64_t i, int64_t column, int64_t size, Step&& step) const {
+    for (int64_t r = 0; r < ranks; ++r) {
+      const int32_t* ri = idx + index_start[r * outputs + i];
+      const T* rv = val + value_start[r * outputs + i];
+      for (int64_t e = 0, m = counts_[r * variables + column]; e < m; ++e) {
+        const int64_t j = ri[e];
+        if (j < 0 || j >= size) return j;
+        step(j, rv[e]);
+      }
+    }
+    return kNoneOutside;
+  }
+
+ private:
+  const int32_t* counts_ = nullptr;  // [ranks, variables], row-major
+};
 
 // The attributes both ops share.
 class EntriesOp : public OpKernel {
@@ -163,12 +209,10 @@ class ScatterMeanOp : public EntriesOp {
   using EntriesOp::EntriesOp;
 
   void Compute(OpKernelContext* context) override {
-    EntryRuns runs;
-    runs.Read(context, columns_);
-    if (!context->status().ok()) return;
-    const auto count = context->input(2).matrix<int32_t>();
-    const T divisor = context->input(3).scalar<T>()();
-    const int64_t outputs = runs.outputs, ranks = runs.ranks;
+    Entries<T> entries;
+    if (!entries.Read(context, columns_)) return;
+    const int64_t outputs = entries.outputs;
+    const T divisor = entries.divisor;
 
     OpOutputList averages;
     OP_REQUIRES_OK(context, context->output_list("averages", &averages));
@@ -195,42 +239,24 @@ class ScatterMeanOp : public EntriesOp {
                       });
 
     // Steps 2-3: one thread per output, entries in rank order.
-    const int32_t* idx = context->input(0).flat<int32_t>().data();
-    const T* val = context->input(1).flat<T>().data();
     std::vector<int64_t> bad(outputs, kNoneOutside);  // an index outside, per output
     tensorflow::Shard(
         pool->num_threads, pool->workers, outputs, /*cost_per_unit=*/1 << 20,
         [&](int64_t first, int64_t last) {
           for (int64_t i = first; i < last; ++i) {
             const int64_t n = num_elements_[i];
-            const int64_t v = columns_[i];
             T* o = out[i];
-            for (int64_t r = 0; r < ranks; ++r) {
-              const int32_t* ri = idx + runs.index_start[r * outputs + i];
-              const T* rv = val + runs.value_start[r * outputs + i];
-              for (int64_t e = 0, m = count(r, v); e < m; ++e) {
-                const int64_t j = ri[e];
-                if (j < 0 || j >= n) {
-                  bad[i] = j;
-                  break;
-                }
-                o[j] += rv[e];
-              }
-            }
+            bad[i] = entries.Walk(i, columns_[i], n, [o](int64_t j, T value) { o[j] += value; });
             if (bad[i] != kNoneOutside || divisor == T(1)) continue;
             std::vector<uint64_t> divided((n + 63) / 64, 0);
-            for (int64_t r = 0; r < ranks; ++r) {
-              const int32_t* ri = idx + runs.index_start[r * outputs + i];
-              for (int64_t e = 0, m = count(r, v); e < m; ++e) {
-                const int64_t j = ri[e];
-                uint64_t& word = divided[j >> 6];
-                const uint64_t bit = uint64_t{1} << (j & 63);
-                if (!(word & bit)) {
-                  word |= bit;
-                  o[j] /= divisor;
-                }
+            entries.Walk(i, columns_[i], n, [&divided, o, divisor](int64_t j, T) {
+              uint64_t& word = divided[j >> 6];
+              const uint64_t bit = uint64_t{1} << (j & 63);
+              if (!(word & bit)) {
+                word |= bit;
+                o[j] /= divisor;
               }
-            }
+            });
           }
         });
     RefuseOutside(context, bad, columns_, num_elements_);
@@ -281,14 +307,10 @@ class MeanAtPositionsOp : public EntriesOp {
   using EntriesOp::EntriesOp;
 
   void Compute(OpKernelContext* context) override {
-    EntryRuns runs;
-    runs.Read(context, columns_);
-    if (!context->status().ok()) return;
-    const auto count = context->input(2).matrix<int32_t>();
-    const T divisor = context->input(3).scalar<T>()();
-    const int64_t outputs = runs.outputs, ranks = runs.ranks;
-    const int32_t* idx = context->input(0).flat<int32_t>().data();
-    const T* val = context->input(1).flat<T>().data();
+    Entries<T> entries;
+    if (!entries.Read(context, columns_)) return;
+    const int64_t outputs = entries.outputs;
+    const T divisor = entries.divisor;
 
     std::vector<std::vector<int32_t>> positions(outputs);
     std::vector<std::vector<T>> sums(outputs);
@@ -298,33 +320,23 @@ class MeanAtPositionsOp : public EntriesOp {
         pool->num_threads, pool->workers, outputs, /*cost_per_unit=*/1 << 20,
         [&](int64_t first, int64_t last) {
           for (int64_t i = first; i < last; ++i) {
-            const int64_t n = num_elements_[i];
-            const int64_t v = columns_[i];
-            int64_t arriving = 0;
-            for (int64_t r = 0; r < ranks; ++r) arriving += count(r, v);
+            const int64_t arriving = entries.Arriving(columns_[i]);
             PositionTable table(arriving);  // Step 1
             std::vector<int32_t>& order = positions[i];
             std::vector<T>& sum = sums[i];
             order.reserve(arriving);
             sum.reserve(arriving);
-            for (int64_t r = 0; r < ranks && bad[i] == kNoneOutside; ++r) {  // Step 2
-              const int32_t* ri = idx + runs.index_start[r * outputs + i];
-              const T* rv = val + runs.value_start[r * outputs + i];
-              for (int64_t e = 0, m = count(r, v); e < m; ++e) {
-                const int32_t j = ri[e];
-                if (j < 0 || j >= n) {
-                  bad[i] = j;
-                  break;
-                }
-                int32_t& slot = table.SlotOf(j, static_cast<int32_t>(order.size()));
-                if (slot == static_cast<int32_t>(order.size())) {
-                  order.push_back(j);
-                  sum.push_back(T(0) + rv[e]);
-                } else {
-                  sum[slot] += rv[e];
-                }
+            // Step 2
+            bad[i] = entries.Walk(i, columns_[i], num_elements_[i], [&](int64_t j, T value) {
+              const int32_t next = static_cast<int32_t>(order.size());
+              int32_t& slot = table.SlotOf(static_cast<int32_t>(j), next);
+              if (slot == next) {
+                order.push_back(static_cast<int32_t>(j));
+                sum.push_back(T(0) + value);
+              } else {
+                sum[slot] += value;
               }
-            }
+            });
           }
         });
     RefuseOutside(context, bad, columns_, num_elements_);
