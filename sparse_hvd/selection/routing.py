@@ -42,7 +42,7 @@ def time_sparsify(num_elements, dtype, k, sparsifier, error_feedback, repeats=SP
     grad = tf.constant(rng.standard_normal(num_elements).astype(dtype))
     residual = tf.constant((0.1 * rng.standard_normal(num_elements)).astype(dtype))
 
-    @tf.function(jit_compile=False)
+    @tf.function(jit_compile=False, autograph=False)  # as the step traces it: unconverted
     def work(grad, residual):
         selection, remainder = compensate_and_select(grad, residual, sparsifier, k, error_feedback)
         received = average_entries(selection.indices, selection.values,

@@ -49,7 +49,8 @@ def _compensate_and_cut(grad, residual, cut):
     return tf.where(passed, tf.zeros_like(compensated), compensated), passed
 
 
-_compensate_and_cut_xla = tf.function(_compensate_and_cut, jit_compile=True, reduce_retracing=True)
+_compensate_and_cut_xla = tf.function(_compensate_and_cut, jit_compile=True,
+                                      reduce_retracing=True, autograph=False)
 
 
 def _partial_sort_topk(k):
