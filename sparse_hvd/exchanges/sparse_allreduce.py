@@ -28,7 +28,8 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
    gradients (``base.pack_dense``);
 6. every rank applies the same averages: of the kept sums, those at or above the k-th largest
    (the exact global top-k of this step's sums, ties included) or all of them if fewer than k
-   were kept, divided by N; and computes the same next theta per variable
+   were kept, divided by N (dense, or with ``sparsify="update"`` only where they are, which
+   the weights lose in place); and computes the same next theta per variable
    (``next_thresholds``): the k-th largest kept magnitude times a lead that anticipates the
    sums' growth (residuals build up), or, when fewer than k were kept, theta times the largest
    level that k summed entries reached;
@@ -62,7 +63,7 @@ from .. import kernels
 from ..feedback.payload import Payload
 from ..runtime import collectives, lockstep, startup as runtime
 from ..selection.sparsifiers import spread_positions
-from .averaging import average_entries
+from .averaging import average_entries, divided
 from .base import HEADER_FIELDS, Exchange, checked_headers, header, register
 from .compression import NONE
 from .fused_allgather import FusedAllgather
@@ -179,6 +180,18 @@ def not_applied(indices, applied):
     return tf.not_equal(tf.gather(padded, at), indices)
 
 
+def applied_at_positions(positions, sums, cuts, sizes, divisor):
+    """Step 6's averages where the applied sums are, one ``tf.IndexedSlices`` per variable
+    (``cuts``: where each variable's slice of ``positions`` starts, and the end), for an
+    optimizer that subtracts them in place (``sparsify="update"``): each position is applied
+    once, so its average is its sum over ``divisor``, with the bits :func:`average_entries`
+    gives it (a sum added to zero first, so -0.0 averages to +0.0)."""
+    averages = tf.where(tf.equal(sums, 0), tf.zeros_like(sums), divided(sums, divisor))
+    return [tf.IndexedSlices(averages[cuts[j]:cuts[j + 1]], positions[cuts[j]:cuts[j + 1]],
+                             tf.constant([n], tf.int64))
+            for j, n in enumerate(sizes)]
+
+
 def _sampled_quantiles(indices, parts, current):
     """Where ``indices`` divide into ``parts`` equal parts (from at most BOUNDARY_SAMPLES of
     them, at fixed spread positions); ``current`` (int64 [parts - 1]) if there are none."""
@@ -238,10 +251,12 @@ class SparseAllreduce:
                                           trainable=False, name="sparse_allreduce_boundaries")
 
     def step(self, selections: Sequence, keys: Sequence[int], sizes: Sequence[int], budgets,
-             finite_here, dense_words=(), step=0) -> Result:
+             finite_here, dense_words=(), step=0, at_positions=False) -> Result:
         """Steps 2-8 for this step's ``selections`` (of the variables ``keys``, with ``sizes``
         entries and density budgets ``budgets``); ``dense_words``: int32 tensors to gather
-        along (step 5); ``step``: the training step (sent along and checked)."""
+        along (step 5); ``step``: the training step (sent along and checked);
+        ``at_positions``: the averages as ``tf.IndexedSlices`` of the applied positions
+        (:func:`applied_at_positions`) instead of dense."""
         size = self.size
         dtype = selections[0].values.dtype
         if any(s.values.dtype != dtype for s in selections):
@@ -312,8 +327,12 @@ class SparseAllreduce:
         cuts = sorted_search(kept, tf.concat([starts, [tf.int32.max]], 0), "left")
         per_variable = tf.reshape(cuts[1:] - cuts[:-1], [1, len(keys)])
         local = kept - tf.gather(starts, sorted_search(starts, kept, "right") - 1)
-        in_order = average_entries(local, kept_values, per_variable, range(len(keys)),
-                                   [sizes[j] for j in order], size)
+        if at_positions:
+            in_order = applied_at_positions(local, kept_values, cuts, [sizes[j] for j in order],
+                                            size)
+        else:
+            in_order = average_entries(local, kept_values, per_variable, range(len(keys)),
+                                       [sizes[j] for j in order], size)
         averages = [None] * len(keys)
         for place, j in enumerate(order):
             averages[j] = in_order[place]
@@ -369,7 +388,9 @@ class SparseAllreduceExchange(FusedAllgather):
 
     staleness = False
     returns_unsent = True
-    averages_at_positions = False  # its averages are the owners' (``SparseAllreduce``)
+    # with the update cut the applied sums come back at their positions (step 6), which the
+    # optimizer subtracts in place
+    averages_at_positions = True
     # the allgather's selection, plus the split into regions, the owners' sums and their top-k
     # (measured slower than the allgather's step on this project's machines: issue-12 note)
     builds_on = "allgather"
@@ -386,6 +407,7 @@ class SparseAllreduceExchange(FusedAllgather):
                                                 coded=self.coded)
 
     def build(self, optimizer, routes):
+        super().build(optimizer, routes)
         self.sparse_allreduce.build(optimizer, routes, self.size, saved=self.saves_state)
 
     def _average_many(self, payload: Payload, sizes, step):
@@ -395,7 +417,7 @@ class SparseAllreduceExchange(FusedAllgather):
         dense_groups, dense_words = self.pack_dense(dense)
         result = self.sparse_allreduce.step(
             payload.sparse.items, payload.sparse.keys, sizes, payload.budgets,
-            payload.finite_here(), dense_words, step)
+            payload.finite_here(), dense_words, step, at_positions=self._at_positions)
         if self.coded:
             self._count_sent(payload, result.sent_words)
         averaged_dense = self.unpack_dense(dense, dense_groups, result.dense_words,
