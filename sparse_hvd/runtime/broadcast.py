@@ -40,8 +40,8 @@ def _collective_over(kind, what, variables, settings, process_set, name, build):
     set_id = runtime.process_set_or_global(process_set).process_set_id
     key = (kind, name, tuple(id(t) for t in targets), set_id)
     if key not in _COMPILED:
-        # AutoGraph would convert Horovod's Python and ours on the first call (9.5 of the
-        # 10.9 s a first broadcast took at 2 ranks); the function has no tensor-dependent
+        # AutoGraph would convert Horovod's Python and ours on the first call (about 90% of
+        # the 7-8 s a first broadcast took at 2 ranks); the function has no tensor-dependent
         # control flow to convert
         _COMPILED[key] = (targets, tf.function(build(targets), autograph=False))
     with tf.init_scope():
