@@ -33,7 +33,8 @@ def test_broadcast_variables_copies_the_root_ranks_values(hvd):
 def test_broadcast_and_average_trace_their_collectives_unconverted(hvd, monkeypatch):
     """The traced function behind broadcast_variables and average_variables runs as written:
     AutoGraph, which converted Horovod's Python and ours on the first call (most of the 7-8 s
-    of a first broadcast at 2 ranks), never sees it (a converted function runs as ``tf__<name>``)."""
+    of a first broadcast at 2 ranks), never sees it (a converted function runs as
+    ``tf__<name>``)."""
     import inspect
 
     from sparse_hvd.runtime import collectives
