@@ -449,8 +449,11 @@ class LayerwiseSparseAllreduce(Exchange):
     staleness = False
     returns_unsent = True
     coded = True
+    averages_at_positions = True  # with the update cut (``SparseAllreduceExchange``)
+    _at_positions = False  # set by build
 
     def build(self, optimizer, routes):
+        self._at_positions = self.averages_at_positions and optimizer.sparsify == "update"
         self.parts = {}
         for key, route in enumerate(routes):
             if route.sparse:
@@ -465,7 +468,7 @@ class LayerwiseSparseAllreduce(Exchange):
         for selection, key, n, budget in zip(payload.sparse.items, payload.sparse.keys, sizes,
                                              payload.budgets):
             result = self.parts[key].step([selection], [0], [n], [budget], finite_here,
-                                          step=step)
+                                          step=step, at_positions=self._at_positions)
             averages += result.averages
             returned += result.returned
             finite.append(result.finite)

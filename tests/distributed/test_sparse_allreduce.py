@@ -135,25 +135,31 @@ def test_each_step_applies_the_kept_sums_and_returns_the_rest(hvd):
     assert bounds[1] < 4600 // hvd.size(), "the regions did not follow the selections"
 
 
-def test_with_the_update_cut_the_applied_sums_are_subtracted_where_they_are(hvd, monkeypatch):
+@pytest.mark.parametrize("grouping", ["grouped", "layerwise"])
+def test_with_the_update_cut_the_applied_sums_are_subtracted_where_they_are(
+        hvd, monkeypatch, grouping):
     """sparsify="update" under SGD's momentum (the default's cut): the owners' applied sums
     come back at their positions and are subtracted in place; weights and residuals are the
     bits of the dense averages' subtraction (the same training with the dense form), and
     every rank holds the same weights."""
-    from sparse_hvd.exchanges.sparse_allreduce import SparseAllreduceExchange
+    from sparse_hvd.exchanges.sparse_allreduce import (LayerwiseSparseAllreduce,
+                                                       SparseAllreduceExchange)
 
     rank = hvd.rank()
+    kind = SparseAllreduceExchange if grouping == "grouped" else LayerwiseSparseAllreduce
 
     def train(at_positions):
-        monkeypatch.setattr(SparseAllreduceExchange, "averages_at_positions", at_positions)
+        monkeypatch.setattr(kind, "averages_at_positions", at_positions)
         variables = [keras.Variable(np.zeros(s, "float32")) for s in SHAPES]
         optimizer = sparse_hvd.SparseDistributedOptimizer(
             keras.optimizers.SGD(0.1, momentum=0.9), density=DENSITY, warmup_steps=0,
-            exchange="sparse_allreduce", sparsify="update", name=f"sar_update_{at_positions}")
+            exchange="sparse_allreduce", sparsify="update", grouping=grouping,
+            name=f"sar_update_{grouping}_{at_positions}")
         step = tf.function(lambda a, b: optimizer.apply_gradients(zip([a, b], variables)))
         for t in range(5):
             step(*(tf.constant(g.reshape(s).astype("float32"))
                    for g, s in zip(_gradients(rank, t), SHAPES)))
+        assert isinstance(optimizer._exchange, kind)
         assert optimizer._exchange._at_positions == at_positions
         return ([v.numpy() for v in variables], [r.numpy() for r in optimizer.residuals])
 
@@ -161,7 +167,7 @@ def test_with_the_update_cut_the_applied_sums_are_subtracted_where_they_are(hvd,
     for v, (mine, dense) in enumerate(zip(weights + residuals, dense_weights + dense_residuals)):
         np.testing.assert_array_equal(mine, dense, err_msg=f"rank {rank}, state {v}")
     assert np.count_nonzero(weights[0]) > 0 and np.count_nonzero(residuals[0]) > 0
-    digests = gather(hvd, digest(weights), name="sar_update.weights")
+    digests = gather(hvd, digest(weights), name=f"sar_update.{grouping}.weights")
     assert all(d == digests[0] for d in digests), digests
 
 
