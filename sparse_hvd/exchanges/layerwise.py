@@ -59,8 +59,10 @@ class LayerwiseCompactAllgather(CompactAllgather):
 
     def _part(self, key):
         if key not in self._parts:
-            self._parts[key] = CompactAllgather(f"{self.name}.{key}", self.process_set,
-                                                compression=self.compression)
+            part = CompactAllgather(f"{self.name}.{key}", self.process_set,
+                                    compression=self.compression)
+            part._at_positions = self._at_positions  # the form build chose (``FusedAllgather``)
+            self._parts[key] = part
         return self._parts[key]
 
     def _average_many(self, payload: Payload, sizes, step):

@@ -146,7 +146,8 @@ def test_dense_route_too_large_to_gather_is_allreduced(hvd, monkeypatch):
 def test_layerwise_compact_trains_as_the_layerwise_allgather_does_in_fewer_bytes(hvd):
     """The optimizer with grouping="layerwise": the compact allgather's weights after ten
     steps of error feedback are the layerwise allgather's, bit for bit (the same rank-order
-    sums; the dense route the same allreduces), on every rank, for fewer bytes sent."""
+    sums; the dense route the same allreduces; its averages at positions, the plain one's
+    dense), on every rank, for fewer bytes sent."""
     import keras
 
     import sparse_hvd
@@ -175,6 +176,9 @@ def test_layerwise_compact_trains_as_the_layerwise_allgather_does_in_fewer_bytes
         sent[exchange] = optimizer.communication_stats()["bytes_sent"]
         assert any(s["route"] == "sparse" and s["exchange"] == exchange
                    for s in optimizer.layer_stats().values())
+        if exchange == "compact_allgather":  # the update cut: each part's averages at positions
+            parts = optimizer._exchange._parts.values()
+            assert optimizer.sparsify == "update" and parts and all(p._at_positions for p in parts)
     for plain, coded in zip(weights["allgather"], weights["compact_allgather"]):
         np.testing.assert_array_equal(coded, plain)
     assert sent["compact_allgather"] < 0.8 * sent["allgather"]
