@@ -29,7 +29,6 @@ def test_broadcast_variables_copies_the_root_ranks_values(hvd):
     np.testing.assert_array_equal(variables[1].numpy(), np.arange(5) * (root + 1))
 
 
-
 def test_broadcast_and_average_trace_their_collectives_unconverted(hvd, monkeypatch):
     """The traced function behind broadcast_variables and average_variables runs as written:
     AutoGraph, which converted Horovod's Python and ours on the first call (most of the 7-8 s
@@ -57,6 +56,7 @@ def test_broadcast_and_average_trace_their_collectives_unconverted(hvd, monkeypa
     sparse_hvd.average_variables([variable], name="replicas.unconverted.average")
     np.testing.assert_array_equal(variable.numpy(), 0.0)
     assert len(callers) == 2 and callers == [[], []], callers
+
 
 OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
