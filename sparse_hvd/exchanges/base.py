@@ -161,6 +161,11 @@ class Exchange:
     auto_candidate = True  # exchange="auto" may choose it
     chooses_entries = False  # True: ``selector`` makes the selections (every entry, coded)
     code = "entries"  # what is averaged: "entries", "signs" or "entries_and_signs"
+    # True: with the update cut its sparse averages can come back as ``tf.IndexedSlices`` of
+    # the positions that received entries, which the optimizer subtracts in place
+    # (``feedback.local_update``); ``choose_averages_form`` decides at build
+    averages_at_positions = False
+    _at_positions = False
     selector = None
     coded = False  # its indices and values travel coded (index_coding, value_coding)
     grouping_reason = ""  # why the other grouping is not registered (for the message)
@@ -191,6 +196,11 @@ class Exchange:
 
     def build(self, optimizer, routes):
         """Create the exchange's own state as ``optimizer``'s variables (none by default)."""
+
+    def choose_averages_form(self, optimizer):
+        """At build: averages at positions where this exchange can give them and they are
+        updates that the weights lose (``sparsify="update"``), else dense."""
+        self._at_positions = self.averages_at_positions and optimizer.sparsify == "update"
 
     # ---- the step ----------------------------------------------------------------------------
 

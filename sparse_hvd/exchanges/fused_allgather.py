@@ -59,12 +59,10 @@ class FusedAllgather(Exchange):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._layout = None  # (header fields, tensors after the header): what _announce sends
-        self._at_positions = False  # set by build: the optimizer subtracts the averages
 
     def build(self, optimizer, routes):
-        """Step 4's form: at positions where the averages are updates (``sparsify="update"``),
-        which ``feedback.local_update`` subtracts where they arrived."""
-        self._at_positions = self.averages_at_positions and optimizer.sparsify == "update"
+        """Step 4's form (``choose_averages_form``)."""
+        self.choose_averages_form(optimizer)
 
     @property
     def traced(self) -> bool:

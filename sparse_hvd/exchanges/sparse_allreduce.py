@@ -450,10 +450,9 @@ class LayerwiseSparseAllreduce(Exchange):
     returns_unsent = True
     coded = True
     averages_at_positions = True  # with the update cut (``SparseAllreduceExchange``)
-    _at_positions = False  # set by build
 
     def build(self, optimizer, routes):
-        self._at_positions = self.averages_at_positions and optimizer.sparsify == "update"
+        self.choose_averages_form(optimizer)
         self.parts = {}
         for key, route in enumerate(routes):
             if route.sparse:
