@@ -9,7 +9,7 @@ import tensorflow as tf
 from sparse_hvd import kernels
 from sparse_hvd.exchanges import averaging, owner_sums as module
 from sparse_hvd.exchanges.owner_sums import owner_sums
-from sparse_hvd.exchanges.sparse_allreduce import LEVELS
+from sparse_hvd.exchanges.global_threshold import LEVELS
 
 STARTS = [0, 300, 301, 5000]  # a one-entry variable among them
 

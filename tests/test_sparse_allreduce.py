@@ -9,8 +9,9 @@ import tensorflow as tf
 import sparse_hvd
 from helpers import native_op
 from sparse_hvd import kernels
-from sparse_hvd.exchanges.sparse_allreduce import (LEVELS, even_boundaries, kth_largest,
-                                                   next_thresholds, owners_of)
+from sparse_hvd.exchanges.global_threshold import (FIRST_MISS, LEVELS, Forecast, kth_largest,
+                                                  next_thresholds)
+from sparse_hvd.exchanges.sparse_allreduce import even_boundaries, owners_of
 
 
 def test_even_boundaries_cover_the_index_space():
@@ -24,53 +25,86 @@ def test_each_index_goes_to_the_region_that_holds_it_and_empty_regions_get_nothi
     np.testing.assert_array_equal(owners.numpy(), [0, 0, 2, 2, 3, 3])
 
 
-def _threshold(theta, kept, counts, budget, lead=1.0):
-    """(cut, next theta, next lead) of one variable as Python floats."""
-    cut, theta, lead = next_thresholds(
-        tf.constant([theta], tf.float64), tf.constant([lead], tf.float64),
+def _threshold(theta, kept, counts, budget, last_cut=0.0, growth=0.0, miss=FIRST_MISS):
+    """(cut, next theta, last cut, growth, miss) of one variable as Python floats."""
+    cut, theta, forecast = next_thresholds(
+        tf.constant([theta], tf.float64),
+        Forecast(*(tf.constant([x], tf.float64) for x in (last_cut, growth, miss))),
         tf.constant(kept, tf.float64), tf.constant([0, len(kept)], tf.int32),
         tf.constant([counts], tf.int32), tf.constant([budget]))
-    return float(cut[0]), float(theta[0]), float(lead[0])
+    return (float(cut[0]), float(theta[0])) + tuple(float(x[0]) for x in forecast)
 
 
-def test_enough_kept_applies_the_kth_largest_and_leads_by_the_damped_growth():
-    # theta 0: everything was kept; the cut is the k-th largest, no growth is known yet
-    assert _threshold(0.0, [5.0, 1.0, 3.0, 2.0], [4] * 8, 3) == (2.0, 2.0 * 0.99, 0.99)
-    # the cut 2.0 over the previous cut (theta 1.28 / lead 1.0): growth 1.5625, lead 1.25
-    cut, theta, lead = _threshold(1.28, [5.0, 3.0, 2.0], [3] * 8, 3)
-    assert (cut, lead) == (2.0, 1.25 * 0.99) and theta == 2.0 * lead
-    # theta was led by 1.1 from the previous cut 1.0: the growth is 2.0 / 1.0, capped at 1.25
-    assert _threshold(1.1, [5.0, 3.0, 2.0], [3] * 8, 3, lead=1.1)[2] == 1.25 * 0.99
-    # the cut fell below the previous cut: no lead below 1 (only the margin)
-    assert _threshold(1.98, [5.0, 3.0, 2.0], [3] * 8, 3, lead=0.99)[2] == 0.99
+def test_the_first_cut_is_followed_with_the_first_margin_and_no_growth():
+    # theta 0: everything was kept; the cut is the k-th largest; no growth is known yet and
+    # nothing was forecast, so nothing is judged
+    assert _threshold(0.0, [5.0, 1.0, 3.0, 2.0], [4] * 8, 3) == (
+        2.0, 2.0 / (FIRST_MISS * FIRST_MISS), 2.0, 0.0, FIRST_MISS)
+
+
+def test_enough_kept_forecasts_the_cut_grown_as_it_grew_within_the_margin_of_the_miss():
+    # the previous cut 1.6, this one 2.0: growth 1.25. Theta 1.8 was forecast as 1.8 x 1.1^2
+    # = 2.178 against the cut 2.0: missed by 1.089, more than sqrt(1.1): the miss is 1.089
+    cut, theta, last, growth, miss = _threshold(1.8, [5.0, 3.0, 2.0], [3] * 8, 3, last_cut=1.6,
+                                                growth=1.1, miss=1.1)
+    assert (cut, last, growth, miss) == (2.0, 2.0, 2.0 / 1.6, 1.8 * 1.1 * 1.1 / 2.0)
+    assert theta == 2.0 * (2.0 / 1.6) / (miss * miss)
+    # a forecast 1.5 x 1.01^2 against the cut 2.0 missed by more: that is the new miss
+    _, theta, _, _, miss = _threshold(1.5, [5.0, 3.0, 2.0], [3] * 8, 3, last_cut=2.0,
+                                      growth=1.0)
+    predicted = 1.5 * FIRST_MISS * FIRST_MISS
+    assert miss == 2.0 / predicted and theta == 2.0 * 1.0 / (miss * miss)
+    # growth beyond MAX_GROWTH either way is held to it
+    assert _threshold(0.5, [5.0, 3.0, 2.0], [3] * 8, 3, last_cut=1.0, growth=1.0)[3] == 1.25
+    assert _threshold(0.5, [5.0, 3.0, 2.0], [3] * 8, 3, last_cut=4.0, growth=1.0)[3] == 0.8
 
 
 def test_too_few_kept_applies_them_all_and_lowers_theta_to_the_level_k_sums_reached():
-    assert len(LEVELS) == 8 and LEVELS[1] == 2 ** -0.03125
-    # 2 kept, k = 4: the fourth level (2^-1/8) is the first with at least 4 sums
-    assert _threshold(8.0, [9.0, 8.5], [2, 3, 3, 4, 6, 9, 9, 9], 4, lead=1.1) == (
-        0.0, 8.0 * 2 ** -0.125, 1.0)
-    # not even a quarter of theta has k sums: a quarter, and the search goes on
-    assert _threshold(8.0, [9.0], [1, 1, 1, 1, 1, 2, 2, 2], 4) == (0.0, 2.0, 1.0)
+    assert len(LEVELS) == 8 and LEVELS[1] == 2 ** -(1 / 1024)
+    # 2 kept, k = 4: the fourth level (2^-1/64) is the first with at least 4 sums. The
+    # forecast 8 x 1.01^2 missed by at least its distance to that level; the cut is unknown
+    lowered = 8.0 * 2 ** -(1 / 64)
+    cut, theta, last, growth, miss = _threshold(8.0, [9.0, 8.5], [2, 3, 3, 4, 6, 9, 9, 9], 4,
+                                                last_cut=7.5, growth=1.05)
+    assert (cut, last, growth) == (0.0, 0.0, 1.05)
+    assert miss == 8.0 * FIRST_MISS * FIRST_MISS / lowered
+    assert theta == lowered * 1.05 / (miss * miss)
+    # not even a quarter of theta has k sums: a quarter, and the search goes on (no growth
+    # known: nothing judged, the growth taken as 1)
+    assert _threshold(8.0, [9.0], [1, 1, 1, 1, 1, 2, 2, 2], 4) == (
+        0.0, 2.0 / (FIRST_MISS * FIRST_MISS), 0.0, 0.0, FIRST_MISS)
     # theta 0 keeps every sum: fewer than k exist, it stays 0
-    assert _threshold(0.0, [1.0], [1] * 8, 4) == (0.0, 0.0, 1.0)
+    assert _threshold(0.0, [1.0], [1] * 8, 4)[:2] == (0.0, 0.0)
+
+
+def test_a_miss_narrows_by_its_square_root_each_step_it_is_not_exceeded():
+    # forecast 2.0 x 1.21^2 = 2.9282, cut 2.9282 exactly: missed by 1, the miss falls to 1.1
+    predicted = 2.0 * 1.21 * 1.21
+    cut, _, _, _, miss = _threshold(2.0, [predicted + 1, predicted], [2] * 8, 2, last_cut=2.5,
+                                    growth=1.2, miss=1.21)
+    assert (cut, miss) == (predicted, 1.1)
 
 
 def test_every_variable_at_once_is_each_variable_alone():
-    """Step 6 over several variables (some with too few kept sums, one with none) gives each
-    one what it gives that variable alone."""
+    """Steps 1-4 over several variables (some with too few kept sums, one with none) give each
+    one what they give that variable alone."""
     rng = np.random.RandomState(3)
-    lengths, budgets = [7, 0, 3, 12, 5], [4, 2, 5, 12, 1]
-    thetas, leads = [1.5, 0.0, 2.0, 0.0, 0.7], [1.1, 1.0, 1.0, 1.0, 1.2]
-    counts = rng.randint(0, 20, size=(5, len(LEVELS)))
+    lengths, budgets = [7, 0, 3, 12, 5, 6], [4, 2, 5, 12, 1, 2]
+    thetas = [1.5, 0.0, 2.0, 0.0, 0.7, 1.2]
+    last_cuts, growths = [1.4, 0.0, 2.1, 0.0, 0.0, 1.0], [1.05, 0.0, 1.1, 0.0, 1.02, 0.0]
+    misses = [1.01, 1.01, 1.2, 1.01, 1.003, 1.05]
+    counts = rng.randint(0, 20, size=(6, len(LEVELS)))
     kept = [np.abs(rng.randn(n)) * 3 for n in lengths]
-    alone = [_threshold(*args) for args in zip(thetas, kept, counts.tolist(), budgets, leads)]
-    together = next_thresholds(
-        tf.constant(thetas, tf.float64), tf.constant(leads, tf.float64),
+    alone = [_threshold(*args) for args in zip(thetas, kept, counts.tolist(), budgets,
+                                                last_cuts, growths, misses)]
+    cut, theta, forecast = next_thresholds(
+        tf.constant(thetas, tf.float64),
+        Forecast(*(tf.constant(x, tf.float64) for x in (last_cuts, growths, misses))),
         tf.constant(np.concatenate(kept), tf.float64),
         tf.constant(np.cumsum([0] + lengths), tf.int32), tf.constant(counts, tf.int32),
         tf.constant(budgets))
-    np.testing.assert_array_equal(np.stack([t.numpy() for t in together], 1), alone)
+    together = np.stack([cut.numpy(), theta.numpy()] + [x.numpy() for x in forecast], 1)
+    np.testing.assert_array_equal(together, alone)
 
 
 def _kth_reference(values, cuts, k):

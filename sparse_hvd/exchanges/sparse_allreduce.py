@@ -30,9 +30,8 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
    (the exact global top-k of this step's sums, ties included) or all of them if fewer than k
    were kept, divided by N (dense, or with ``sparsify="update"`` only where they are, which
    the weights lose in place); and computes the same next theta per variable
-   (``next_thresholds``): the k-th largest kept magnitude times a lead that anticipates the
-   sums' growth (residuals build up), or, when fewer than k were kept, theta times the largest
-   level that k summed entries reached;
+   (``global_threshold.next_thresholds``): a forecast of the next k-th largest sum, from this
+   one, its growth a step and how far the last forecasts missed;
 7. error feedback stays exact: an entry this rank sent whose sum was not applied goes back into
    its residual, so nothing of any gradient is lost: the sum over ranks of the residuals plus N
    times the applied average equals the sum over ranks of the previous residuals and the
@@ -43,14 +42,14 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
 What it computes is therefore a global top-k of the SUM of the workers' selections (found
 with a threshold set one step ahead), not the average of every local top-k. Per worker, the
 wire carries about k (N - 1) / N entries out and the kept entries in. The kept entries beyond
-k are the price of setting the threshold a step ahead: with the previous step's k-th largest
-sum alone the owners kept 1.55 k on average (1.2-1.4 k while residuals grew, 3.5 k after each
-correction by 2^-1/2); with the lead and the finer levels 1.2 k (4 workers, the 4.35M MLP at
-1%, steps 4-60). So about 2.2 k (N - 1) / N entries in all, flat in N, where the allgather's
-grows as (N - 1) k; the first step (theta 0) keeps every sum.
+k are the price of setting the threshold a step ahead: with the forecast, 1.04-1.07 k at 1% and
+1.1-1.2 k at 0.1% once the residuals have built up (``global_threshold``; following the last
+step's k-th largest sum kept 1.5-2 k and 3.8 k). So about 2.1 k (N - 1) / N entries in all,
+flat in N, where the allgather's grows as (N - 1) k; the first step (theta 0) keeps every sum,
+and the first few, while the sums grow fastest, up to 3 k.
 
 The thresholds are optimizer variables (saved with checkpoints; they do not depend on N). The
-leads are not saved (a restored job starts from 1, which costs a few steps' bytes). The
+forecasts are not saved (a restored job forecasts again, which costs a few steps' bytes). The
 boundaries only decide who sums what, never the result: they are re-derived (equal regions) when
 the optimizer is built and re-balanced every step.
 """
@@ -67,16 +66,10 @@ from .averaging import average_entries, divided
 from .base import HEADER_FIELDS, Exchange, checked_headers, header, register
 from .compression import NONE
 from .fused_allgather import FusedAllgather
+from .global_threshold import LEVELS, Forecast, first_forecast, next_thresholds
 from .owner_sums import owner_sums
 from .sparse_blocks import CodedBlocks, PlainBlocks
 
-# theta x these: the levels every owner counts (step 5); the first is the kept set itself. Fine
-# steps near 1: a threshold a little too high is lowered a little (the sums' tail is steep:
-# lowering by 2^-1/2 at once made the next step keep 3.5 k)
-LEVELS = (1.0, 2 ** -0.03125, 2 ** -0.0625, 2 ** -0.125, 2 ** -0.25, 2 ** -0.5, 0.5, 0.25)
-# step 6: the largest growth a step the next threshold anticipates, and how far below it stays
-MAX_LEAD = 1.25
-LEAD_MARGIN = 0.99
 # sampled selected indices per rank and step for the boundaries (step 8)
 BOUNDARY_SAMPLES = 1024
 MAX_INDEX_SPACE = (1 << 31) - 1
@@ -110,61 +103,6 @@ def owners_of(indices, boundaries):
     Empty regions (equal cut points) own nothing."""
     inner = boundaries[1:-1]
     return sorted_search(inner, indices, "right")
-
-
-def kth_largest(magnitudes, cuts, k):
-    """Per segment ``magnitudes[cuts[v]:cuts[v + 1]]``, its ``k[v]``-th largest (0 where
-    ``k[v]`` is not within 1 and its length): one selection each on CPU
-    (``kernels.kth_largest``), else one stable sort of all of them by segment, then by
-    magnitude descending. ``cuts[0]`` is 0 and ``cuts[-1]`` the number of magnitudes."""
-    native = kernels.kth_largest()
-    if native is not None:
-        return native(magnitudes, cuts, k)
-    counts = cuts[1:] - cuts[:-1]
-    segment = tf.repeat(tf.range(tf.size(counts)), counts)
-    descending = tf.argsort(magnitudes, direction="DESCENDING", stable=True)
-    order = tf.gather(descending, tf.argsort(tf.gather(segment, descending), stable=True))
-    ranked = tf.concat([tf.gather(magnitudes, order), tf.zeros([1], magnitudes.dtype)], 0)
-    valid = tf.logical_and(k >= 1, k <= counts)
-    at = tf.where(valid, cuts[:-1] + k - 1, tf.size(magnitudes))  # the padding 0
-    return tf.gather(ranked, at)
-
-
-def next_thresholds(thetas, leads, magnitudes, cuts, level_counts, budgets):
-    """Step 6 for every variable at once: ``(cut, next theta, next lead)``, float64 [V].
-
-    ``magnitudes``: the kept sums' magnitudes (float64), variable after variable, variable v's
-    from ``cuts[v]`` to ``cuts[v + 1]``; ``level_counts`` [V, len(LEVELS)]: summed over the
-    owners; ``budgets`` [V]: each k (at least 1); ``leads``: the factors by which the next thetas
-    anticipate the sums' growth, as last estimated.
-
-    1. The cut: the k-th largest kept magnitude (what is applied is at or above it: the exact
-       top-k of this step's sums), or 0 when fewer than k were kept (all of them are applied).
-    2. Enough kept: the next theta is the cut times the lead. The sums grow from step to step
-       while residuals build up, so the previous cut alone kept 1.2-1.4 k. The lead follows
-       the cut's growth a step (this cut over theta / lead: the previous cut, or the
-       lowered theta after too few were kept), damped by a square root and within
-       [1, MAX_LEAD], times ``LEAD_MARGIN`` (just below 1): the sums' tail is steep (3% on
-       the threshold is about 25% on the count, measured) and a step that keeps fewer than k
-       applies fewer, which makes the next one's sums larger.
-    3. Too few kept: theta times the largest level that k summed entries reached (at least the
-       lowest: the search goes on next step); the levels near 1 are fine, so that a threshold
-       a little too high is lowered a little. The lead returns to 1. With theta 0 (everything
-       was kept) theta stays 0.
-    """
-    budgets = tf.maximum(tf.cast(budgets, tf.int32), 1)
-    enough = cuts[1:] - cuts[:-1] >= budgets
-    cut = tf.where(enough, kth_largest(magnitudes, cuts, budgets), tf.zeros_like(thetas))
-    growth = tf.where(thetas > 0, tf.math.divide_no_nan(cut, thetas / leads),
-                      tf.ones_like(thetas))
-    led = tf.clip_by_value(tf.sqrt(growth), 1.0, MAX_LEAD) * LEAD_MARGIN
-    factors = tf.constant(LEVELS[1:] + LEVELS[-1:], tf.float64)
-    reached = tf.cast(level_counts[:, 1:] >= budgets[:, None], tf.int32)
-    # per variable, the first (largest) level k sums reached, else the lowest level
-    first = tf.argmax(tf.concat([reached, tf.ones_like(reached[:, :1])], 1), axis=1,
-                      output_type=tf.int32)
-    lowered = thetas * tf.gather(factors, first)
-    return cut, tf.where(enough, cut * led, lowered), tf.where(enough, led, tf.ones_like(leads))
 
 
 def not_applied(indices, applied):
@@ -244,9 +182,10 @@ class SparseAllreduce:
             if not saved:
                 self.thresholds = tf.Variable(tf.zeros([len(routes)], tf.float64),
                                               trainable=False, name="global_threshold")
-            # not checkpointed: a restored job starts from 1 and adapts it again
-            self.lead = tf.Variable(tf.ones([len(routes)], tf.float64), trainable=False,
-                                    name="sparse_allreduce_lead")
+            # not checkpointed: a restored job forecasts again from its saved thresholds
+            self.forecast = Forecast(*(
+                tf.Variable(initial, trainable=False, name=f"sparse_allreduce_{field}")
+                for field, initial in zip(Forecast._fields, first_forecast(len(routes)))))
             self.boundaries = tf.Variable(tf.constant(even_boundaries(total, size), tf.int64),
                                           trainable=False, name="sparse_allreduce_boundaries")
 
@@ -316,9 +255,11 @@ class SparseAllreduce:
         cuts = sorted_search(kept, tf.concat([starts, [tf.int32.max]], 0), "left")
         positions = [[keys[j]] for j in order]
         magnitudes = tf.abs(tf.cast(kept_values, tf.float64))
-        cut, next_theta, next_lead = next_thresholds(
-            thresholds, tf.gather_nd(tf.convert_to_tensor(self.lead), positions), magnitudes,
-            cuts, level_counts, tf.stack([tf.cast(budgets[j], tf.int32) for j in order]))
+        forecast = Forecast(*(tf.gather_nd(tf.convert_to_tensor(state), positions)
+                              for state in self.forecast))
+        cut, next_theta, next_forecast = next_thresholds(
+            thresholds, forecast, magnitudes, cuts, level_counts,
+            tf.stack([tf.cast(budgets[j], tf.int32) for j in order]))
         # each kept entry's variable: how many of the variables' ends it is at or past (a few
         # ops, where tf.repeat of the cuts and tf.boolean_mask traced about 100)
         variable_of = sorted_search(cuts[1:], tf.range(tf.size(magnitudes)), "right")
@@ -344,7 +285,8 @@ class SparseAllreduce:
             selections, tf.split(owed, [tf.size(i) for i in sent], num=len(sent)))]
 
         # Steps 6 and 8: the next thresholds and boundaries, identical on every rank
-        for state, values in ((self.thresholds, next_theta), (self.lead, next_lead)):
+        for state, values in zip((self.thresholds,) + tuple(self.forecast),
+                                 (next_theta,) + tuple(next_forecast)):
             updated = tf.tensor_scatter_nd_update(tf.convert_to_tensor(state), positions,
                                                   values)
             state.assign(tf.where(finite, updated, state))

@@ -12,14 +12,16 @@ from conftest import digest, gather
 from helpers import (classification_data, coded_value_words, elias_fano_words, mlp,
                      numpy_topk_indices, raw_bits_of, weights_of)
 
-LEVELS = (1.0, 2 ** -0.03125, 2 ** -0.0625, 2 ** -0.125, 2 ** -0.25, 2 ** -0.5, 0.5, 0.25)
-MAX_LEAD, LEAD_MARGIN = 1.25, 0.99
+LEVELS = (1.0, 2 ** -(1 / 1024), 2 ** -(1 / 256), 2 ** -(1 / 64), 2 ** -(1 / 16), 2 ** -0.25,
+          0.5, 0.25)
+MAX_GROWTH, FIRST_MISS = 1.25, 1.01
 SHAPES = [(60, 50), (40, 40)]  # sparse route (3000 and 1600 entries); the bias goes dense
 DENSITY = 0.02
 
 
 class NumpyRule:
-    """The documented rule (sparse_hvd/exchanges/sparse_allreduce.py, steps 2-8) for every rank at once."""
+    """The documented rule (sparse_hvd/exchanges/sparse_allreduce.py, steps 2-8, the thresholds'
+    forecast in global_threshold.py) for every rank at once."""
 
     def __init__(self, size, select, rounding=None):
         self.size, self.select = size, select
@@ -27,7 +29,9 @@ class NumpyRule:
         self.sizes = [int(np.prod(s)) for s in SHAPES]
         self.budgets = [math.ceil(DENSITY * n) for n in self.sizes]
         self.theta = [0.0] * len(SHAPES)
-        self.lead = [1.0] * len(SHAPES)
+        self.last_cut = [0.0] * len(SHAPES)
+        self.growth = [0.0] * len(SHAPES)
+        self.miss = [FIRST_MISS] * len(SHAPES)
         self.residuals = [[np.zeros(n) for n in self.sizes] for _ in range(size)]
 
     def step(self, grads):
@@ -51,16 +55,25 @@ class NumpyRule:
             counts = [sum(abs(s) >= theta * level for s in sums.values()) for level in LEVELS]
             magnitudes = sorted((abs(s) for s in kept.values()), reverse=True)
             k = self.budgets[v]
+            predicted = theta * self.miss[v] * self.miss[v]  # the forecast theta was made from
+            judged = theta > 0 and self.growth[v] > 0
             if len(magnitudes) >= k:
                 cut = magnitudes[k - 1]
                 kept = {i: s for i, s in kept.items() if abs(s) >= cut}  # the top k
-                growth = cut / (theta / self.lead[v]) if theta > 0 else 1.0
-                self.lead[v] = min(max(math.sqrt(growth), 1.0), MAX_LEAD) * LEAD_MARGIN
-                self.theta[v] = cut * self.lead[v]
+                if self.last_cut[v] > 0:
+                    self.growth[v] = min(max(cut / self.last_cut[v], 1 / MAX_GROWTH), MAX_GROWTH)
+                base = cut
+                missed = max(cut / predicted, predicted / cut) if judged else 0.0
+                self.last_cut[v] = cut
             else:
                 reached = [level for level, c in zip(LEVELS[1:], counts[1:]) if c >= k]
-                self.theta[v] = theta * (reached[0] if reached else LEVELS[-1])
-                self.lead[v] = 1.0
+                base = theta * (reached[0] if reached else LEVELS[-1])
+                missed = predicted / base if judged else 0.0
+                self.last_cut[v] = 0.0
+            if judged:
+                self.miss[v] = max(missed, math.sqrt(self.miss[v]))
+            growth = self.growth[v] if self.growth[v] > 0 else 1.0
+            self.theta[v] = base * growth / (self.miss[v] * self.miss[v])
             average = np.zeros(n)
             for i, s in kept.items():
                 average[i] = s / self.size
@@ -230,8 +243,8 @@ def test_model_fit_keeps_replicas_identical_and_resumes_exactly(hvd, tmp_path_fa
     x, y = classification_data(n=64, seed=rank)
 
     def compiled(model):
-        # the gradient cut: the threshold's lead is not in the checkpoint (a resumed job starts
-        # it from 1); with the gradient cut this run resumes exactly all the same, with the
+        # the gradient cut: the thresholds' forecast is not in the checkpoint (a resumed job
+        # forecasts afresh); with the gradient cut this run resumes exactly all the same, with the
         # update cut (the default with SGD's momentum) it does not (README, "Checkpoints")
         model.compile(sparse_hvd.SparseDistributedOptimizer(
             keras.optimizers.SGD(0.05, momentum=0.9), density=0.01, sparsify="gradient",

@@ -1,0 +1,113 @@
+"""Step 6 of the sparse allreduce (``exchanges.sparse_allreduce``): the cut of this step's sums
+and the forecast of the next step's global threshold.
+
+Each owner keeps (and sends to every rank) the summed entries that reach their variable's
+threshold theta, which has to be set a step ahead. Every sum at or above the k-th largest is
+applied, so the kept entries beyond k are wire spent for nothing, and a theta above the next
+k-th largest applies fewer than k. What makes this hard is the sums' tail: error feedback
+piles the residuals up just below the cut, so (the 4.35M MLP at 1%, 4 workers) the 1.45 k-th
+largest sum is only 0.5% below the k-th, and 2% below it there are 3 k. A theta that merely
+follows the last cut keeps 1.5-2 k while the residuals build up (the cut grows 2% a step),
+and 3.8 k at 0.1% density. So theta is a forecast:
+
+1. the cut: the k-th largest kept sum (what is applied is at or above it), or 0 when fewer
+   than k were kept (then all of them are applied);
+2. the growth: the cut over the previous step's cut, within [1 / MAX_GROWTH, MAX_GROWTH],
+   where both are known; else the last growth observed (0 before there is one: taken as 1);
+3. the miss: how far this step's forecast (theta before its margin) was from the cut, as a
+   ratio of at least 1: the larger of cut / forecast and forecast / cut, or, with too few
+   kept, forecast / the lowered theta of step 4 (the cut lay between them). Held as the
+   larger of this miss and the square root of the last one: a miss widens the margin at once,
+   and it narrows again within a few steps (the first is ``FIRST_MISS``; a forecast made
+   without a known growth is not judged);
+4. the next theta: the cut (or, with too few kept, theta times the largest of ``LEVELS`` that k
+   sums reached: fine near 1, the tail is steep) times the growth, over the miss squared.
+   With theta 0 (every sum was kept) and fewer than k sums, it stays 0.
+
+Measured (``scripts/benchmarks/probe_threshold.py``, the 4.35M MLP, SGD with momentum,
+steps 21-200): the owners keep 1.04-1.07 k at 1% (4 and 8 workers) and 1.11-1.17 k at 0.1%,
+where following the last cut kept 1.5-2.0 k and 3.6-3.9 k; about one step in 300 applies
+fewer than k, at least 0.9 k.
+
+Only products, quotients, square roots and comparisons of float64: correctly rounded, so every
+rank (and a NumPy re-computation) gets the same bits.
+"""
+
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from .. import kernels
+
+# theta x these: the levels every owner counts; the first is the kept set itself. Fine near 1
+# (2^-1/1024 is 0.07%): a theta a little too high is lowered a little
+LEVELS = (1.0, 2 ** -(1 / 1024), 2 ** -(1 / 256), 2 ** -(1 / 64), 2 ** -(1 / 16), 2 ** -0.25,
+          0.5, 0.25)
+MAX_GROWTH = 1.25  # the largest growth (and 1 / the largest shrinking) a step forecast
+FIRST_MISS = 1.01  # the miss assumed before any forecast was judged
+
+
+class Forecast(NamedTuple):
+    """Per variable (float64 [V] each), what the next theta is forecast from; not saved (a
+    restored job forecasts again from its saved thetas)."""
+
+    last_cut: tf.Tensor  # the previous step's cut; 0 when unknown (fewer than k were kept)
+    growth: tf.Tensor  # the cut's last observed growth a step; 0 before one is known
+    miss: tf.Tensor  # at least 1: how far recent forecasts missed the cut
+
+
+def first_forecast(variables: int) -> Forecast:
+    """The forecast state of a job's first step (nothing known yet)."""
+    return Forecast(tf.zeros([variables], tf.float64), tf.zeros([variables], tf.float64),
+                    tf.fill([variables], tf.constant(FIRST_MISS, tf.float64)))
+
+
+def kth_largest(magnitudes, cuts, k):
+    """Per segment ``magnitudes[cuts[v]:cuts[v + 1]]``, its ``k[v]``-th largest (0 where
+    ``k[v]`` is not within 1 and its length): one selection each on CPU
+    (``kernels.kth_largest``), else one stable sort of all of them by segment, then by
+    magnitude descending. ``cuts[0]`` is 0 and ``cuts[-1]`` the number of magnitudes."""
+    native = kernels.kth_largest()
+    if native is not None:
+        return native(magnitudes, cuts, k)
+    counts = cuts[1:] - cuts[:-1]
+    segment = tf.repeat(tf.range(tf.size(counts)), counts)
+    descending = tf.argsort(magnitudes, direction="DESCENDING", stable=True)
+    order = tf.gather(descending, tf.argsort(tf.gather(segment, descending), stable=True))
+    ranked = tf.concat([tf.gather(magnitudes, order), tf.zeros([1], magnitudes.dtype)], 0)
+    valid = tf.logical_and(k >= 1, k <= counts)
+    at = tf.where(valid, cuts[:-1] + k - 1, tf.size(magnitudes))  # the padding 0
+    return tf.gather(ranked, at)
+
+
+def next_thresholds(thetas, forecast: Forecast, magnitudes, cuts, level_counts, budgets):
+    """Steps 1-4 for every variable at once: ``(cut, next theta, next forecast)``.
+
+    ``thetas``: this step's thresholds (float64 [V]); ``magnitudes``: the kept sums'
+    magnitudes (float64), variable after variable, variable v's from ``cuts[v]`` to
+    ``cuts[v + 1]``; ``level_counts`` [V, len(LEVELS)]: summed over the owners; ``budgets``
+    [V]: each k (at least 1)."""
+    budgets = tf.maximum(tf.cast(budgets, tf.int32), 1)
+    zeros, ones = tf.zeros_like(thetas), tf.ones_like(thetas)
+    enough = cuts[1:] - cuts[:-1] >= budgets
+    cut = tf.where(enough, kth_largest(magnitudes, cuts, budgets), zeros)  # Step 1
+    known = tf.logical_and(enough, forecast.last_cut > 0)  # Step 2
+    growth = tf.where(known, tf.clip_by_value(tf.math.divide_no_nan(cut, forecast.last_cut),
+                                              1 / MAX_GROWTH, MAX_GROWTH), forecast.growth)
+    # Step 4's lowered theta: the first (largest) level below 1 that k sums reached, else the
+    # lowest (the search goes on next step)
+    factors = tf.constant(LEVELS[1:] + LEVELS[-1:], tf.float64)
+    reached = tf.cast(level_counts[:, 1:] >= budgets[:, None], tf.int32)
+    first = tf.argmax(tf.concat([reached, tf.ones_like(reached[:, :1])], 1), axis=1,
+                      output_type=tf.int32)
+    lowered = thetas * tf.gather(factors, first)
+    base = tf.where(enough, cut, lowered)
+    predicted = thetas * forecast.miss * forecast.miss  # Step 3: this step's forecast
+    missed = tf.where(enough, tf.maximum(tf.math.divide_no_nan(cut, predicted),
+                                         tf.math.divide_no_nan(predicted, cut)),
+                      tf.math.divide_no_nan(predicted, lowered))
+    judged = tf.logical_and(thetas > 0, forecast.growth > 0)
+    miss = tf.where(judged, tf.maximum(missed, tf.sqrt(forecast.miss)), forecast.miss)
+    step_growth = tf.where(growth > 0, growth, ones)
+    theta = base * step_growth / (miss * miss)  # Step 4
+    return cut, theta, Forecast(tf.where(enough, cut, zeros), growth, miss)
