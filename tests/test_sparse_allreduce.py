@@ -59,16 +59,21 @@ def test_enough_kept_forecasts_the_cut_grown_as_it_grew_within_the_margin_of_the
     assert _threshold(0.5, [5.0, 3.0, 2.0], [3] * 8, 3, last_cut=4.0, growth=1.0)[3] == 0.8
 
 
-def test_too_few_kept_applies_them_all_and_lowers_theta_to_the_level_k_sums_reached():
+def test_too_few_kept_applies_them_all_and_lowers_theta_to_where_about_k_sums_were():
     assert len(LEVELS) == 8 and LEVELS[1] == 2 ** -(1 / 1024)
-    # 2 kept, k = 4: the fourth level (2^-1/64) is the first with at least 4 sums. The
-    # forecast 8 x 1.01^2 missed by at least its distance to that level; the cut is unknown
-    lowered = 8.0 * 2 ** -(1 / 64)
-    cut, theta, last, growth, miss = _threshold(8.0, [9.0, 8.5], [2, 3, 3, 4, 6, 9, 9, 9], 4,
+    # 2 kept, k = 5: 4 sums reach the third level below 1 (2^-1/64), 6 the fourth (2^-1/16):
+    # the straight line through (2^-1/64, 4) and (2^-1/16, 6) reaches 5 half-way. The forecast
+    # 8 x 1.01^2 missed by its distance to that; the cut is unknown
+    lowered = 8.0 * (2 ** -(1 / 64) - (2 ** -(1 / 64) - 2 ** -(1 / 16)) * 0.5)
+    cut, theta, last, growth, miss = _threshold(8.0, [9.0, 8.5], [2, 3, 3, 4, 6, 9, 9, 9], 5,
                                                 last_cut=7.5, growth=1.05)
     assert (cut, last, growth) == (0.0, 0.0, 1.05)
     assert miss == 8.0 * FIRST_MISS * FIRST_MISS / lowered
     assert theta == lowered * 1.05 / (miss * miss)
+    # k sums at the first level below 1 exactly: the line ends there
+    first = 8.0 * (1.0 - (1.0 - 2 ** -(1 / 1024)) * 1.0)
+    assert _threshold(8.0, [9.0, 8.5], [2, 4, 5, 6, 7, 9, 9, 9], 4)[1] == (
+        first / (FIRST_MISS * FIRST_MISS))
     # not even a quarter of theta has k sums: a quarter, and the search goes on (no growth
     # known: nothing judged, the growth taken as 1)
     assert _threshold(8.0, [9.0], [1, 1, 1, 1, 1, 2, 2, 2], 4) == (

@@ -3,7 +3,7 @@
 Every rank of an ``mpirun`` job runs this: the 4.35M-parameter MLP on the digits shards (as
 ``bench_step.py``), ``SGD(0.01, momentum=0.9)`` wrapped with ``exchange=--exchange``, top-k at
 ``--density`` with per-layer budgets, no warm-up and the default cut (the update, with SGD's
-momentum). Each step rank 0 records, over the
+momentum; ``--sparsify gradient``: the gradient). Each step rank 0 records, over the
 sparsely sent variables, the sums the owners kept (reaching the global threshold theta: what
 the allgather carries) and the sums applied (the exact top-k), both as multiples of k, and
 prints their mean and extremes per phase of the run (the residuals build up over the first
@@ -40,6 +40,8 @@ def parse_args(argv=None):
     parser.add_argument("--exchange", default="plain_sparse_allreduce",
                         choices=("sparse_allreduce", "plain_sparse_allreduce"))
     parser.add_argument("--rule", choices=("forecast", "last-cut"), default="forecast")
+    parser.add_argument("--sparsify", choices=("update", "gradient"), default="update",
+                        help="what is cut (bench_step.py's rows without _update: gradient)")
     parser.add_argument("--json", default=None, help="also write the per-step records here")
     return parser.parse_args(argv)
 
@@ -108,7 +110,8 @@ def main(argv=None):
                               keras.layers.Dense(2048, activation="relu"), keras.layers.Dense(10)])
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(0.01, momentum=0.9), density=args.density, sparsifier="topk",
-        exchange=args.exchange, warmup_steps=0, budget="layer", name="probe_threshold")
+        exchange=args.exchange, warmup_steps=0, budget="layer", sparsify=args.sparsify,
+        name="probe_threshold")
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     variables = model.trainable_variables
     optimizer.build(variables)
@@ -127,6 +130,7 @@ def main(argv=None):
         return
     ratios = [(sum(kept) / sum(k), sum(applied) / sum(k)) for kept, applied, k in records]
     print(f"{args.rule} rule, {args.exchange}, {size} workers, density {args.density}, "
+          f"the {args.sparsify} cut, "
           f"{len(ratios)} steps")
     for first, last in PHASES:
         phase = ratios[first - 1:last]

@@ -16,18 +16,22 @@ and 3.8 k at 0.1% density. So theta is a forecast:
    where both are known; else the last growth observed (0 before there is one: taken as 1);
 3. the miss: how far this step's forecast (theta before its margin) was from the cut, as a
    ratio of at least 1: the larger of cut / forecast and forecast / cut, or, with too few
-   kept, forecast / the lowered theta of step 4 (the cut lay between them). Held as the
+   kept, forecast / the lowered theta of step 4 (about where the k-th sum was). Held as the
    larger of this miss and the square root of the last one: a miss widens the margin at once,
    and it narrows again within a few steps (the first is ``FIRST_MISS``; a forecast made
    without a known growth is not judged);
-4. the next theta: the cut (or, with too few kept, theta times the largest of ``LEVELS`` that k
-   sums reached: fine near 1, the tail is steep) times the growth, over the miss squared.
-   With theta 0 (every sum was kept) and fewer than k sums, it stays 0.
+4. the next theta: the cut (or, with too few kept, theta lowered to where about k sums
+   were: between the first of ``LEVELS`` that k sums reached and the level above it, where a
+   straight line through their counts reaches k; the levels are fine near 1, the tail is
+   steep) times the growth, over the miss squared. With theta 0 (every sum was kept) and
+   fewer than k sums, it stays 0.
 
 Measured (``scripts/benchmarks/probe_threshold.py``, the 4.35M MLP, SGD with momentum,
-steps 21-200): the owners keep 1.04-1.07 k at 1% (4 and 8 workers) and 1.11-1.17 k at 0.1%,
-where following the last cut kept 1.5-2.0 k and 3.6-3.9 k; about one step in 300 applies
-fewer than k, at least 0.9 k.
+steps 21-200, the update cut): the owners keep 1.03-1.07 k at 1% (4 and 8 workers) and
+1.1-1.2 k at 0.1%, where following the last cut kept 1.5-2.0 k and 3.4-5.0 k; with the
+gradient cut (noisier sums) 1.2-1.3 k against 1.4-1.6 k. The price: a forecast that
+overshoots applies fewer than k in that step (the exact top of the sums all the same; the
+rest stays in the residuals): 0.99-0.999 k on average, at least 0.73 k in a step.
 
 Only products, quotients, square roots and comparisons of float64: correctly rounded, so every
 rank (and a NumPy re-computation) gets the same bits.
@@ -80,6 +84,26 @@ def kth_largest(magnitudes, cuts, k):
     return tf.gather(ranked, at)
 
 
+def lowered_factor(level_counts, budgets):
+    """Per variable, the factor of theta at which about k sums would have been kept this step
+    (step 4 with too few kept): between the first (largest) level below 1 that k sums reached
+    and the level above it, where a straight line through their two counts reaches k; the
+    lowest level if none did (the search goes on next step). ``level_counts``: int32 [V,
+    len(LEVELS)]; ``budgets``: int32 [V]."""
+    levels = len(LEVELS)
+    reached = level_counts[:, 1:] >= budgets[:, None]
+    below = tf.where(tf.reduce_any(reached, 1),
+                     tf.argmax(tf.cast(reached, tf.int32), axis=1, output_type=tf.int32) + 1,
+                     levels - 1)  # the first level that reached k, or the lowest
+    factors = tf.constant(LEVELS, tf.float64)
+    upper, lower = tf.gather(factors, below - 1), tf.gather(factors, below)
+    counts = tf.cast(level_counts, tf.float64)
+    fewer = tf.gather(counts, below - 1, batch_dims=1)  # fewer than k
+    more = tf.gather(counts, below, batch_dims=1)
+    share = tf.math.divide_no_nan(tf.cast(budgets, tf.float64) - fewer, more - fewer)
+    return tf.where(more >= tf.cast(budgets, tf.float64), upper - (upper - lower) * share, lower)
+
+
 def next_thresholds(thetas, forecast: Forecast, magnitudes, cuts, level_counts, budgets):
     """Steps 1-4 for every variable at once: ``(cut, next theta, next forecast)``.
 
@@ -94,13 +118,7 @@ def next_thresholds(thetas, forecast: Forecast, magnitudes, cuts, level_counts, 
     known = tf.logical_and(enough, forecast.last_cut > 0)  # Step 2
     growth = tf.where(known, tf.clip_by_value(tf.math.divide_no_nan(cut, forecast.last_cut),
                                               1 / MAX_GROWTH, MAX_GROWTH), forecast.growth)
-    # Step 4's lowered theta: the first (largest) level below 1 that k sums reached, else the
-    # lowest (the search goes on next step)
-    factors = tf.constant(LEVELS[1:] + LEVELS[-1:], tf.float64)
-    reached = tf.cast(level_counts[:, 1:] >= budgets[:, None], tf.int32)
-    first = tf.argmax(tf.concat([reached, tf.ones_like(reached[:, :1])], 1), axis=1,
-                      output_type=tf.int32)
-    lowered = thetas * tf.gather(factors, first)
+    lowered = thetas * lowered_factor(level_counts, budgets)  # Step 4 with too few kept
     base = tf.where(enough, cut, lowered)
     predicted = thetas * forecast.miss * forecast.miss  # Step 3: this step's forecast
     missed = tf.where(enough, tf.maximum(tf.math.divide_no_nan(cut, predicted),

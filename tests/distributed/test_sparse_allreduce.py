@@ -66,8 +66,13 @@ class NumpyRule:
                 missed = max(cut / predicted, predicted / cut) if judged else 0.0
                 self.last_cut[v] = cut
             else:
-                reached = [level for level, c in zip(LEVELS[1:], counts[1:]) if c >= k]
-                base = theta * (reached[0] if reached else LEVELS[-1])
+                reached = [j for j in range(1, len(LEVELS)) if counts[j] >= k]
+                factor = LEVELS[-1]  # none reached k: the lowest
+                if reached:  # where the line through the counts around k reaches it
+                    j = reached[0]
+                    share = (k - counts[j - 1]) / (counts[j] - counts[j - 1])
+                    factor = LEVELS[j - 1] - (LEVELS[j - 1] - LEVELS[j]) * share
+                base = theta * factor
                 missed = predicted / base if judged else 0.0
                 self.last_cut[v] = 0.0
             if judged:
