@@ -8,7 +8,7 @@ k-th largest applies fewer than k. What makes this hard is the sums' tail: error
 piles the residuals up just below the cut, so (the 4.35M MLP at 1%, 4 workers) the 1.45 k-th
 largest sum is only 0.5% below the k-th, and 2% below it there are 3 k. A theta that merely
 follows the last cut keeps 1.5-2 k while the residuals build up (the cut grows 2% a step),
-and 3.8 k at 0.1% density. So theta is a forecast:
+and 3.4-5 k at 0.1% density. So theta is a forecast:
 
 1. the cut: the k-th largest kept sum (what is applied is at or above it), or 0 when fewer
    than k were kept (then all of them are applied);
@@ -27,11 +27,11 @@ and 3.8 k at 0.1% density. So theta is a forecast:
    fewer than k sums, it stays 0.
 
 Measured (``scripts/benchmarks/probe_threshold.py``, the 4.35M MLP, SGD with momentum,
-steps 21-200, the update cut): the owners keep 1.03-1.07 k at 1% (4 and 8 workers) and
-1.1-1.2 k at 0.1%, where following the last cut kept 1.5-2.0 k and 3.4-5.0 k; with the
-gradient cut (noisier sums) 1.2-1.3 k against 1.4-1.6 k. The price: a forecast that
+steps 21-200, the update cut): the owners keep 1.02-1.07 k at 1% (4 and 8 workers) and
+1.06-1.16 k at 0.1%, where following the last cut kept 1.5-2.0 k and 3.4-5.0 k; with the
+gradient cut (noisier sums) 1.09-1.28 k against 1.4-1.6 k. The price: a forecast that
 overshoots applies fewer than k in that step (the exact top of the sums all the same; the
-rest stays in the residuals): 0.99-0.999 k on average, at least 0.73 k in a step.
+rest stays in the residuals): 0.99-0.999 k on average, at least 0.74 k in a step.
 
 Only products, quotients, square roots and comparisons of float64: correctly rounded, so every
 rank (and a NumPy re-computation) gets the same bits.

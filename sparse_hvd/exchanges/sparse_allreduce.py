@@ -42,11 +42,12 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
 What it computes is therefore a global top-k of the SUM of the workers' selections (found
 with a threshold set one step ahead), not the average of every local top-k. Per worker, the
 wire carries about k (N - 1) / N entries out and the kept entries in. The kept entries beyond
-k are the price of setting the threshold a step ahead: with the forecast, 1.04-1.07 k at 1% and
-1.1-1.2 k at 0.1% once the residuals have built up (``global_threshold``; following the last
-step's k-th largest sum kept 1.5-2 k and 3.8 k). So about 2.1 k (N - 1) / N entries in all,
-flat in N, where the allgather's grows as (N - 1) k; the first step (theta 0) keeps every sum,
-and the first few, while the sums grow fastest, up to 3 k.
+k are the price of setting the threshold a step ahead: with the forecast, 1.02-1.07 k at 1% and
+1.06-1.16 k at 0.1% once the residuals have built up (the update cut; 1.09-1.28 k with the
+gradient cut's noisier sums; ``global_threshold``), where following the last step's k-th
+largest sum kept 1.5-2 k and 3.4-5 k. So about 2.1 k (N - 1) / N entries in all, flat in N,
+where the allgather's grows as (N - 1) k; the first step (theta 0) keeps every sum, and the
+first few, while the sums grow fastest, up to 4 k.
 
 The thresholds are optimizer variables (saved with checkpoints; they do not depend on N). The
 forecasts are not saved (a restored job forecasts again, which costs a few steps' bytes). The
