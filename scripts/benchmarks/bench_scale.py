@@ -145,9 +145,15 @@ def lower_bound(workers, payload):
 
 
 def fitted_constant(rows):
-    """c of the sparse allreduce's wire = c (N - 1) / N P, fitted to the measured points."""
-    ratios = [r["wire_received"] / ((r["workers"] - 1) / r["workers"] * r["payload"])
-              for r in rows if r["method"].startswith("sar_")]
+    """c of the sparse allreduce's wire = c (N - 1) / N P, fitted to the measured points, with P
+    as the projection prices it: k entries of ``ENTRY_BYTES`` (the payload of the allgather
+    row with the same budget; a coded row's own payload counts its coded bytes)."""
+    payloads = {(r["workers"], r["method"]): r["payload"] for r in rows}
+    ratios = []
+    for r in rows:
+        if r["method"].startswith("sar_"):
+            entries = payloads.get((r["workers"], r["method"][len("sar_"):]), r["payload"])
+            ratios.append(r["wire_received"] / ((r["workers"] - 1) / r["workers"] * entries))
     return sum(ratios) / len(ratios)
 
 
@@ -237,9 +243,12 @@ def plot(result, path):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.from_json:
+    if args.from_json:  # the fit and the projection are derived again from the measurements
         with open(args.from_json) as handle:
             result = json.load(handle)
+        result["c"] = fitted_constant(result["measured"])
+        result["projection"] = projection(result["c"], result["latency_us"] * 1e-6,
+                                          result["selection_ns"])
     else:
         load = os.getloadavg()[0]
         points = measure(args)
