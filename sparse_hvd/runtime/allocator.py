@@ -40,8 +40,11 @@ def prefer_pooled():
 
 
 def pooled_in_use() -> bool:
-    """Whether TensorFlow's CPU allocator is the pooled one (only it keeps statistics). Makes
-    the allocator if no op has yet: call it after :func:`prefer_pooled`."""
+    """Whether TensorFlow's CPU allocator pools freed memory: it keeps statistics, which the
+    pooled one (BFC) does, and so does the pool TensorFlow makes by default on some machines
+    (seen on one: its default allocator rounded a 4 MB tensor up to 2^22 bytes and reported
+    it), where nothing needs saying. Makes the allocator if no op has yet: call it after
+    :func:`prefer_pooled`."""
     import tensorflow as tf
 
     try:
