@@ -127,9 +127,14 @@ def check_devices(report):
     from .runtime import allocator
 
     setting = os.environ.get(allocator.VARIABLE)
-    report.info("CPU allocator", "TensorFlow's pooled one (BFC)" if allocator.pooled_in_use()
-                else f"TensorFlow's default ({allocator.VARIABLE}={setting}): the sparse step "
-                "pays page faults for its temporaries")
+    if not allocator.pooled_in_use():
+        described = (f"TensorFlow's default ({allocator.VARIABLE}={setting}): the sparse step "
+                     "pays page faults for its temporaries")
+    elif setting == "true":
+        described = "TensorFlow's pooled one (BFC)"
+    else:  # some machines' default allocator pools freed memory itself
+        described = f"TensorFlow's default ({allocator.VARIABLE}={setting}), a pool here"
+    report.info("CPU allocator", described)
     found = [name for name in ("mpirun", "horovodrun", "srun") if shutil.which(name)]
     report.info("launchers on PATH", ", ".join(found) or "none")
 
