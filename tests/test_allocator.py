@@ -89,24 +89,35 @@ def test_an_allocator_made_before_the_import_is_named_once_with_the_remedy():
         assert f"set {VARIABLE}=true in the job's environment" in errors
 
 
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 @pytest.mark.parametrize("pooled", [False, True])
-def test_the_note_is_said_once_on_rank_0_when_the_allocator_in_use_is_not_pooled(
-        pooled, monkeypatch, caplog):
+def test_the_note_is_said_once_on_rank_0_when_the_allocator_in_use_is_not_pooled(pooled,
+                                                                                  monkeypatch):
     """The message itself, on any machine: with the allocator's answer given."""
-    from sparse_hvd.runtime import allocator, log, startup
     from sparse_hvd.feedback.payload import Route
+    from sparse_hvd.runtime import allocator, log, startup
 
     monkeypatch.setattr(allocator, "_state", allocator._State())
     monkeypatch.setattr(allocator, "pooled_in_use", lambda: pooled)
     monkeypatch.setattr(startup, "gpu_visible", lambda: False)
     monkeypatch.setattr(startup, "rank", lambda process_set=None: 0)
-    logger = log.logger()
-    monkeypatch.setattr(logger, "propagate", True)
     routes = [Route(num_elements=4096, sparse=True, itemsize=4)]
-    with caplog.at_level(logging.INFO, logger=log.NAME):
+    logger, handler = log.logger(), _Messages()
+    logger.addHandler(handler)
+    try:
         allocator.note_if_unpooled(routes)
         allocator.note_if_unpooled(routes)
-    said = [r.getMessage() for r in caplog.records if NOTE in r.getMessage()]
+    finally:
+        logger.removeHandler(handler)
+    said = [message for message in handler.messages if NOTE in message]
     if pooled:
         assert said == []
     else:
