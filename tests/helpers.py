@@ -1,5 +1,6 @@
 """Small builders shared by the tests: models, data and an independent top-k in NumPy."""
 
+import logging
 import os
 
 import numpy as np
@@ -139,3 +140,15 @@ def force_auto_choice(monkeypatch, forced):
     monkeypatch.setattr(measured, "sparse_can_win", lambda step, compute, margin: True)
     monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index(forced))
     return measured
+
+
+class RecordedMessages(logging.Handler):
+    """A logging handler that keeps each message (add it to ``sparse_hvd``'s logger)."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+

@@ -4,13 +4,14 @@ the environment chose, and a message when TensorFlow made it before sparse_hvd's
 Each case runs in a fresh Python, since TensorFlow chooses its allocator once per process."""
 
 import functools
-import logging
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from helpers import RecordedMessages
 
 VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"
 NOTE = "TensorFlow made its CPU allocator before sparse_hvd was imported"
@@ -89,15 +90,6 @@ def test_an_allocator_made_before_the_import_is_named_once_with_the_remedy():
         assert f"set {VARIABLE}=true in the job's environment" in errors
 
 
-class _Messages(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 @pytest.mark.parametrize("pooled", [False, True])
 def test_the_note_is_said_once_on_rank_0_when_the_allocator_in_use_is_not_pooled(pooled,
                                                                                   monkeypatch):
@@ -110,7 +102,7 @@ def test_the_note_is_said_once_on_rank_0_when_the_allocator_in_use_is_not_pooled
     monkeypatch.setattr(startup, "gpu_visible", lambda: False)
     monkeypatch.setattr(startup, "rank", lambda process_set=None: 0)
     routes = [Route(num_elements=4096, sparse=True, itemsize=4)]
-    logger, handler = log.logger(), _Messages()
+    logger, handler = log.logger(), RecordedMessages()
     logger.addHandler(handler)
     try:
         allocator.note_if_unpooled(routes)

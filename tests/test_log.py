@@ -8,16 +8,8 @@ import numpy as np
 import tensorflow as tf
 
 import sparse_hvd
+from helpers import RecordedMessages
 from sparse_hvd.runtime import log
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def _skip_a_step(traced):
@@ -31,7 +23,7 @@ def _skip_a_step(traced):
 
 def test_a_skipped_step_is_logged_eagerly_and_from_a_traced_step(capsys):
     logger = log.logger()
-    records = _Records()
+    records = RecordedMessages()
     logger.addHandler(records)
     try:
         for traced in (False, True):
