@@ -30,7 +30,7 @@ Run (root, for the emulated cluster)::
     .venv/bin/python scripts/benchmarks/bench_scale.py --publish docs      # about 20 min on 2 cores
 
 Each method first runs ``--warmup-steps`` untimed steps (default 50): over the first tens the
-residuals build up, the sums' cut grows fastest and the sparse allreduce's owners keep up to 3 k
+residuals build up, the sums' cut grows fastest and the sparse allreduce's owners keep up to 4 k
 sums (``probe_threshold.py``); a long run is the steady state after them. Before this option
 the table was measured after 4.
 
