@@ -133,3 +133,25 @@ def run_bounded(command, env, timeout) -> Finished:
         output, _ = process.communicate()
         timed_out = True
     return Finished(process.returncode, output, time.monotonic() - start, timed_out)
+
+
+def run_benchmark_job(num_ranks: int, argv: Sequence[str], rate, timeout, env=None, cwd=None,
+                      export: Iterable[str] = ()):
+    """A benchmark's job of ``num_ranks`` ranks running ``argv``: on this machine's loopback
+    with ``mpirun`` (``rate`` None), else on the emulated cluster with every link shaped to
+    ``rate`` (``scripts/emulated_cluster.py``, root). A failure, a timeout included, exits
+    with a message that says which."""
+    import emulated_cluster as ec  # scripts/, the standard library only
+
+    env = mpi_environment(env)
+    if rate is None:
+        subprocess.run(mpirun_command(num_ranks, argv, export=export), env=env, check=True,
+                       timeout=timeout, cwd=cwd)
+        return
+    reason = ec.namespaces_unavailable()
+    if reason:
+        raise SystemExit(f"--rate needs the emulated cluster, which is unavailable: {reason}")
+    with ec.EmulatedCluster(num_ranks, rate=rate) as cluster:
+        rc, timed_out = ec.run_command(cluster.mpirun_command(argv), timeout, env=env)
+    if rc != 0:
+        raise SystemExit(f"the benchmark job failed ({'timed out' if timed_out else f'exit {rc}'})")

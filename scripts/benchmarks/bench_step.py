@@ -73,7 +73,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # scripts/: launching, emulated_cluster
-import emulated_cluster as ec  # noqa: E402  (standard library only)
 import launching  # noqa: E402  (scripts/launching.py: the launcher command lines)
 
 DEFAULT_METHODS = ("floor,dense,dense_fp16,topk@0.01,approx_topk@0.01,threshold@0.01,"
@@ -105,6 +104,9 @@ def parse_args(argv=None):
                         help="TensorFlow intra/inter-op threads per worker (0: TensorFlow's choice)")
     parser.add_argument("--timeline", action="store_true",
                         help="also run a short job with Horovod's timeline for the breakdown")
+    parser.add_argument("--auto-recheck", type=int, default=None, metavar="STEPS",
+                        help="auto's re-trial interval (measured.RECHECK_STEPS, 1000 in the "
+                        "library): a short one shows the first trial's times next to later ones")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", default=os.path.join(ROOT, "results", "bench_step"))
     parser.add_argument("--publish", default=None, metavar="DIR",
@@ -147,6 +149,8 @@ def worker(args):
     import sparse_hvd.steps.measured as measured
 
     hvd = sparse_hvd.init()
+    if args.auto_recheck:
+        measured.RECHECK_STEPS = args.auto_recheck
     import keras
     import numpy as np
     import tensorflow as tf
@@ -445,18 +449,11 @@ def run_job(args, json_path, extra_env=None, rounds=None, steps=None):
             "--image-size", str(args.image_size), "--rounds", str(rounds or args.rounds),
             "--steps", str(steps or args.steps), "--warmup-steps", str(args.warmup_steps),
             "--threads", str(args.threads)]
-    env = launching.mpi_environment(dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(extra_env or {})))
-    if args.rate is None:
-        command = launching.mpirun_command(args.np, argv, export=list(extra_env or {}))
-        subprocess.run(command, env=env, check=True, timeout=args.timeout, cwd=ROOT)
-    else:
-        reason = ec.namespaces_unavailable()
-        if reason:
-            raise SystemExit(f"--rate needs the emulated cluster, which is unavailable: {reason}")
-        with ec.EmulatedCluster(args.np, rate=args.rate) as cluster:
-            rc, timed_out = ec.run_command(cluster.mpirun_command(argv), args.timeout, env=env)
-        if rc != 0:
-            raise SystemExit(f"the benchmark job failed ({'timed out' if timed_out else f'exit {rc}'})")
+    if args.auto_recheck:
+        argv += ["--auto-recheck", str(args.auto_recheck)]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(extra_env or {}))
+    launching.run_benchmark_job(args.np, argv, args.rate, args.timeout, env=env, cwd=ROOT,
+                                export=list(extra_env or {}))
     with open(json_path) as handle:
         return json.load(handle)
 

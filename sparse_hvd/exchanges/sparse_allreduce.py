@@ -50,7 +50,12 @@ where the allgather's grows as (N - 1) k; the first step (theta 0) keeps every s
 first few, while the sums grow fastest, up to 4 k.
 
 The thresholds are optimizer variables (saved with checkpoints; they do not depend on N). The
-forecasts are not saved (a restored job forecasts again, which costs a few steps' bytes). The
+forecasts are not saved (a restored job forecasts again, which costs a few steps' bytes), and
+a step that does not follow this exchange's last one (``exchange="auto"`` ran another in
+between, or a restore went back) forecasts afresh too: a cut's growth over a gap of tens of
+steps is not a step's, and taken as one it made the forecast swing between keeping 1.4 k
+and 4.8 k sums over an auto re-trial's four steps at 8 workers (the update cut at 1%,
+``scripts/benchmarks/probe_auto_trials.py``). The
 boundaries only decide who sums what, never the result: they are re-derived (equal regions) when
 the optimizer is built and re-balanced every step.
 """
@@ -189,6 +194,9 @@ class SparseAllreduce:
                 for field, initial in zip(Forecast._fields, first_forecast(len(routes)))))
             self.boundaries = tf.Variable(tf.constant(even_boundaries(total, size), tf.int64),
                                           trainable=False, name="sparse_allreduce_boundaries")
+            # the training step this exchange last ran: the forecast holds for the next one only
+            self.last_step = tf.Variable(tf.constant(-1, tf.int64), trainable=False,
+                                         name="sparse_allreduce_last_step")
 
     def step(self, selections: Sequence, keys: Sequence[int], sizes: Sequence[int], budgets,
              finite_here, dense_words=(), step=0, at_positions=False) -> Result:
@@ -256,8 +264,11 @@ class SparseAllreduce:
         cuts = sorted_search(kept, tf.concat([starts, [tf.int32.max]], 0), "left")
         positions = [[keys[j]] for j in order]
         magnitudes = tf.abs(tf.cast(kept_values, tf.float64))
-        forecast = Forecast(*(tf.gather_nd(tf.convert_to_tensor(state), positions)
-                              for state in self.forecast))
+        this_step = tf.cast(step, tf.int64)
+        following = tf.equal(this_step, self.last_step + 1)  # else forecast afresh (module doc)
+        forecast = Forecast(*(tf.where(following, tf.gather_nd(tf.convert_to_tensor(state),
+                                                                positions), afresh)
+                              for state, afresh in zip(self.forecast, first_forecast(len(keys)))))
         cut, next_theta, next_forecast = next_thresholds(
             thresholds, forecast, magnitudes, cuts, level_counts,
             tf.stack([tf.cast(budgets[j], tf.int32) for j in order]))
@@ -291,6 +302,7 @@ class SparseAllreduce:
             updated = tf.tensor_scatter_nd_update(tf.convert_to_tensor(state), positions,
                                                   values)
             state.assign(tf.where(finite, updated, state))
+        self.last_step.assign(this_step)
         quantiles = tf.cast(headers[:, own_quantiles:own_fields], tf.int64)
         self.boundaries.assign(tf.concat(
             [[0], tf.reduce_sum(quantiles, 0) // size, [self.total]], 0))

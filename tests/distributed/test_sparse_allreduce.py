@@ -34,6 +34,13 @@ class NumpyRule:
         self.miss = [FIRST_MISS] * len(SHAPES)
         self.residuals = [[np.zeros(n) for n in self.sizes] for _ in range(size)]
 
+    def forget(self):
+        """A step that does not follow the exchange's last one forecasts afresh (the thresholds
+        stay)."""
+        self.last_cut = [0.0] * len(SHAPES)
+        self.growth = [0.0] * len(SHAPES)
+        self.miss = [FIRST_MISS] * len(SHAPES)
+
     def step(self, grads):
         """``grads[rank][variable]`` (flat): the averages every rank applies."""
         averages = []
@@ -108,7 +115,9 @@ def _thresholds(exchange):
 
 
 def _run(hvd, sparsifier, select, steps, silent_rank, name, compression="none", rounding=None,
-         grouping="grouped"):
+         grouping="grouped", gap_before=None):
+    """``gap_before``: before that step the optimizer's step count jumps (as when auto ran
+    another exchange in between)."""
     rank, size = hvd.rank(), hvd.size()
     variables = [keras.Variable(np.zeros(s), dtype="float64") for s in SHAPES]
     bias = keras.Variable(np.zeros(10), dtype="float64")
@@ -123,6 +132,9 @@ def _run(hvd, sparsifier, select, steps, silent_rank, name, compression="none", 
     for t in range(steps):
         everyone = [_gradients(r, t, silent_rank) for r in range(size)]
         mine = everyone[rank]
+        if t == gap_before:
+            optimizer.iterations.assign_add(7)
+            rule.forget()
         step(tf.constant(mine[0].reshape(SHAPES[0])), tf.constant(mine[1].reshape(SHAPES[1])),
              tf.constant(np.full(10, float(rank))))
         for v, average in enumerate(rule.step(everyone)):
@@ -209,6 +221,19 @@ def test_layerwise_runs_the_same_rule_one_variable_at_a_time(hvd):
     rule, _ = _run(hvd, "topk", lambda r, c, k: numpy_topk_indices(c, k), steps=4,
                    silent_rank=None, name="sar_layerwise", grouping="layerwise")
     assert all(theta > 0 for theta in rule.theta)
+
+
+@pytest.mark.parametrize("grouping", ["grouped", "layerwise"])
+def test_a_step_that_does_not_follow_the_last_one_forecasts_afresh(hvd, grouping):
+    # the forecast of step 4 (growth known and judged by then) is dropped at a gap of 7 steps:
+    # thresholds, weights and residuals are the forgetting rule's bits, on every rank, to the end
+    select = lambda r, c, k: numpy_topk_indices(c, k)  # noqa: E731
+    rule, _ = _run(hvd, "topk", select, steps=7, silent_rank=None,
+                   name=f"sar_gap_{grouping}", grouping=grouping, gap_before=4)
+    remembering = NumpyRule(hvd.size(), select)  # the same steps, the old forecast kept
+    for t in range(7):
+        remembering.step([_gradients(r, t) for r in range(hvd.size())])
+    assert remembering.theta != rule.theta, "the gap changed nothing: the test cannot tell"
 
 
 def test_a_rank_that_sends_nothing_and_empty_regions(hvd):
