@@ -99,7 +99,7 @@ def main(argv=None):
     variants = args.variants.split(",")
     runs = {variant: build(variant) for variant in variants}
     for optimizer, step in runs.values():  # every trial, its decision and a step of the choice
-        for _ in range(2 + len(getattr(optimizer._step, "plans", ())) * measured.TRIAL_STEPS):
+        for _ in range(2 + measured.first_trial_length(len(getattr(optimizer._step, "plans", ())))):
             float(step(batch()))
     if rank == 0:
         for variant, (optimizer, _) in runs.items():

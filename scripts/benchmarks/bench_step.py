@@ -281,7 +281,7 @@ def worker(args):
         model, sparse, step = build(method)
         untimed = args.warmup_steps
         if name in ("auto", "auto_cond"):  # the whole trial, its decision, a step of the choice
-            untimed = max(untimed, 2 + len(sparse._step.plans) * measured.TRIAL_STEPS)
+            untimed = max(untimed, 2 + measured.first_trial_length(len(sparse._step.plans)))
         for _ in range(untimed):
             float(step(next(stream)))
         runs[method] = {"model": model, "step": step, "sparse": sparse, "times": [], "stats": [],

@@ -441,7 +441,7 @@ def interleaved_timing(args, build, stream, hvd, rank, size, started):
         *_, sparse, step = build(method)
         untimed = args.warmup_steps
         if sparse is not None and len(getattr(sparse._step, "plans", [])) > 1:
-            untimed = max(untimed, 2 + len(sparse._step.plans) * measured.TRIAL_STEPS)  # auto
+            untimed = max(untimed, 2 + measured.first_trial_length(len(sparse._step.plans)))  # auto
         for _ in range(untimed):
             float(step(next(stream)))
         runs[method] = (step, [])

@@ -15,22 +15,27 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
 
 1. **Trial.** From step ``trial_start`` on, each candidate worth trying runs ``TRIAL_STEPS``
    steps in turn, dense first. The first of each is not timed (its first run sets up its
-   collectives); the others time the whole step, from the previous step's last write to this
-   one's (on shared cores a candidate's CPU work slows the other ranks' backprop, which a
-   timer around the exchange would not see), as the mean over the ranks, so every rank holds
-   the same numbers. A timed step over ``ABORT_AFTER`` x the fastest median so far ends its
-   candidate's turn. Not worth trying (``worth_trying``): a sparse candidate whose bytes on
-   the wire alone, at the trial's density, cannot beat dense by ``DENSE_WITHIN``. Dense's
-   steps also time its exchange on every rank: the rank that reached the collective last
-   waited only for the transfer, so the step less its time is the compute no exchange
-   removes (``sparse_can_win``); where dense's step is within ``DENSE_WITHIN`` of it, the
-   trial ends with dense's turn and the sparse candidates are never traced or run (on the
-   character LSTM at 1 Gbit/s their traces and trial steps made the first 20 steps 2x
-   dense's). After dense comes the reference (``Exchange.builds_on``: the coded allgather and
-   the sparse allreduce do the allgather's work and more, to send fewer bytes); at the end of
-   its turn, those that could not become the choice even if their fewer bytes were all they
-   changed (``within_reach``) leave the trial untraced (with 4 ranks on 2 cores a trace took
-   3-6 s: 13 s of a 57 s run on 10 Gbit/s links, where dense won).
+   collectives). In the job's first trial each turn is longer: its first
+   ``FIRST_TRIAL_UNTIMED`` steps are not timed, since the job's first sparse steps still pay
+   for their start (on the wide CNN at 4 workers and 1 Gbit/s the allgather's steps after its
+   trace took 0.52, 0.40, 0.32 s, then about 0.25 s; timed from the second, that trial ran
+   dense for the warm-up's next 70 steps on every seed,
+   ``docs/time_to_loss_update_cut_1gbit.md``). The others time the whole step, from the
+   previous step's last write to this one's (on shared cores a candidate's CPU work slows the
+   other ranks' backprop, which a timer around the exchange would not see), as the mean over
+   the ranks, so every rank holds the same numbers. A timed step over ``ABORT_AFTER`` x the
+   fastest median so far ends its candidate's turn. Not worth trying (``worth_trying``): a
+   sparse candidate whose bytes on the wire alone, at the trial's density, cannot beat dense
+   by ``DENSE_WITHIN``. Dense's steps also time its exchange on every rank: the rank that
+   reached the collective last waited only for the transfer, so the step less its time is the
+   compute no exchange removes (``sparse_can_win``); where dense's step is within
+   ``DENSE_WITHIN`` of it, the trial ends with dense's turn and the sparse candidates are
+   never traced or run (on the character LSTM at 1 Gbit/s their traces and trial steps made
+   the first 20 steps 2x dense's). After dense comes the reference (``Exchange.builds_on``:
+   the coded allgather and the sparse allreduce do the allgather's work and more, to send
+   fewer bytes); at the end of its turn, those that could not become the choice even if their
+   fewer bytes were all they changed (``within_reach``) leave the trial untraced (with 4 ranks
+   on 2 cores a trace took 3-6 s: 13 s of a 57 s run on 10 Gbit/s links, where dense won).
 2. **Decision**, in the trial's last step, on every rank at once, by one rule on the same
    numbers: the fastest median, except that dense wins unless a sparse exchange's step is
    faster than dense's by more than ``DENSE_WITHIN`` (1.5x): a sparse run needs more steps to
@@ -84,6 +89,7 @@ from .trial_rules import (decide, decision_message, median_of_samples, sparse_ca
                           within_reach, worth_trying)
 
 TRIAL_STEPS = 4  # steps each candidate runs in a trial; the first is not timed
+FIRST_TRIAL_UNTIMED = 4  # in the job's first trial, each turn's first steps not timed (step 1)
 RECHECK_STEPS = 1000  # a new trial this many steps after a decision
 DENSE_WITHIN = 0.5  # dense wins unless a sparse exchange's step is faster by more than this
 PRUNE_AFTER = 2.0  # a warm-up re-trial skips candidates slower than this x the fastest
@@ -91,6 +97,11 @@ FIRST = -1  # MeasuredChoiceStep.traced: the plan before the first trial
 ABORT_AFTER = 2.0  # a candidate's turn ends at a timed step slower than this x the best so far
 BEATEN_TRIALS = 2  # dense sits out the warm-up's later trials after losing this many in a row
 NOISE_WITHIN = 0.15  # the smallest margin: a trial's medians on shared cores vary about this much
+
+
+def first_trial_length(candidates) -> int:
+    """How many steps the job's first trial takes with ``candidates`` tried (step 1)."""
+    return candidates * (FIRST_TRIAL_UNTIMED + TRIAL_STEPS - 1)
 
 
 def dense_margin(density, settled_density) -> float:
@@ -175,6 +186,7 @@ class MeasuredChoiceStep(SynchronousStep):
         self.best = np.inf  # the fastest median so far in a trial
         self.pruned = np.zeros([count], np.bool_)  # over PRUNE_AFTER x the fastest: out
         self.dense_losses = 0  # warm-up trials in a row that dense lost (``_dense_beaten``)
+        self.turn_length = FIRST_TRIAL_UNTIMED + TRIAL_STEPS - 1  # the next trial's turns
         first = self.first_mode()
         # what the graph reads: not optimizer variables, so not checkpointed either
         with tf.init_scope():
@@ -185,6 +197,9 @@ class MeasuredChoiceStep(SynchronousStep):
             # which candidates the next trial runs, in the order of ``order``: dense first,
             # so that a sparse candidate far slower than it can end its turn early
             self.trying = tf.Variable(self.gates[0], trainable=False, name="auto_trying")
+            # each turn's length in the next trial: the first trial's turns are longer (step 1)
+            self.turn_steps = tf.Variable(self.turn_length, dtype=tf.int64, trainable=False,
+                                          name="auto_turn_steps")
             # dense first, then the reference, so that what builds on it can be skipped
             leading = [first] + [i for i in [self.reference_index] if i not in (None, first)]
             self.order = tf.constant(leading + [i for i in range(count) if i not in leading],
@@ -232,10 +247,11 @@ class MeasuredChoiceStep(SynchronousStep):
         """This step's place in the schedule: (phase, in a trial, the trial's candidate, the
         branch due: the candidate in a trial, else the choice)."""
         trying = tf.cast(tf.gather(self.trying, self.order), tf.int32)
-        length = tf.cast(tf.reduce_sum(trying) * TRIAL_STEPS, tf.int64)
+        turn_steps = tf.convert_to_tensor(self.turn_steps)
+        length = tf.cast(tf.reduce_sum(trying), tf.int64) * turn_steps
         phase = self.steps - self.trial_start
         in_trial = tf.logical_and(phase >= 0, phase < length)
-        turn = tf.math.floordiv(tf.clip_by_value(phase, 0, length - 1), TRIAL_STEPS)
+        turn = tf.math.floordiv(tf.clip_by_value(phase, 0, length - 1), turn_steps)
         # the turn-th of those trying, in order: where their running count first passes it
         passed = tf.cast(tf.cumsum(trying) > tf.cast(turn, tf.int32), tf.int32)
         candidate = tf.gather(self.order, tf.argmax(passed, output_type=tf.int32))
@@ -272,12 +288,13 @@ class MeasuredChoiceStep(SynchronousStep):
         times = collectives.allgather(tf.reshape(tf.stack([elapsed, exchanged]), [1, 2]),
                                       name=f"{opt._prefix}.auto.step",
                                       process_set=opt.process_set, step=self.steps)
-        start, choice, trying = tf.numpy_function(
+        start, choice, trying, turn_steps = tf.numpy_function(
             self._record, [times, phase, candidate, self.steps, self.trial_start, self.choice,
-                           self.trying], [tf.int64, tf.int32, tf.bool], stateful=True)
+                           self.trying], [tf.int64, tf.int32, tf.bool, tf.int64], stateful=True)
         self.trial_start.assign(tf.reshape(start, []))
         self.choice.assign(tf.reshape(choice, []))
         self.trying.assign(tf.reshape(trying, [len(self.plans)]))
+        self.turn_steps.assign(tf.reshape(turn_steps, []))
 
     def _record(self, times, phase, candidate, step, start, choice, trying):
         """:meth:`_time` on the host. Every rank records the same numbers (the step's mean
@@ -289,10 +306,12 @@ class MeasuredChoiceStep(SynchronousStep):
         come within reach leaves it."""
         elapsed = float(np.mean(times[:, 0]))
         compute = elapsed - float(np.min(times[:, 1]))
-        slot, last_slot = int(phase) % TRIAL_STEPS - 1, TRIAL_STEPS - 2
+        turn_length = self.turn_length
+        slot = int(phase) % turn_length - (turn_length - TRIAL_STEPS + 1)
+        last_slot = TRIAL_STEPS - 2
         candidate, trying = int(candidate), np.array(trying, np.bool_)
-        if slot < 0:  # the turn's first step: not timed
-            return np.int64(start), np.int32(choice), trying
+        if slot < 0:  # the turn's first steps: not timed
+            return np.int64(start), np.int32(choice), trying, np.int64(turn_length)
         aborted = slot < last_slot and elapsed > ABORT_AFTER * self.best
         skipped = last_slot - slot if aborted else 0
         if skipped:
@@ -316,10 +335,11 @@ class MeasuredChoiceStep(SynchronousStep):
                 dense = median_of_samples(self.samples[self.dense_index])
                 trying &= self._within_reach(median, dense, compute,
                                              self.gate_densities[self.trial_row])
-        length = int(np.count_nonzero(trying)) * TRIAL_STEPS
+        length = int(np.count_nonzero(trying)) * turn_length
         if (turn_done and int(phase) + skipped == length - 1) or hopeless:
             start, choice, trying = self._decide(hopeless, int(step), trying)
-        return np.int64(start), np.int32(choice), trying
+            self.turn_length = TRIAL_STEPS  # the first trial's longer turns are over
+        return np.int64(start), np.int32(choice), trying, np.int64(self.turn_length)
 
     def _within_reach(self, reference_seconds, dense_seconds, compute, density):
         """``within_reach`` for each plan (host), at the trial's ``density`` and the whole

@@ -10,6 +10,20 @@ import numpy as np
 import pytest
 
 import sparse_hvd
+import sparse_hvd.steps.measured as _measured
+
+LIBRARY_FIRST_TRIAL_UNTIMED = _measured.FIRST_TRIAL_UNTIMED  # before any test changes it
+
+
+@pytest.fixture(autouse=True)
+def first_trial_like_the_others(monkeypatch):
+    """``exchange="auto"``'s schedule tests count every trial's turns as ``TRIAL_STEPS``
+    steps with one untimed; the job's first trial has longer turns by default
+    (``FIRST_TRIAL_UNTIMED``), which ``tests/distributed/test_auto_exchange.py`` tests with
+    the library's value (``LIBRARY_FIRST_TRIAL_UNTIMED``)."""
+    import sparse_hvd.steps.measured as measured
+
+    monkeypatch.setattr(measured, "FIRST_TRIAL_UNTIMED", 1)
 
 
 @pytest.fixture(scope="session")

@@ -129,6 +129,51 @@ def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd, per_mo
     assert [v.shape for v in optimizer.variables] == [v.shape for v in fixed.variables]
 
 
+def test_the_first_trial_times_each_turn_after_more_untimed_steps(hvd, monkeypatch):
+    """The library's first trial: each turn is ``FIRST_TRIAL_UNTIMED + TRIAL_STEPS - 1`` steps,
+    the last ``TRIAL_STEPS - 1`` timed; the re-check (``RECHECK_STEPS`` 8 after the decision)
+    is a trial of ``TRIAL_STEPS``-step turns again, one step untimed. Which steps were timed
+    (wrote a sample) and which exchange each step ran follow from that closed form, on every
+    rank."""
+    from conftest import LIBRARY_FIRST_TRIAL_UNTIMED
+
+    untimed = LIBRARY_FIRST_TRIAL_UNTIMED
+    assert untimed > 1, "the library's first trial is not longer: nothing to test"
+    monkeypatch.setattr(measured, "FIRST_TRIAL_UNTIMED", untimed)
+    monkeypatch.setattr(measured, "RECHECK_STEPS", 8)
+    timed_at = []  # the auto step counter of every step that wrote a sample
+    record = measured.MeasuredChoiceStep._record
+
+    def recording(self, times, phase, candidate, step, *rest):
+        before = self.samples.copy()
+        result = record(self, times, phase, candidate, step, *rest)
+        if not np.array_equal(before, self.samples):
+            timed_at.append(int(step))
+        return result
+
+    monkeypatch.setattr(measured.MeasuredChoiceStep, "_record", recording)
+    first_turn, turn = untimed + measured.TRIAL_STEPS - 1, measured.TRIAL_STEPS
+    first_end = CANDIDATES * first_turn  # the counter at the first trial's last step
+    second_start = first_end + 8
+    steps = 1 + second_start + CANDIDATES * turn + 2
+    optimizer, weights, _ = train("auto_first_trial", steps)
+    step = optimizer._step
+    assert [d[0] for d in optimizer.exchange_decisions] == [
+        first_end, second_start + CANDIDATES * turn - 1]
+    # the counter is one behind the call: the trial starts at the second call (counter 1)
+    expected_timed = [1 + t * first_turn + k for t in range(CANDIDATES)
+                      for k in range(untimed, first_turn)]
+    expected_timed += [second_start + t * turn + k for t in range(CANDIDATES)
+                       for k in range(1, turn)]
+    assert timed_at == expected_timed
+    assert all(set(d[1]) == NAMES for d in optimizer.exchange_decisions)  # every turn timed
+    assert step.turn_steps.numpy() == turn and step.samples.shape[1] == turn - 1
+    everyone = gather(hvd, (optimizer.exchange_decisions, timed_at), name="auto_first.all")
+    assert all(e == everyone[0] for e in everyone), everyone
+    _same_everywhere(hvd, weights, "auto_first_trial")
+    _conservation(hvd, optimizer, weights, steps, "none")
+
+
 @pytest.mark.parametrize("prune_after", [measured.PRUNE_AFTER, 1.0])  # 1.0: only the fastest
 def test_a_warmup_is_tried_again_as_its_density_halves(hvd, monkeypatch, prune_after):
     """16% -> 1% over 80 steps halves the density every 20 steps: trials start at step 1, at
