@@ -21,9 +21,7 @@ def first_trial_like_the_others(monkeypatch):
     steps with one untimed; the job's first trial has longer turns by default
     (``FIRST_TRIAL_UNTIMED``), which ``tests/distributed/test_auto_exchange.py`` tests with
     the library's value (``LIBRARY_FIRST_TRIAL_UNTIMED``)."""
-    import sparse_hvd.steps.measured as measured
-
-    monkeypatch.setattr(measured, "FIRST_TRIAL_UNTIMED", 1)
+    monkeypatch.setattr(_measured, "FIRST_TRIAL_UNTIMED", 1)
 
 
 @pytest.fixture(scope="session")

@@ -133,8 +133,7 @@ def test_the_first_trial_times_each_turn_after_more_untimed_steps(hvd, monkeypat
     """The library's first trial: each turn is ``FIRST_TRIAL_UNTIMED + TRIAL_STEPS - 1`` steps,
     the last ``TRIAL_STEPS - 1`` timed; the re-check (``RECHECK_STEPS`` 8 after the decision)
     is a trial of ``TRIAL_STEPS``-step turns again, one step untimed. Which steps were timed
-    (wrote a sample) and which exchange each step ran follow from that closed form, on every
-    rank."""
+    (wrote a sample) follows from that closed form, on every rank."""
     from conftest import LIBRARY_FIRST_TRIAL_UNTIMED
 
     untimed = LIBRARY_FIRST_TRIAL_UNTIMED
