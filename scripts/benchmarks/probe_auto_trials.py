@@ -47,11 +47,10 @@ def worker(args):
     sparse_hvd.init()
     measured.RECHECK_STEPS = args.recheck
     import keras
-    import numpy as np
     import tensorflow as tf
 
     import sparse_hvd.exchanges.sparse_allreduce as sparse_allreduce
-    from tta_worker import load_digits_shards
+    from digits_mlp import training
 
     rank, size = sparse_hvd.rank(), sparse_hvd.size()
     kept_records = []
@@ -64,25 +63,9 @@ def worker(args):
         return rule(thetas, forecast, magnitudes, cuts, level_counts, budgets)
 
     sparse_allreduce.next_thresholds = recorded
-    (x, y), _ = load_digits_shards(0, rank, size)
-    x, y = tf.constant(x), tf.constant(y)
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(2048, activation="relu"),
-                              keras.layers.Dense(2048, activation="relu"), keras.layers.Dense(10)])
-    optimizer = sparse_hvd.SparseDistributedOptimizer(
+    optimizer, run_step = training(lambda: sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(0.01, momentum=0.9), density=args.density, warmup_steps=0,
-        name="probe_auto")
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    variables = model.trainable_variables
-    optimizer.build(variables)
-    rng = np.random.default_rng(1000 + rank)
-
-    @sparse_hvd.function(optimizer, jit_compile=False)
-    def step(indices):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(tf.gather(y, indices), model(tf.gather(x, indices), training=True))
-        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
-        return loss
+        name="probe_auto"), rank, size)
 
     auto = optimizer._step
     names = [plan.name for plan in auto.plans]
@@ -91,7 +74,7 @@ def worker(args):
         branch = names[auto.wanted_mode()]
         before = len(kept_records)
         start = time.perf_counter()
-        float(step(tf.constant(rng.choice(int(x.shape[0]), 64, replace=False), tf.int32)))
+        float(run_step())
         seconds = time.perf_counter() - start
         kept = kept_records[before] if len(kept_records) > before else None
         rows.append({"step": number, "branch": branch, "ms": seconds * 1e3, "kept_k": kept})

@@ -78,12 +78,11 @@ def main(argv=None):
 
     sparse_hvd.init()
     import keras
-    import numpy as np
     import tensorflow as tf
 
     import sparse_hvd.exchanges.global_threshold as threshold
     import sparse_hvd.exchanges.sparse_allreduce as sparse_allreduce
-    from tta_worker import load_digits_shards
+    from digits_mlp import training
 
     rank, size = sparse_hvd.rank(), sparse_hvd.size()
     if args.rule == "last-cut":
@@ -103,29 +102,13 @@ def main(argv=None):
         return cut, theta, following
 
     sparse_allreduce.next_thresholds = recorded
-    (x, y), _ = load_digits_shards(0, rank, size)
-    x, y = tf.constant(x), tf.constant(y)
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(2048, activation="relu"),
-                              keras.layers.Dense(2048, activation="relu"), keras.layers.Dense(10)])
-    optimizer = sparse_hvd.SparseDistributedOptimizer(
+    _, run_step = training(lambda: sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(0.01, momentum=0.9), density=args.density, sparsifier="topk",
         exchange=args.exchange, warmup_steps=0, budget="layer", sparsify=args.sparsify,
-        name="probe_threshold")
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    variables = model.trainable_variables
-    optimizer.build(variables)
-    rng = np.random.default_rng(1000 + rank)
-
-    @sparse_hvd.function(optimizer, jit_compile=False)
-    def step(indices):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(tf.gather(y, indices), model(tf.gather(x, indices), training=True))
-        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
-        return loss
+        name="probe_threshold"), rank, size)
 
     for _ in range(args.steps):
-        step(tf.constant(rng.choice(int(x.shape[0]), 64, replace=False), tf.int32))
+        run_step()
     if rank != 0:
         return
     ratios = [(sum(kept) / sum(k), sum(applied) / sum(k)) for kept, applied, k in records]
