@@ -15,18 +15,23 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
 
 1. **Trial.** From step ``trial_start`` on, each candidate worth trying runs ``TRIAL_STEPS``
    steps in turn, dense first. The first of each is not timed (its first run sets up its
-   collectives). In the job's first trial each turn is longer: its first
-   ``FIRST_TRIAL_UNTIMED`` steps are not timed, since the job's first sparse steps still pay
-   for their start (on the wide CNN at 4 workers and 1 Gbit/s the allgather's steps after its
+   collectives). A candidate's first turn in the job is longer: its first
+   ``FIRST_TRIAL_UNTIMED`` steps are not timed, since an exchange's first steps still pay for
+   their start (on the wide CNN at 4 workers and 1 Gbit/s the allgather's steps after its
    trace took 0.52, 0.40, 0.32 s, then about 0.25 s; timed from the second, that trial ran
    dense for the warm-up's next 70 steps on every seed,
-   ``docs/time_to_loss_update_cut_1gbit.md``). The others time the whole step, from the
-   previous step's last write to this one's (on shared cores a candidate's CPU work slows the
-   other ranks' backprop, which a timer around the exchange would not see), as the mean over
-   the ranks, so every rank holds the same numbers. A timed step over ``ABORT_AFTER`` x the
-   fastest median so far ends its candidate's turn. Not worth trying (``worth_trying``): a
-   sparse candidate whose bytes on the wire alone, at the trial's density, cannot beat dense
-   by ``DENSE_WITHIN``. Dense's steps also time its exchange on every rank: the rank that
+   ``docs/time_to_loss_update_cut_1gbit.md``). That is every turn of the job's first trial,
+   and the turn of a candidate first tried later (the reach rule or the byte gate left it out
+   before: the sparse allreduce's first turn at step 80 of such a run took 0.59 s a step and
+   left that trial, the next one chose it). A timed step is the whole step, from the previous
+   step's last write to this one's (on shared cores a candidate's CPU work slows the other
+   ranks' backprop, which a timer around the exchange would not see), as the mean over the
+   ranks, so every rank holds the same numbers. Two timed steps in a row over ``ABORT_AFTER``
+   x the fastest median so far end their candidate's turn (one alone may be noise: at 8 ranks
+   on 2 cores single steps took up to 2x their neighbours', and the coded allgather's 628 ms
+   in one trial, against its 202 ms steady, was most likely one such step standing for its
+   whole turn). Not worth trying (``worth_trying``): a sparse candidate whose bytes on the
+   wire alone, at the trial's density, cannot beat dense by ``DENSE_WITHIN``. Dense's steps also time its exchange on every rank: the rank that
    reached the collective last waited only for the transfer, so the step less its time is the
    compute no exchange removes (``sparse_can_win``); where dense's step is within
    ``DENSE_WITHIN`` of it, the trial ends with dense's turn and the sparse candidates are
@@ -89,19 +94,24 @@ from .trial_rules import (decide, decision_message, median_of_samples, sparse_ca
                           within_reach, worth_trying)
 
 TRIAL_STEPS = 4  # steps each candidate runs in a trial; the first is not timed
-FIRST_TRIAL_UNTIMED = 4  # in the job's first trial, each turn's first steps not timed (step 1)
+FIRST_TRIAL_UNTIMED = 4  # a candidate's first turn in the job: its first steps not timed (step 1)
 RECHECK_STEPS = 1000  # a new trial this many steps after a decision
 DENSE_WITHIN = 0.5  # dense wins unless a sparse exchange's step is faster by more than this
 PRUNE_AFTER = 2.0  # a warm-up re-trial skips candidates slower than this x the fastest
 FIRST = -1  # MeasuredChoiceStep.traced: the plan before the first trial
-ABORT_AFTER = 2.0  # a candidate's turn ends at a timed step slower than this x the best so far
+ABORT_AFTER = 2.0  # a turn ends at two timed steps in a row slower than this x the best so far
 BEATEN_TRIALS = 2  # dense sits out the warm-up's later trials after losing this many in a row
 NOISE_WITHIN = 0.15  # the smallest margin: a trial's medians on shared cores vary about this much
 
 
+def first_turn_length() -> int:
+    """The steps of a candidate's first turn in the job (step 1)."""
+    return FIRST_TRIAL_UNTIMED + TRIAL_STEPS - 1
+
+
 def first_trial_length(candidates) -> int:
     """How many steps the job's first trial takes with ``candidates`` tried (step 1)."""
-    return candidates * (FIRST_TRIAL_UNTIMED + TRIAL_STEPS - 1)
+    return candidates * first_turn_length()
 
 
 def dense_margin(density, settled_density) -> float:
@@ -186,7 +196,8 @@ class MeasuredChoiceStep(SynchronousStep):
         self.best = np.inf  # the fastest median so far in a trial
         self.pruned = np.zeros([count], np.bool_)  # over PRUNE_AFTER x the fastest: out
         self.dense_losses = 0  # warm-up trials in a row that dense lost (``_dense_beaten``)
-        self.turn_length = FIRST_TRIAL_UNTIMED + TRIAL_STEPS - 1  # the next trial's turns
+        self.warmed = np.zeros([count], np.bool_)  # each candidate: has had its first turn
+        self.turn_lengths = np.full([count], first_turn_length(), np.int64)  # in this trial
         first = self.first_mode()
         # what the graph reads: not optimizer variables, so not checkpointed either
         with tf.init_scope():
@@ -197,13 +208,14 @@ class MeasuredChoiceStep(SynchronousStep):
             # which candidates the next trial runs, in the order of ``order``: dense first,
             # so that a sparse candidate far slower than it can end its turn early
             self.trying = tf.Variable(self.gates[0], trainable=False, name="auto_trying")
-            # each turn's length in the next trial: the first trial's turns are longer (step 1)
-            self.turn_steps = tf.Variable(self.turn_length, dtype=tf.int64, trainable=False,
+            # each candidate's turn in the next trial: its first one is longer (step 1)
+            self.turn_steps = tf.Variable(self.turn_lengths, trainable=False,
                                           name="auto_turn_steps")
             # dense first, then the reference, so that what builds on it can be skipped
             leading = [first] + [i for i in [self.reference_index] if i not in (None, first)]
-            self.order = tf.constant(leading + [i for i in range(count) if i not in leading],
-                                     tf.int32)
+            self.turn_order = np.array(
+                leading + [i for i in range(count) if i not in leading], np.int32)
+            self.order = tf.constant(self.turn_order)
             self.next_branch = tf.Variable(first, dtype=tf.int32, trainable=False,
                                            name="auto_next_branch")
             # the residuals were sent whole by a dense step that went ahead, and no sparse
@@ -246,14 +258,14 @@ class MeasuredChoiceStep(SynchronousStep):
     def _due(self):
         """This step's place in the schedule: (phase, in a trial, the trial's candidate, the
         branch due: the candidate in a trial, else the choice)."""
-        trying = tf.cast(tf.gather(self.trying, self.order), tf.int32)
-        turn_steps = tf.convert_to_tensor(self.turn_steps)
-        length = tf.cast(tf.reduce_sum(trying), tf.int64) * turn_steps
+        trying = tf.cast(tf.gather(self.trying, self.order), tf.int64)
+        # where each turn ends, in order (a candidate not trying has none)
+        ends = tf.cumsum(trying * tf.gather(self.turn_steps, self.order))
+        length = ends[-1]
         phase = self.steps - self.trial_start
         in_trial = tf.logical_and(phase >= 0, phase < length)
-        turn = tf.math.floordiv(tf.clip_by_value(phase, 0, length - 1), turn_steps)
-        # the turn-th of those trying, in order: where their running count first passes it
-        passed = tf.cast(tf.cumsum(trying) > tf.cast(turn, tf.int32), tf.int32)
+        # the candidate whose turn is the first to end after this phase
+        passed = tf.cast(ends > tf.clip_by_value(phase, 0, length - 1), tf.int32)
         candidate = tf.gather(self.order, tf.argmax(passed, output_type=tf.int32))
         return phase, in_trial, candidate, tf.where(in_trial, candidate, self.choice)
 
@@ -294,30 +306,31 @@ class MeasuredChoiceStep(SynchronousStep):
         self.trial_start.assign(tf.reshape(start, []))
         self.choice.assign(tf.reshape(choice, []))
         self.trying.assign(tf.reshape(trying, [len(self.plans)]))
-        self.turn_steps.assign(tf.reshape(turn_steps, []))
+        self.turn_steps.assign(tf.reshape(turn_steps, [len(self.plans)]))
 
     def _record(self, times, phase, candidate, step, start, choice, trying):
         """:meth:`_time` on the host. Every rank records the same numbers (the step's mean
         over the ranks; the step less the shortest exchange, dense's compute) and decides
-        alike. A candidate whose timed step takes over ``ABORT_AFTER`` x the fastest median
-        so far ends its turn there (that time stands for all its samples: at the warm-up's
-        high densities a sparse step can take several times dense's). After dense's turn,
-        a trial no sparse exchange can win ends (step 1); after the reference's, what cannot
-        come within reach leaves it."""
+        alike. A candidate whose last two timed steps each took over ``ABORT_AFTER`` x the
+        fastest median so far ends its turn there (the faster of them stands for the samples
+        it skips: at the warm-up's high densities a sparse step can take several times
+        dense's). After dense's turn, a trial no sparse exchange can win ends (step 1); after
+        the reference's, what cannot come within reach leaves it."""
         elapsed = float(np.mean(times[:, 0]))
         compute = elapsed - float(np.min(times[:, 1]))
-        turn_length = self.turn_length
-        slot = int(phase) % turn_length - (turn_length - TRIAL_STEPS + 1)
-        last_slot = TRIAL_STEPS - 2
         candidate, trying = int(candidate), np.array(trying, np.bool_)
+        turn_start, turn_length = self._turn(candidate, trying)
+        slot = int(phase) - turn_start - (turn_length - TRIAL_STEPS + 1)
+        last_slot = TRIAL_STEPS - 2
         if slot < 0:  # the turn's first steps: not timed
-            return np.int64(start), np.int32(choice), trying, np.int64(turn_length)
-        aborted = slot < last_slot and elapsed > ABORT_AFTER * self.best
-        skipped = last_slot - slot if aborted else 0
+            return np.int64(start), np.int32(choice), trying, self.turn_lengths
+        self.warmed[candidate] = True
+        self.samples[candidate, slot] = elapsed
+        over = slot >= 1 and min(self.samples[candidate, slot - 1:slot + 1]) > (
+            ABORT_AFTER * self.best)
+        skipped = last_slot - slot if slot < last_slot and over else 0
         if skipped:
-            self.samples[candidate, :] = elapsed
-        else:
-            self.samples[candidate, slot] = elapsed
+            self.samples[candidate, slot + 1:] = min(self.samples[candidate, slot - 1:slot + 1])
         start -= skipped
         turn_done = slot + skipped == last_slot
         median = median_of_samples(self.samples[candidate])
@@ -335,11 +348,20 @@ class MeasuredChoiceStep(SynchronousStep):
                 dense = median_of_samples(self.samples[self.dense_index])
                 trying &= self._within_reach(median, dense, compute,
                                              self.gate_densities[self.trial_row])
-        length = int(np.count_nonzero(trying)) * turn_length
+        length = int(np.sum(np.where(trying, self.turn_lengths, 0)))
         if (turn_done and int(phase) + skipped == length - 1) or hopeless:
             start, choice, trying = self._decide(hopeless, int(step), trying)
-            self.turn_length = TRIAL_STEPS  # the first trial's longer turns are over
-        return np.int64(start), np.int32(choice), trying, np.int64(self.turn_length)
+            # the next trial's turns: those who had their first one are timed sooner
+            self.turn_lengths = np.where(self.warmed, TRIAL_STEPS,
+                                         first_turn_length()).astype(np.int64)
+        return np.int64(start), np.int32(choice), trying, self.turn_lengths
+
+    def _turn(self, candidate, trying):
+        """(its first phase, its length) of ``candidate``'s turn in a trial of ``trying``."""
+        lengths = np.where(trying, self.turn_lengths, 0)[self.turn_order]
+        position = int(np.flatnonzero(self.turn_order == candidate)[0])
+        end = int(np.sum(lengths[:position + 1]))
+        return end - int(lengths[position]), int(lengths[position])
 
     def _within_reach(self, reference_seconds, dense_seconds, compute, density):
         """``within_reach`` for each plan (host), at the trial's ``density`` and the whole

@@ -129,17 +129,29 @@ def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd, per_mo
     assert [v.shape for v in optimizer.variables] == [v.shape for v in fixed.variables]
 
 
-def test_the_first_trial_times_each_turn_after_more_untimed_steps(hvd, monkeypatch):
-    """The library's first trial: each turn is ``FIRST_TRIAL_UNTIMED + TRIAL_STEPS - 1`` steps,
-    the last ``TRIAL_STEPS - 1`` timed; the re-check (``RECHECK_STEPS`` 8 after the decision)
-    is a trial of ``TRIAL_STEPS``-step turns again, one step untimed. Which steps were timed
-    (wrote a sample) follows from that closed form, on every rank."""
+@pytest.mark.parametrize("reach_first", [True, False])
+def test_a_candidates_first_turn_times_it_after_more_untimed_steps(hvd, monkeypatch,
+                                                                    reach_first):
+    """A candidate's first turn in the job is ``FIRST_TRIAL_UNTIMED + TRIAL_STEPS - 1`` steps,
+    the last ``TRIAL_STEPS - 1`` timed; later turns are ``TRIAL_STEPS`` steps, one untimed.
+    ``reach_first``: every candidate runs in the first trial, so the re-check (``RECHECK_STEPS``
+    8 after the decision) has short turns only; else the reach rule leaves the coded allgather
+    and the sparse allreduce out of the first trial (it ends with the allgather's turn) and
+    their first turns, in the re-check, are the long ones. Which steps were timed (wrote a
+    sample) follows from that closed form, on every rank."""
     from conftest import LIBRARY_FIRST_TRIAL_UNTIMED
 
     untimed = LIBRARY_FIRST_TRIAL_UNTIMED
-    assert untimed > 1, "the library's first trial is not longer: nothing to test"
+    assert untimed > 1, "the library's first turns are not longer: nothing to test"
     monkeypatch.setattr(measured, "FIRST_TRIAL_UNTIMED", untimed)
     monkeypatch.setattr(measured, "RECHECK_STEPS", 8)
+    asked = []
+
+    def reach(*numbers):  # asked once per plan that builds on the allgather, at its turn's end
+        asked.append(numbers)
+        return reach_first or len(asked) > 2
+
+    monkeypatch.setattr(measured, "within_reach", reach)
     timed_at = []  # the auto step counter of every step that wrote a sample
     record = measured.MeasuredChoiceStep._record
 
@@ -151,25 +163,30 @@ def test_the_first_trial_times_each_turn_after_more_untimed_steps(hvd, monkeypat
         return result
 
     monkeypatch.setattr(measured.MeasuredChoiceStep, "_record", recording)
-    first_turn, turn = untimed + measured.TRIAL_STEPS - 1, measured.TRIAL_STEPS
-    first_end = CANDIDATES * first_turn  # the counter at the first trial's last step
+    long_turn, turn = untimed + measured.TRIAL_STEPS - 1, measured.TRIAL_STEPS
+    # each trial's turns in order (dense, the allgather, the two that build on it): lengths
+    first = [long_turn] * (CANDIDATES if reach_first else 2)
+    second = [turn] * 2 + [turn if reach_first else long_turn] * 2
+    first_end = sum(first)  # the counter at the first trial's last step (it starts at 1)
     second_start = first_end + 8
-    steps = 1 + second_start + CANDIDATES * turn + 2
-    optimizer, weights, _ = train("auto_first_trial", steps)
+    steps = 1 + second_start + sum(second) + 2
+    optimizer, weights, _ = train(f"auto_first_turns_{reach_first}", steps)
     step = optimizer._step
     assert [d[0] for d in optimizer.exchange_decisions] == [
-        first_end, second_start + CANDIDATES * turn - 1]
-    # the counter is one behind the call: the trial starts at the second call (counter 1)
-    expected_timed = [1 + t * first_turn + k for t in range(CANDIDATES)
-                      for k in range(untimed, first_turn)]
-    expected_timed += [second_start + t * turn + k for t in range(CANDIDATES)
-                       for k in range(1, turn)]
+        first_end, second_start + sum(second) - 1]
+    expected_timed = []
+    for start, lengths in ((1, first), (second_start, second)):
+        for length in lengths:
+            expected_timed += range(start + length - (turn - 1), start + length)
+            start += length
     assert timed_at == expected_timed
-    assert all(set(d[1]) == NAMES for d in optimizer.exchange_decisions)  # every turn timed
-    assert step.turn_steps.numpy() == turn and step.samples.shape[1] == turn - 1
-    everyone = gather(hvd, (optimizer.exchange_decisions, timed_at), name="auto_first.all")
+    assert [set(d[1]) for d in optimizer.exchange_decisions] == [
+        NAMES if reach_first else {"dense", "allgather"}, NAMES]
+    assert np.all(step.turn_steps.numpy() == turn) and step.samples.shape[1] == turn - 1
+    everyone = gather(hvd, (optimizer.exchange_decisions, timed_at),
+                      name=f"auto_first_turns_{reach_first}.all")
     assert all(e == everyone[0] for e in everyone), everyone
-    _same_everywhere(hvd, weights, "auto_first_trial")
+    _same_everywhere(hvd, weights, f"auto_first_turns_{reach_first}")
     _conservation(hvd, optimizer, weights, steps, "none")
 
 
@@ -442,11 +459,13 @@ def test_a_trials_dense_turn_keeps_the_residuals(hvd, monkeypatch, inner, compre
 
 def test_a_candidate_far_slower_than_the_best_ends_its_turn(hvd, monkeypatch):
     """With ``ABORT_AFTER`` 0 every candidate after the first (dense, which has no best to be
-    measured against) is slower than 0 x the best: each ends its turn at its first timed step,
-    so the trial is dense's 4 steps and 2 for each other candidate, decided in its last step;
-    that step's time stands for all of the candidate's samples; every rank decides alike."""
+    measured against) is slower than 0 x the best: each ends its turn at its second timed
+    step, so the trial is dense's 4 steps and 3 for each other candidate, decided in its last
+    step; the faster of the two timed steps stands for the one skipped; every rank decides
+    alike."""
+    assert measured.TRIAL_STEPS == 4, "the closed form below counts 3 timed steps a turn"
     monkeypatch.setattr(measured, "ABORT_AFTER", 0.0)
-    length = measured.TRIAL_STEPS + 2 * (CANDIDATES - 1)
+    length = measured.TRIAL_STEPS + 3 * (CANDIDATES - 1)
     steps = 1 + length + 2
     optimizer, weights, _ = train("auto_abort", steps)
     step = optimizer._step
@@ -457,11 +476,47 @@ def test_a_candidate_far_slower_than_the_best_ends_its_turn(hvd, monkeypatch):
     samples = step.samples
     for i, name in enumerate(names):
         if name != "dense":
-            assert np.all(samples[i] == samples[i][0]), (name, samples[i])
+            assert samples[i][2] == min(samples[i][:2]), (name, samples[i])
     everyone = gather(hvd, (optimizer.exchange_decisions, samples.tolist()),
                       name="auto_abort.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
     _same_everywhere(hvd, weights, "auto_abort")
+    _conservation(hvd, optimizer, weights, steps, "none")
+
+
+def test_one_slow_step_does_not_end_a_turn_two_in_a_row_do(hvd, monkeypatch):
+    """``ABORT_AFTER`` 2 and scripted step times (the same on every rank): dense's steps take
+    1 s; the allgather's first timed step 3 s (a spike), its others 1 s, so its turn runs whole
+    and its median is 1 s; the coded allgather's first two timed steps 3 s, so its turn ends
+    there (3 steps) with 3 s for the one skipped; the sparse allreduce's 0.5 s, the choice."""
+    monkeypatch.setattr(measured, "ABORT_AFTER", 2.0)
+    # the auto step counter of each timed step: dense 2-4, the allgather 6-8, the coded
+    # allgather 10-11 (12 skipped), the sparse allreduce 13-15 (turns of 4, one untimed)
+    scripted = {6: 3.0, 10: 3.0, 11: 3.0, 13: 0.5, 14: 0.5, 15: 0.5}
+    record = measured.MeasuredChoiceStep._record
+
+    def scripted_times(self, times, phase, candidate, step, *rest):
+        times = np.array(times)
+        times[:, 0] = scripted.get(int(step), 1.0)
+        return record(self, times, phase, candidate, step, *rest)
+
+    monkeypatch.setattr(measured.MeasuredChoiceStep, "_record", scripted_times)
+    steps = 1 + 15 + 2
+    optimizer, weights, stats = train("auto_spike", steps)
+    step = optimizer._step
+    names = [p.name for p in step.plans]
+    assert len(optimizer.exchange_decisions) == 1
+    decided_at, times, choice = optimizer.exchange_decisions[0]
+    assert (decided_at, choice) == (15, "sparse_allreduce")
+    assert times == {name: {"compact_allgather": 3.0, "sparse_allreduce": 0.5}.get(name, 1.0)
+                     for name in names}
+    np.testing.assert_array_equal(step.samples[names.index("allgather")], [3.0, 1.0, 1.0])
+    np.testing.assert_array_equal(step.samples[names.index("compact_allgather")],
+                                  [3.0, 3.0, 3.0])
+    assert stats[-1][next(iter(stats[-1]))]["exchange"] == "sparse_allreduce"
+    everyone = gather(hvd, optimizer.exchange_decisions, name="auto_spike.decisions")
+    assert all(e == everyone[0] for e in everyone), everyone
+    _same_everywhere(hvd, weights, "auto_spike")
     _conservation(hvd, optimizer, weights, steps, "none")
 
 
