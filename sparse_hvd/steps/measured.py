@@ -31,16 +31,17 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    on 2 cores single steps took up to 2x their neighbours', and the coded allgather's 628 ms
    in one trial, against its 202 ms steady, was most likely one such step standing for its
    whole turn). Not worth trying (``worth_trying``): a sparse candidate whose bytes on the
-   wire alone, at the trial's density, cannot beat dense by ``DENSE_WITHIN``. Dense's steps also time its exchange on every rank: the rank that
-   reached the collective last waited only for the transfer, so the step less its time is the
-   compute no exchange removes (``sparse_can_win``); where dense's step is within
-   ``DENSE_WITHIN`` of it, the trial ends with dense's turn and the sparse candidates are
-   never traced or run (on the character LSTM at 1 Gbit/s their traces and trial steps made
-   the first 20 steps 2x dense's). After dense comes the reference (``Exchange.builds_on``:
-   the coded allgather and the sparse allreduce do the allgather's work and more, to send
-   fewer bytes); at the end of its turn, those that could not become the choice even if their
-   fewer bytes were all they changed (``within_reach``) leave the trial untraced (with 4 ranks
-   on 2 cores a trace took 3-6 s: 13 s of a 57 s run on 10 Gbit/s links, where dense won).
+   wire alone, at the trial's density, cannot beat dense by ``DENSE_WITHIN``. Dense's steps
+   also time its exchange on every rank: the rank that reached the collective last waited
+   only for the transfer, so the step less its time is the compute no exchange removes
+   (``sparse_can_win``); where dense's step is within ``DENSE_WITHIN`` of it, the trial ends
+   with dense's turn and the sparse candidates are never traced or run (on the character
+   LSTM at 1 Gbit/s their traces and trial steps made the first 20 steps 2x dense's). After
+   dense comes the reference (``Exchange.builds_on``: the coded allgather and the sparse
+   allreduce do the allgather's work and more, to send fewer bytes); at the end of its turn,
+   those that could not become the choice even if their fewer bytes were all they changed
+   (``within_reach``) leave the trial untraced (with 4 ranks on 2 cores a trace took 3-6 s:
+   13 s of a 57 s run on 10 Gbit/s links, where dense won).
 2. **Decision**, in the trial's last step, on every rank at once, by one rule on the same
    numbers: the fastest median, except that dense wins unless a sparse exchange's step is
    faster than dense's by more than ``DENSE_WITHIN`` (1.5x): a sparse run needs more steps to
