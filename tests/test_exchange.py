@@ -147,12 +147,19 @@ def _native_only():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("rows,divisor", [(3, 3), (1, 1), (4, 4)])
-def test_averages_at_positions_are_the_dense_averages_where_entries_arrived(dtype, rows, divisor):
-    """The update cut's form of step 4: every position that received an entry once, in the
-    order it first arrived (rank by rank), with the bits of the dense average there."""
+@pytest.mark.parametrize("rows,divisor,ascending", [(3, 3, False), (1, 1, False), (4, 4, False),
+                                                    (3, 3, True), (1, 1, True), (9, 9, True)])
+def test_averages_at_positions_are_the_dense_averages_where_entries_arrived(
+        dtype, rows, divisor, ascending):
+    """The update cut's form of step 4: every position that received an entry once, with the
+    bits of the dense average there; in the order it first arrived (rank by rank), or
+    ascending where every rank's indices ascend (merged) and there are at most 8 ranks."""
     _native_only()
     counts, indices, values = _gathered(rows, dtype)
+    if ascending:  # as a magnitude cut sends them
+        orders = [np.argsort(run) for run in indices]
+        indices = [run[order] for run, order in zip(indices, orders)]
+        values = [run[order] for run, order in zip(values, orders)]
     columns = [0, 2]
     group_values = [values[r * len(SIZES) + c] for r in range(rows) for c in columns]
     result = averaging_module.average_at_positions(
@@ -162,6 +169,8 @@ def test_averages_at_positions_are_the_dense_averages_where_entries_arrived(dtyp
     for column, got, expected in zip(columns, result, dense):
         arrived = [i for r in range(rows) for i in indices[r * len(SIZES) + column]]
         first_seen = list(dict.fromkeys(int(i) for i in arrived))
+        if ascending and rows <= 8:
+            first_seen = sorted(first_seen)
         assert got.indices.numpy().tolist() == first_seen
         assert got.values.dtype == dtype and got.dense_shape.numpy().tolist() == [SIZES[column]]
         np.testing.assert_array_equal(got.values.numpy(), expected[first_seen])
@@ -182,13 +191,14 @@ def test_a_negative_zero_sum_at_a_position_is_a_positive_zero_as_in_the_dense_av
 
 
 @pytest.mark.parametrize("index", [40, -3])
-def test_an_index_outside_its_variable_at_positions_is_an_error_that_names_it(index):
+@pytest.mark.parametrize("after", [[], [2]])  # [2]: variable 1's run [index, 2] (both paths)
+def test_an_index_outside_its_variable_at_positions_is_an_error_that_names_it(index, after):
     _native_only()
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=f"index {index} is outside variable 1 of 33"):
         averaging_module.average_at_positions(
-            tf.constant([1, index], tf.int32), tf.constant([1.0, 2.0]), tf.constant([[1, 1]]),
-            [0, 1], [10, 33], 2)
+            tf.constant([1, index] + after, tf.int32), tf.constant([1.0, 2.0] + [3.0] * len(after)),
+            tf.constant([[1, 1 + len(after)]]), [0, 1], [10, 33], 2)
 
 
 def test_without_the_kernel_there_are_no_averages_at_positions(monkeypatch):

@@ -83,6 +83,21 @@ def test_the_model_wide_cut_is_the_same_with_the_native_sample(budget):
     assert float(native) == float(plain) > 0
 
 
+@pytest.mark.parametrize("k", [1, 2_050, 40_000, 205_000])
+def test_the_kth_largest_sample_is_the_same_by_selection_and_by_top_k(k, monkeypatch):
+    """``model_budget.kth_largest``: the native selection and ``tf.math.top_k``'s least give
+    numpy's k-th largest, with ties (a quarter of the samples rounded to one decimal)."""
+    native_op(kernels.kth_largest)
+    rng = np.random.RandomState(11)
+    values = np.abs(rng.standard_cauchy(205_000)).astype("float32")
+    values[::4] = np.round(values[::4], 1)
+    want = np.sort(values)[::-1][k - 1]
+    native = model_budget.kth_largest(tf.constant(values), tf.constant(k))
+    monkeypatch.setattr(kernels, "kth_largest", lambda: None)
+    plain = model_budget.kth_largest(tf.constant(values), tf.constant(k))
+    assert float(native) == float(plain) == want
+
+
 def test_a_model_budget_step_is_the_same_with_and_without_the_native_sample(monkeypatch):
     """Three steps of one worker with ``budget="model"``: the weights and residuals are the
     same bits whether the sample is native or TensorFlow's."""

@@ -137,6 +137,29 @@ def test_the_kth_largest_of_each_segment_is_numpys(path, dtype, monkeypatch):
     np.testing.assert_array_equal(got.numpy(), np.array(_kth_reference(values, cuts, k), dtype))
 
 
+@pytest.mark.parametrize("pattern", ["spread", "large_at_every_16th", "ties", "nan"])
+def test_the_native_kth_largest_of_long_segments_is_numpys(pattern):
+    """Segments long enough for the selection among the entries not below a sampled bound
+    (kth_largest.cc): k small and large, a pattern whose sample bound keeps too few (every
+    16th entry large, where the sample is read: the op must fall back to all), ties, NaNs
+    (above every number)."""
+    op = native_op(kernels.kth_largest)
+    rng = np.random.RandomState(7)
+    values = np.abs(rng.randn(50_000)).astype(np.float32)
+    if pattern == "large_at_every_16th":
+        values[::16] += 100.0
+    elif pattern == "ties":
+        values = np.round(values, 1)
+    elif pattern == "nan":
+        values[rng.choice(values.size, 30, replace=False)] = np.nan
+    cuts = [0, 20_000, 50_000]
+    for k in ([1, 1], [50, 7], [1250, 1875], [2000, 3000], [20_000, 30_000]):
+        got = op(tf.constant(values), tf.constant(cuts, tf.int32), tf.constant(k, tf.int32))
+        expected = [np.sort(values[a:b])[::-1][kv - 1]  # NaN sorts last: first, reversed
+                    for a, b, kv in zip(cuts[:-1], cuts[1:], k)]
+        np.testing.assert_array_equal(got.numpy(), np.array(expected, np.float32), err_msg=str(k))
+
+
 @pytest.mark.parametrize("cuts,message", [([0, 5, 3], "must not decrease"),
                                           ([0, 2, 9], r"cuts\[2\] = 9 is not in \[0, 6\]"),
                                           ([0, 6], "one more entry than k")])

@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--exchange", default="allgather",
-                        help="an exchange name, or plain (Horovod's grouped_allreduce)")
+                        help="an exchange name, plain (Horovod's grouped_allreduce) or floor "
+                        "(no exchange: the inner optimizer on each rank's own gradients)")
     parser.add_argument("--budget", choices=("model", "layer", "default"), default="model",
                         help="default: the library's own (what the exchange needs)")
     parser.add_argument("--density", type=float, default=0.01)
@@ -38,6 +39,9 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="TensorFlow intra/inter-op threads (0: TensorFlow's choice); 1 "
+                        "runs a rank's ops one at a time, so an op's time is its own")
     return parser.parse_args(argv)
 
 
@@ -74,6 +78,9 @@ def main(argv=None):
 
     import sparse_hvd
 
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     sparse_hvd.init()
     rank = hvd.rank()
     rng = np.random.default_rng(rank)
@@ -85,7 +92,7 @@ def main(argv=None):
                               keras.layers.Dense(2048, activation="relu"),
                               keras.layers.Dense(10)])
     variables = model.trainable_variables
-    plain = args.exchange == "plain"
+    plain = args.exchange in ("plain", "floor")
     inner = (keras.optimizers.Adam(1e-3) if args.inner == "adam"
              else keras.optimizers.SGD(0.01, momentum=0.9))
     optimizer = inner if plain else sparse_hvd.SparseDistributedOptimizer(
@@ -104,7 +111,7 @@ def main(argv=None):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
         grads = tape.gradient(loss, variables)
-        if plain:
+        if args.exchange == "plain":
             grads = hvd.grouped_allreduce(grads, op=hvd.Average)
         optimizer.apply_gradients(zip(grads, variables))
         return loss

@@ -72,9 +72,10 @@ def average_entries(indices, values, counts, columns, sizes, divisor) -> List[tf
 
 def average_at_positions(indices, values, counts, columns, sizes, divisor):
     """:func:`average_entries`'s averages only where entries arrived, one ``tf.IndexedSlices``
-    per column (flat positions in the order they first arrived, and their averages: the same
-    bits as the dense average there; it is 0 elsewhere), for a caller that subtracts them in
-    place; None where the native kernel does not run (then :func:`average_entries`)."""
+    per column (flat positions in the order they first arrived, or ascending where every
+    rank's ascend and at most 8 ranks sent them, and their averages: the same bits as the
+    dense average there; it is 0 elsewhere), for a caller that subtracts them in place; None
+    where the native kernel does not run (then :func:`average_entries`)."""
     native = kernels.mean_at_positions() if values.dtype in (tf.float32, tf.float64) else None
     if native is None:
         return None
