@@ -11,9 +11,10 @@
 //   2. if 1 <= k[v] <= its length, its k[v]-th largest by selection (std::nth_element on a
 //      copy of the segment: linear on average), else 0; where k is a small share of a long
 //      segment, the selection runs on the few entries not below a bound found on every
-//      kStride-th entry (SampleSelect), which is the same value: the model-wide cut's 2,048th
-//      largest of 205,000 sampled magnitudes took 2.7 ms of the 4.35M MLP's step at 2 ranks
-//      (std::nth_element, or tf.math.top_k with one thread), 0.5 ms this way;
+//      kStride-th entry (SampleSelect), which is the same value: the model-wide cut's 2,050th
+//      largest of 205,000 sampled magnitudes took 2.2-2.7 ms of the 4.35M MLP's step at 2
+//      ranks as tf.math.top_k with one thread (std::nth_element alone: 2.7 ms), 0.4-0.5 ms
+//      this way;
 //   3. NaN orders above every number, so a non-finite step (whose results are discarded)
 //      still gets a well-defined order.
 
