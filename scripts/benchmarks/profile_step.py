@@ -2,8 +2,9 @@
 
 The 4.35M-parameter MLP (64-2048-2048-10, batch 64 per worker, SGD momentum 0.9; ``--inner
 adam``: Adam 1e-3) trained with ``SparseDistributedOptimizer`` at ``--density`` with
-``--exchange`` and ``--budget`` (no warm-up), or with a user's own ``hvd.grouped_allreduce``
-(``--exchange plain``). After ``--warmup`` steps, ``--steps`` steps run under
+``--exchange`` and ``--budget`` (no warm-up), or unwrapped: with a user's own
+``hvd.grouped_allreduce`` (``--exchange plain``) or with no exchange at all (``--exchange
+floor``). After ``--warmup`` steps, ``--steps`` steps run under
 ``tf.profiler``; rank 0 reads the trace it wrote (the ``/host:CPU`` plane's op events) and
 prints the wall time per step and the ops that took the most time per step, summed over
 their runs. Ops of different threads overlap, so the column adds up to more than the wall
@@ -92,17 +93,17 @@ def main(argv=None):
                               keras.layers.Dense(2048, activation="relu"),
                               keras.layers.Dense(10)])
     variables = model.trainable_variables
-    plain = args.exchange in ("plain", "floor")
+    unwrapped = args.exchange in ("plain", "floor")  # the inner optimizer alone
     inner = (keras.optimizers.Adam(1e-3) if args.inner == "adam"
              else keras.optimizers.SGD(0.01, momentum=0.9))
-    optimizer = inner if plain else sparse_hvd.SparseDistributedOptimizer(
+    optimizer = inner if unwrapped else sparse_hvd.SparseDistributedOptimizer(
         inner, density=args.density, exchange=args.exchange,
         budget=None if args.budget == "default" else args.budget,
         warmup_steps=0, name="profile")
     optimizer.build(variables)
 
     # exchange="auto": each step runs the function traced for the exchange it chose
-    decorate = (tf.function(jit_compile=False) if plain
+    decorate = (tf.function(jit_compile=False) if unwrapped
                 else sparse_hvd.function(optimizer, jit_compile=False))
 
     @decorate
