@@ -69,7 +69,13 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    reference and was not tried with it, and without dense once sparse exchanges beat it in
    two trials in a row (``_dense_beaten``); at the density policy's first settled step (the
    warm-up's end), with every candidate worth trying but a beaten dense; then every
-   ``RECHECK_STEPS`` steps, all.
+   ``RECHECK_STEPS`` steps, all. A job whose first decision no warm-up trial follows (no
+   warm-up, or a restored job's first trial) re-checks it sooner, ``FIRST_RECHECK_STEPS``
+   after it: that trial ran every candidate on its first steps (fresh traces, collectives
+   starting up, and on shared cores the other processes' start), the least reliable timings
+   of the job, and a wrong choice would otherwise last ``RECHECK_STEPS`` steps (at 8 workers
+   on the emulated 1 Gbit/s cluster one such first trial chose dense, whose step was 3.1x the
+   fastest candidate's).
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
 exact (``plan_step``): chosen, dense sends the residuals whole once and clears them (with
@@ -97,6 +103,7 @@ from .trial_rules import (decide, decision_message, median_of_samples, sparse_ca
 TRIAL_STEPS = 4  # steps each candidate runs in a trial; the first is not timed
 FIRST_TRIAL_UNTIMED = 4  # a candidate's first turn in the job: its first steps not timed (step 1)
 RECHECK_STEPS = 1000  # a new trial this many steps after a decision
+FIRST_RECHECK_STEPS = 100  # sooner after a job's first decision if no warm-up trial follows
 DENSE_WITHIN = 0.5  # dense wins unless a sparse exchange's step is faster by more than this
 PRUNE_AFTER = 2.0  # a warm-up re-trial skips candidates slower than this x the fastest
 FIRST = -1  # MeasuredChoiceStep.traced: the plan before the first trial
@@ -415,7 +422,7 @@ class MeasuredChoiceStep(SynchronousStep):
             log.info("%s", decision_message(step, names, choice, times, compute, hopeless,
                                             DENSE_WITHIN if hopeless else margin))
         upcoming = [start for start in self.warmup_trials if start > step]
-        following = upcoming[0] if upcoming else step + RECHECK_STEPS
+        following = upcoming[0] if upcoming else step + self._recheck_after()
         # within the warm-up only those that can still win: halving the density at most
         # halves a sparse step's exchange, so one over ``PRUNE_AFTER`` x the fastest cannot
         # win the next trial; the warm-up's last trial and later ones forget the pruning
@@ -439,6 +446,14 @@ class MeasuredChoiceStep(SynchronousStep):
         # and only those whose bytes can win at the next trial's density (``worth_trying``)
         self.trial_row = max(int(np.sum(self.gate_starts <= following)) - 1, 0)
         return following, choice, ~pruned & self.gates[self.trial_row]
+
+    def _recheck_after(self) -> int:
+        """Steps from a decision that no warm-up trial follows to the next trial (step 3):
+        ``FIRST_RECHECK_STEPS`` after the job's first decision (this process's: a restored job
+        measures again), ``RECHECK_STEPS`` after later ones; never more than the latter."""
+        if len(self.decisions) == 1:
+            return min(FIRST_RECHECK_STEPS, RECHECK_STEPS)
+        return RECHECK_STEPS
 
     def _dense_beaten(self, ran, lost, warming) -> bool:
         """Whether dense sits out the next trial, one of the warm-up's (``warming``): a sparse

@@ -270,6 +270,8 @@ def test_dense_beaten_twice_sits_out_the_warmup_until_the_recheck(hvd, monkeypat
 
     monkeypatch.setattr(measured, "PRUNE_AFTER", np.inf)
     monkeypatch.setattr(measured, "RECHECK_STEPS", 8)
+    # a warm-up's trials follow the first decision: no early re-check anywhere here
+    monkeypatch.setattr(measured, "FIRST_RECHECK_STEPS", 3)
     monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index("allgather"))
     turn = measured.TRIAL_STEPS
     settled_end = 80 + 3 * turn - 1
@@ -282,6 +284,44 @@ def test_dense_beaten_twice_sits_out_the_warmup_until_the_recheck(hvd, monkeypat
                                          settled_end + 8 + CANDIDATES * turn - 1]
     assert all(d[2] == "allgather" for d in decisions)
     everyone = gather(hvd, [(d[0], sorted(d[1])) for d in decisions], name=f"{name}.decisions")
+    assert all(e == everyone[0] for e in everyone), everyone
+    _same_everywhere(hvd, weights, name)
+    _conservation(hvd, optimizer, weights, steps, "none")
+
+
+def test_a_first_decision_is_checked_again_sooner(hvd, monkeypatch):
+    """No warm-up: the job's first trial (its candidates' first steps) decides dense, wrongly
+    here (the rule forced to dense the first time, the allgather afterwards); the next trial
+    comes ``FIRST_RECHECK_STEPS`` (5) after that decision instead of ``RECHECK_STEPS`` (12),
+    switches to the allgather, and the one after it is ``RECHECK_STEPS`` later. Every rank
+    decides alike at those closed-form steps, and nothing is lost across the switches."""
+    monkeypatch.setattr(measured, "RECHECK_STEPS", 12)
+    monkeypatch.setattr(measured, "FIRST_RECHECK_STEPS", 5)
+    calls = []
+
+    def forced(seconds, names, margin):
+        calls.append(margin)
+        return names.index("dense" if len(calls) == 1 else "allgather")
+
+    monkeypatch.setattr(measured, "decide", forced)
+    trial = CANDIDATES * measured.TRIAL_STEPS
+    first = trial  # the counter at the first trial's last step (it starts at 1)
+    second = first + 5 + trial - 1
+    third = second + 12 + trial - 1
+    steps = third + 2
+    name = "auto_first_recheck"
+    optimizer, weights, stats = train(name, steps)
+    decisions = optimizer.exchange_decisions
+    assert [(d[0], d[2]) for d in decisions] == [
+        (first, "dense"), (second, "allgather"), (third, "allgather")]
+    assert all(set(d[1]) == NAMES for d in decisions)
+
+    # the choice after each step (``layer_stats``: a trial's steps report the choice, not the
+    # candidate they ran); step p (0-based) is the counter's p
+    chosen = [passed[next(iter(passed))]["exchange"] for passed in stats]
+    assert chosen[first:second] == ["dense"] * (second - first)
+    assert chosen[second:] == ["allgather"] * (steps - second)
+    everyone = gather(hvd, [(d[0], d[2]) for d in decisions], name=f"{name}.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
     _same_everywhere(hvd, weights, name)
     _conservation(hvd, optimizer, weights, steps, "none")
