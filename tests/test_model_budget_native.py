@@ -9,6 +9,7 @@ import tensorflow as tf
 import sparse_hvd
 from sparse_hvd import kernels
 from sparse_hvd.selection import model_budget
+from sparse_hvd.selection.order_statistics import kth_largest
 from helpers import native_op
 
 # lengths: shorter than a block, shorter than its stride, a whole number of strides and not
@@ -83,19 +84,27 @@ def test_the_model_wide_cut_is_the_same_with_the_native_sample(budget):
     assert float(native) == float(plain) > 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("k", [1, 2_050, 40_000, 205_000])
-def test_the_kth_largest_sample_is_the_same_by_selection_and_by_top_k(k, monkeypatch):
-    """``model_budget.kth_largest``: the native selection and ``tf.math.top_k``'s least give
-    numpy's k-th largest, with ties (a quarter of the samples rounded to one decimal)."""
+def test_the_kth_largest_sample_is_the_same_by_selection_and_by_top_k(k, dtype, monkeypatch):
+    """``order_statistics.kth_largest`` (the model-wide cut's, ``ApproxTopK``'s and the band
+    cut's): the native selection and ``tf.math.top_k``'s least give numpy's k-th largest,
+    with ties (a quarter of the samples rounded to one decimal); 16-bit values take top_k."""
     native_op(kernels.kth_largest)
     rng = np.random.RandomState(11)
-    values = np.abs(rng.standard_cauchy(205_000)).astype("float32")
+    values = np.abs(rng.standard_cauchy(205_000)).astype(dtype)
     values[::4] = np.round(values[::4], 1)
     want = np.sort(values)[::-1][k - 1]
-    native = model_budget.kth_largest(tf.constant(values), tf.constant(k))
+    native = kth_largest(tf.constant(values), tf.constant(k))
+    assert model_budget.kth_largest is kth_largest  # the cut's
     monkeypatch.setattr(kernels, "kth_largest", lambda: None)
-    plain = model_budget.kth_largest(tf.constant(values), tf.constant(k))
+    plain = kth_largest(tf.constant(values), tf.constant(k))
+    assert native.dtype == plain.dtype == tf.as_dtype(dtype)
     assert float(native) == float(plain) == want
+    half = values.astype("float16")
+    monkeypatch.setattr(kernels, "kth_largest", lambda: pytest.fail("native op on 16 bits"))
+    got = kth_largest(tf.constant(half), tf.constant(k))
+    assert float(got) == float(np.sort(half)[::-1][k - 1])
 
 
 def test_a_model_budget_step_is_the_same_with_and_without_the_native_sample(monkeypatch):

@@ -9,9 +9,9 @@ import tensorflow as tf
 import sparse_hvd
 from helpers import native_op
 from sparse_hvd import kernels
-from sparse_hvd.exchanges.global_threshold import (FIRST_MISS, LEVELS, Forecast, kth_largest,
-                                                  next_thresholds)
+from sparse_hvd.exchanges.global_threshold import FIRST_MISS, LEVELS, Forecast, next_thresholds
 from sparse_hvd.exchanges.sparse_allreduce import even_boundaries, owners_of
+from sparse_hvd.selection.order_statistics import kth_largest_per_segment
 
 
 def test_even_boundaries_cover_the_index_space():
@@ -130,10 +130,12 @@ def test_the_kth_largest_of_each_segment_is_numpys(path, dtype, monkeypatch):
     values[10:14] = 2.5  # ties
     cuts = [0, 0, 1, 14, 14, 30, 40]
     k = [1, 1, 4, 1, 16, 0]
-    got = kth_largest(tf.constant(values), tf.constant(cuts, tf.int32), tf.constant(k, tf.int32))
+    got = kth_largest_per_segment(tf.constant(values), tf.constant(cuts, tf.int32),
+                                  tf.constant(k, tf.int32))
     np.testing.assert_array_equal(got.numpy(), np.array(_kth_reference(values, cuts, k), dtype))
     k = [0, 1, 13, 0, 3, 10]
-    got = kth_largest(tf.constant(values), tf.constant(cuts, tf.int32), tf.constant(k, tf.int32))
+    got = kth_largest_per_segment(tf.constant(values), tf.constant(cuts, tf.int32),
+                                  tf.constant(k, tf.int32))
     np.testing.assert_array_equal(got.numpy(), np.array(_kth_reference(values, cuts, k), dtype))
 
 

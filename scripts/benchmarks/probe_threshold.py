@@ -54,7 +54,7 @@ def last_cut_rule(tf, threshold):
         budgets = tf.maximum(tf.cast(budgets, tf.int32), 1)
         leads = tf.where(forecast.growth > 0, forecast.growth, tf.ones_like(thetas))
         enough = cuts[1:] - cuts[:-1] >= budgets
-        cut = tf.where(enough, threshold.kth_largest(magnitudes, cuts, budgets),
+        cut = tf.where(enough, threshold.kth_largest_per_segment(magnitudes, cuts, budgets),
                        tf.zeros_like(thetas))
         growth = tf.where(thetas > 0, tf.math.divide_no_nan(cut, thetas / leads),
                           tf.ones_like(thetas))

@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from .. import kernels
+from ..selection.order_statistics import kth_largest_per_segment
 
 # theta x these: the levels every owner counts; the first is the kept set itself. Fine near 1
 # (2^-1/1024 is 0.07%): a theta a little too high is lowered a little
@@ -64,24 +64,6 @@ def first_forecast(variables: int) -> Forecast:
     """The forecast state of a job's first step (nothing known yet)."""
     return Forecast(tf.zeros([variables], tf.float64), tf.zeros([variables], tf.float64),
                     tf.fill([variables], tf.constant(FIRST_MISS, tf.float64)))
-
-
-def kth_largest(magnitudes, cuts, k):
-    """Per segment ``magnitudes[cuts[v]:cuts[v + 1]]``, its ``k[v]``-th largest (0 where
-    ``k[v]`` is not within 1 and its length): one selection each on CPU
-    (``kernels.kth_largest``), else one stable sort of all of them by segment, then by
-    magnitude descending. ``cuts[0]`` is 0 and ``cuts[-1]`` the number of magnitudes."""
-    native = kernels.kth_largest()
-    if native is not None:
-        return native(magnitudes, cuts, k)
-    counts = cuts[1:] - cuts[:-1]
-    segment = tf.repeat(tf.range(tf.size(counts)), counts)
-    descending = tf.argsort(magnitudes, direction="DESCENDING", stable=True)
-    order = tf.gather(descending, tf.argsort(tf.gather(segment, descending), stable=True))
-    ranked = tf.concat([tf.gather(magnitudes, order), tf.zeros([1], magnitudes.dtype)], 0)
-    valid = tf.logical_and(k >= 1, k <= counts)
-    at = tf.where(valid, cuts[:-1] + k - 1, tf.size(magnitudes))  # the padding 0
-    return tf.gather(ranked, at)
 
 
 def lowered_factor(level_counts, budgets):
@@ -114,7 +96,7 @@ def next_thresholds(thetas, forecast: Forecast, magnitudes, cuts, level_counts, 
     budgets = tf.maximum(tf.cast(budgets, tf.int32), 1)
     zeros, ones = tf.zeros_like(thetas), tf.ones_like(thetas)
     enough = cuts[1:] - cuts[:-1] >= budgets
-    cut = tf.where(enough, kth_largest(magnitudes, cuts, budgets), zeros)  # Step 1
+    cut = tf.where(enough, kth_largest_per_segment(magnitudes, cuts, budgets), zeros)  # Step 1
     known = tf.logical_and(enough, forecast.last_cut > 0)  # Step 2
     growth = tf.where(known, tf.clip_by_value(tf.math.divide_no_nan(cut, forecast.last_cut),
                                               1 / MAX_GROWTH, MAX_GROWTH), forecast.growth)

@@ -49,6 +49,7 @@ dense's spread on average; not timed yet.
 import tensorflow as tf
 
 from .. import kernels
+from ..selection.order_statistics import kth_largest
 from ..selection.sparsifiers import Selection, Sparsifier
 from .base import register
 from .fused_allgather import FusedAllgather
@@ -79,14 +80,8 @@ def band_cut_of(remainder, selected, band=BAND):
     magnitude = tf.abs(remainder)
     n = tf.size(magnitude)
     count = tf.minimum((band - 1) * tf.cast(selected, tf.int32), n - tf.cast(selected, tf.int32))
-    native = kernels.kth_largest() if magnitude.dtype == tf.float32 else None
-
-    def kth():
-        if native is not None:
-            return native(magnitude, tf.stack([0, n]), tf.reshape(count, [1]))[0]
-        return tf.math.top_k(magnitude, count, sorted=True).values[count - 1]
-
-    return tf.cond(count > 0, kth, lambda: tf.constant(float("inf"), magnitude.dtype))
+    return tf.cond(count > 0, lambda: kth_largest(magnitude, count),
+                   lambda: tf.constant(float("inf"), magnitude.dtype))
 
 
 def two_level_signs(remainder, selected, band_cut):

@@ -23,6 +23,7 @@ from typing import NamedTuple, Optional
 import tensorflow as tf
 
 from .. import kernels
+from .order_statistics import kth_largest
 from .registry import (Selection, Sparsifier, available_sparsifiers,  # noqa: F401 (re-exported)
                        get_sparsifier, register_sparsifier, serialize_sparsifier)
 
@@ -377,7 +378,7 @@ def _sampled_cut(flat_grad, flat_residual, count, sampler: _Sampler):
     sampled = tf.abs(tf.gather(flat_grad, positions) + tf.gather(flat_residual, positions))
     rank = tf.math.round(tf.cast(count, tf.float64) * (samples + 1) / (n + 1))
     rank = tf.clip_by_value(tf.cast(rank, tf.int32), 1, samples)
-    return tf.math.top_k(sampled, k=rank, sorted=True).values[-1]
+    return kth_largest(sampled, rank)
 
 
 @register_sparsifier("approx_topk")
