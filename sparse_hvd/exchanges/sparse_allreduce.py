@@ -95,8 +95,9 @@ def sorted_search(sorted_sequence, values, side):
     """``tf.searchsorted`` of 1-D tensors (int32 positions) as the one op it wraps: the
     wrapper's reshapes for N-D inputs traced about 20 operations a call, six calls a step."""
     search = tf.raw_ops.LowerBound if side == "left" else tf.raw_ops.UpperBound
-    return search(sorted_inputs=sorted_sequence[tf.newaxis], values=values[tf.newaxis],
-                  out_type=tf.int32)[0]
+    # reshapes, not ``[tf.newaxis]`` and ``[0]``: a strided slice and its three constants each
+    return tf.reshape(search(sorted_inputs=tf.reshape(sorted_sequence, [1, -1]),
+                             values=tf.reshape(values, [1, -1]), out_type=tf.int32), [-1])
 
 
 def even_boundaries(total: int, parts: int) -> List[int]:
@@ -131,9 +132,11 @@ def applied_at_positions(positions, sums, cuts, sizes, divisor):
     once, so its average is its sum over ``divisor``, with the bits :func:`average_entries`
     gives it (a sum added to zero first, so -0.0 averages to +0.0)."""
     averages = tf.where(tf.equal(sums, 0), tf.zeros_like(sums), divided(sums, divisor))
-    return [tf.IndexedSlices(averages[cuts[j]:cuts[j + 1]], positions[cuts[j]:cuts[j + 1]],
-                             tf.constant([n], tf.int64))
-            for j, n in enumerate(sizes)]
+    # one split each: slices per variable traced 104 of the step's 1,431 operations (wide CNN)
+    counts = cuts[1:] - cuts[:-1]
+    return [tf.IndexedSlices(values, at, tf.constant([n], tf.int64)) for values, at, n in zip(
+        tf.split(averages, counts, num=len(sizes)), tf.split(positions, counts, num=len(sizes)),
+        sizes)]
 
 
 def _sampled_quantiles(indices, parts, current):
