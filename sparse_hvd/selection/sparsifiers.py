@@ -92,7 +92,10 @@ def _magnitude_cut_step(flat_grad, flat_residual, cut, low, high, fallback, fuse
     3. then ``fallback(flat_grad, flat_residual) -> (indices, values, remainder)`` (an exact
        top-k: :func:`_candidate_topk` or :func:`_partial_sort_topk`) is sent instead.
 
-    Returns ``(selection, remainder)``; ``selection.capped`` is True when step 3 ran.
+    Returns ``(selection, remainder)``; ``selection.capped`` is True when step 3 ran. Where no
+    count can be rejected (``low`` 0 and ``high`` the length, Python numbers: the model-wide
+    cut), steps 2-3 are not traced: the fallback's untaken branch was about a sixth of the
+    operations of the allgather's traced step on the wide CNN, each about 1 ms of trace.
     """
     native = kernels.compensate_cut() if fuse and flat_grad.dtype in (tf.float32, tf.float64) else None
     finite = None
@@ -107,6 +110,11 @@ def _magnitude_cut_step(flat_grad, flat_residual, cut, low, high, fallback, fuse
         too_many = tf.size(indices) > high
         # the same float additions as in the step: the same bits
         values = tf.gather(flat_grad, indices) + tf.gather(flat_residual, indices)
+    length = flat_grad.shape[0]
+    if isinstance(low, int) and isinstance(high, int) and length is not None and (
+            low <= 0 and high >= length):
+        return Selection(values=values, indices=indices, capped=tf.constant(False),
+                         finite=finite), remainder
     rejected = tf.logical_or(too_many, tf.size(indices) < low)
     indices, values, remainder = tf.cond(
         rejected, lambda: fallback(flat_grad, flat_residual), lambda: (indices, values, remainder)
