@@ -160,14 +160,25 @@ struct Entries : EntryRuns {
   T divisor = T(1);
 
   // False (with the context's status set) where the inputs do not agree.
-  bool Read(OpKernelContext* context, const std::vector<int64_t>& columns) {
-    EntryRuns::Read(context, columns);
+  bool Load(OpKernelContext* context, const std::vector<int64_t>& columns) {
+    Read(context, columns);
     if (!context->status().ok()) return false;
     counts_ = context->input(2).flat<int32_t>().data();
     idx = context->input(0).flat<int32_t>().data();
     val = context->input(1).flat<T>().data();
     divisor = context->input(3).scalar<T>()();
     return true;
+  }
+
+  // Rank ``r``'s entries of output ``i`` (variable ``column``).
+  struct Run {
+    const int32_t* indices;
+    const T* values;
+    int64_t count;
+  };
+  Run RunOf(int64_t r, int64_t i, int64_t column) const {
+    return {idx + index_start[r * outputs + i], val + value_start[r * outputs + i],
+            counts_[r * variables + column]};
   }
 
   // How many entries of variable ``column`` arrived from all ranks.
@@ -183,12 +194,11 @@ struct Entries : EntryRuns {
   template <typename Step>
   int64_t Walk(int64_t i, int64_t column, int64_t size, Step&& step) const {
     for (int64_t r = 0; r < ranks; ++r) {
-      const int32_t* ri = idx + index_start[r * outputs + i];
-      const T* rv = val + value_start[r * outputs + i];
-      for (int64_t e = 0, m = counts_[r * variables + column]; e < m; ++e) {
-        const int64_t j = ri[e];
+      const Run run = RunOf(r, i, column);
+      for (int64_t e = 0; e < run.count; ++e) {
+        const int64_t j = run.indices[e];
         if (j < 0 || j >= size) return j;
-        step(j, rv[e]);
+        step(j, run.values[e]);
       }
     }
     return kNoneOutside;
@@ -198,9 +208,9 @@ struct Entries : EntryRuns {
   // ascending indices, as a magnitude cut's selection has (CompensateCut's ascending output).
   bool Ascending(int64_t i, int64_t column) const {
     for (int64_t r = 0; r < ranks; ++r) {
-      const int32_t* ri = idx + index_start[r * outputs + i];
-      for (int64_t e = 1, m = counts_[r * variables + column]; e < m; ++e) {
-        if (ri[e] <= ri[e - 1]) return false;
+      const Run run = RunOf(r, i, column);
+      for (int64_t e = 1; e < run.count; ++e) {
+        if (run.indices[e] <= run.indices[e - 1]) return false;
       }
     }
     return true;
@@ -222,9 +232,10 @@ struct Entries : EntryRuns {
     const T* value[kMergedRanks];
     int64_t head[kMergedRanks];
     for (int64_t r = 0; r < n; ++r) {
-      next[r] = idx + index_start[r * outputs + i];
-      end[r] = next[r] + counts_[r * variables + column];
-      value[r] = val + value_start[r * outputs + i];
+      const Run run = RunOf(r, i, column);
+      next[r] = run.indices;
+      end[r] = run.indices + run.count;
+      value[r] = run.values;
       head[r] = next[r] != end[r] ? *next[r] : kDone;
     }
     int64_t written = 0;
@@ -277,7 +288,7 @@ class ScatterMeanOp : public EntriesOp {
 
   void Compute(OpKernelContext* context) override {
     Entries<T> entries;
-    if (!entries.Read(context, columns_)) return;
+    if (!entries.Load(context, columns_)) return;
     const int64_t outputs = entries.outputs;
     const T divisor = entries.divisor;
 
@@ -375,7 +386,7 @@ class MeanAtPositionsOp : public EntriesOp {
 
   void Compute(OpKernelContext* context) override {
     Entries<T> entries;
-    if (!entries.Read(context, columns_)) return;
+    if (!entries.Load(context, columns_)) return;
     const int64_t outputs = entries.outputs;
     const T divisor = entries.divisor;
 
@@ -390,8 +401,6 @@ class MeanAtPositionsOp : public EntriesOp {
             const int64_t arriving = entries.Arriving(columns_[i]);
             std::vector<int32_t>& order = positions[i];
             std::vector<T>& sum = sums[i];
-            order.reserve(arriving);
-            sum.reserve(arriving);
             // Step 2
             if (entries.ranks >= 1 && entries.ranks <= kMergedRanks &&
                 entries.Ascending(i, columns_[i])) {
@@ -403,6 +412,8 @@ class MeanAtPositionsOp : public EntriesOp {
               sum.resize(distinct);
               continue;
             }
+            order.reserve(arriving);
+            sum.reserve(arriving);
             PositionTable table(arriving);  // Step 1
             bad[i] = entries.Walk(i, columns_[i], num_elements_[i], [&](int64_t j, T value) {
               const int32_t next = static_cast<int32_t>(order.size());
