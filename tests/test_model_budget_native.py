@@ -136,3 +136,36 @@ def test_a_model_budget_step_is_the_same_with_and_without_the_native_sample(monk
     for a, b in zip(with_native, without):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
     assert np.count_nonzero(with_native[0]) > 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_cut_selects_at_or_above_it_and_traces_no_fallback(native, monkeypatch):
+    """``AtOrAbove`` (each variable's step under the model-wide cut): every entry with ``|g +
+    r| >= cut``, ascending, with its value ``g + r``, and the remainder ``g + r`` with those
+    zeroed (NumPy), by the native kernel and by TensorFlow ops. No count can be rejected, so
+    the exact top-k fallback is not traced: no ``TopKV2`` and no conditional in the step's
+    graph (that untaken branch was a sixth of the allgather's traced step)."""
+    from sparse_hvd.selection.model_budget import AtOrAbove
+
+    if native:
+        native_op(kernels.compensate_cut)
+    else:
+        monkeypatch.setattr(kernels, "compensate_cut", lambda: None)
+    n = 50_000
+    rng = np.random.RandomState(3)
+    g, r = rng.randn(n).astype("float32"), rng.randn(n).astype("float32")
+    c = g + r
+    cut = np.float32(np.quantile(np.abs(c), 0.99))
+    sparsifier = AtOrAbove(tf.constant(cut))
+    step = tf.function(sparsifier.fused_compensate_select)
+    spec = tf.TensorSpec([n], tf.float32)
+    types = {op.type for op in step.get_concrete_function(spec, spec).graph.get_operations()}
+    assert "TopKV2" not in types and not types & {"If", "StatelessIf"}, sorted(types)
+    selection, remainder = step(tf.constant(g), tf.constant(r))
+    want = np.flatnonzero(np.abs(c) >= cut)
+    assert 0 < want.size < n
+    np.testing.assert_array_equal(selection.indices.numpy(), want)
+    np.testing.assert_array_equal(selection.values.numpy(), c[want])
+    expected = c.copy()
+    expected[want] = 0
+    np.testing.assert_array_equal(remainder.numpy(), expected)
