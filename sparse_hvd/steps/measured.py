@@ -39,9 +39,16 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    LSTM at 1 Gbit/s their traces and trial steps made the first 20 steps 2x dense's). After
    dense comes the reference (``Exchange.builds_on``: the coded allgather and the sparse
    allreduce do the allgather's work and more, to send fewer bytes); at the end of its turn,
-   those that could not become the choice even if their fewer bytes were all they changed
-   (``within_reach``) leave the trial untraced (with 4 ranks on 2 cores a trace took 3-6 s:
-   13 s of a 57 s run on 10 Gbit/s links, where dense won).
+   those not run before that could not become the choice even if their fewer bytes were all
+   they changed (``within_reach``) leave the trial untraced (with 4 ranks on 2 cores a trace
+   took 3-6 s: 13 s of a 57 s run on 10 Gbit/s links, where dense won). One that ran in an
+   earlier trial stays: it is traced already, its turn costs a few steps, and its measured
+   step is worth more than the bound (at 8 workers on the emulated 1 Gbit/s cluster the
+   bound left out the sparse allreduce, traced in the first trial, in a warm-up's second
+   trial, whose dense then ran 66 more steps at 0.47 s; in the same trial of another seed
+   the sparse allreduce took 0.22 s a step, half the allgather's 0.44 s, where the bound
+   assumed the allgather's step less its bytes' saving: it also receives fewer entries to
+   average, work that grows with N).
 2. **Decision**, in the trial's last step, on every rank at once, by one rule on the same
    numbers: the fastest median, except that dense wins unless a sparse exchange's step is
    faster than dense's by more than ``DENSE_WITHIN`` (1.5x): a sparse run needs more steps to
@@ -354,8 +361,9 @@ class MeasuredChoiceStep(SynchronousStep):
             if (turn_done and candidate == self.reference_index and any(self.bounded)
                     and trying[self.dense_index]):
                 dense = median_of_samples(self.samples[self.dense_index])
+                # a candidate that ran before (traced) stays: its turn costs a few steps
                 trying &= self._within_reach(median, dense, compute,
-                                             self.gate_densities[self.trial_row])
+                                             self.gate_densities[self.trial_row]) | self.warmed
         length = int(np.sum(np.where(trying, self.turn_lengths, 0)))
         if (turn_done and int(phase) + skipped == length - 1) or hopeless:
             start, choice, trying = self._decide(hopeless, int(step), trying)

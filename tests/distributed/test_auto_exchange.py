@@ -190,6 +190,37 @@ def test_a_candidates_first_turn_times_it_after_more_untimed_steps(hvd, monkeypa
     _conservation(hvd, optimizer, weights, steps, "none")
 
 
+def test_a_candidate_that_ran_before_stays_where_the_reach_rule_says_no(hvd, monkeypatch):
+    """``within_reach`` leaves out only candidates that have not run: here it says yes in the
+    first trial (every candidate runs, is traced and timed) and no in the re-check
+    (``RECHECK_STEPS`` 8 after the first decision), where the coded allgather and the sparse
+    allreduce run their turns all the same (a measured step is worth more than the bound, and
+    the trace is paid). The rule is still asked once per candidate that builds on the
+    allgather in each trial; the schedule is closed-form and every rank decides alike."""
+    monkeypatch.setattr(measured, "RECHECK_STEPS", 8)
+    asked = []
+
+    def reach(*numbers):
+        asked.append(numbers)
+        return len(asked) <= 2  # the first trial's two questions
+
+    monkeypatch.setattr(measured, "within_reach", reach)
+    turn = measured.TRIAL_STEPS
+    first_end = CANDIDATES * (measured.FIRST_TRIAL_UNTIMED + turn - 1)  # it starts at step 1
+    second_start = first_end + 8
+    steps = 1 + second_start + CANDIDATES * turn + 2
+    optimizer, weights, _ = train("auto_reach_ran_before", steps)
+    decisions = optimizer.exchange_decisions
+    assert [d[0] for d in decisions] == [first_end, second_start + CANDIDATES * turn - 1]
+    assert [set(d[1]) for d in decisions] == [NAMES, NAMES]
+    assert len(asked) == 4
+    everyone = gather(hvd, ([(d[0], d[2]) for d in decisions], asked),
+                      name="auto_reach_ran_before.all")
+    assert all(e == everyone[0] for e in everyone), everyone
+    _same_everywhere(hvd, weights, "auto_reach_ran_before")
+    _conservation(hvd, optimizer, weights, steps, "none")
+
+
 @pytest.mark.parametrize("prune_after", [measured.PRUNE_AFTER, 1.0])  # 1.0: only the fastest
 def test_a_warmup_is_tried_again_as_its_density_halves(hvd, monkeypatch, prune_after):
     """16% -> 1% over 80 steps halves the density every 20 steps: trials start at step 1, at
