@@ -20,8 +20,12 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    their start (on the wide CNN at 4 workers and 1 Gbit/s the allgather's steps after its
    trace took 0.52, 0.40, 0.32 s, then about 0.25 s; timed from the second, that trial ran
    dense for the warm-up's next 70 steps on every seed,
-   ``docs/time_to_loss_update_cut_1gbit.md``). That is every turn of the job's first trial,
-   and the turn of a candidate first tried later (the reach rule or the byte gate left it out
+   ``docs/time_to_loss_update_cut_1gbit.md``). That is every turn of the job's first trial
+   but dense's (the steps before the trial ran it, so its function is
+   traced and its collectives set up: at 4 workers on the emulated 1 Gbit/s cluster its
+   first trial steps took 0.31-0.37 s, its medians in the next trial 0.32-0.40 s, so 3 of
+   its 7 steps were spent for nothing, each 2-3x a sparse one's), and the turn of a
+   candidate first tried later (the reach rule or the byte gate left it out
    before: the sparse allreduce's first turn at step 80 of such a run took 0.59 s a step and
    left that trial, the next one chose it). A timed step is the whole step, from the previous
    step's last write to this one's (on shared cores a candidate's CPU work slows the other
@@ -125,8 +129,9 @@ def first_turn_length() -> int:
 
 
 def first_trial_length(candidates) -> int:
-    """How many steps the job's first trial takes with ``candidates`` tried (step 1)."""
-    return candidates * first_turn_length()
+    """How many steps the job's first trial takes with ``candidates`` tried, dense among
+    them (step 1): dense's turn is a later trial's length, the others' their first turn's."""
+    return TRIAL_STEPS + (candidates - 1) * first_turn_length() if candidates else 0
 
 
 def dense_margin(density, settled_density) -> float:
@@ -211,9 +216,12 @@ class MeasuredChoiceStep(SynchronousStep):
         self.best = np.inf  # the fastest median so far in a trial
         self.pruned = np.zeros([count], np.bool_)  # over PRUNE_AFTER x the fastest: out
         self.dense_losses = 0  # warm-up trials in a row that dense lost (``_dense_beaten``)
-        self.warmed = np.zeros([count], np.bool_)  # each candidate: has had its first turn
-        self.turn_lengths = np.full([count], first_turn_length(), np.int64)  # in this trial
         first = self.first_mode()
+        # each candidate: has run its first steps (dense's ran before the trial; a sparse
+        # first plan's steps after its trace are still slow, step 1)
+        self.warmed = np.arange(count) == (self.dense_index if first == self.dense_index
+                                           else -1)
+        self.turn_lengths = self._next_turn_lengths()  # in the coming trial
         # what the graph reads: not optimizer variables, so not checkpointed either
         with tf.init_scope():
             self.choice = tf.Variable(first, dtype=tf.int32, trainable=False, name="auto_choice")
@@ -367,10 +375,12 @@ class MeasuredChoiceStep(SynchronousStep):
         length = int(np.sum(np.where(trying, self.turn_lengths, 0)))
         if (turn_done and int(phase) + skipped == length - 1) or hopeless:
             start, choice, trying = self._decide(hopeless, int(step), trying)
-            # the next trial's turns: those who had their first one are timed sooner
-            self.turn_lengths = np.where(self.warmed, TRIAL_STEPS,
-                                         first_turn_length()).astype(np.int64)
+            self.turn_lengths = self._next_turn_lengths()
         return np.int64(start), np.int32(choice), trying, self.turn_lengths
+
+    def _next_turn_lengths(self):
+        """The next trial's turns: those who have run their first steps are timed sooner."""
+        return np.where(self.warmed, TRIAL_STEPS, first_turn_length()).astype(np.int64)
 
     def _turn(self, candidate, trying):
         """(its first phase, its length) of ``candidate``'s turn in a trial of ``trying``."""

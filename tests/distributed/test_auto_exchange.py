@@ -133,11 +133,12 @@ def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd, per_mo
 def test_a_candidates_first_turn_times_it_after_more_untimed_steps(hvd, monkeypatch,
                                                                     reach_first):
     """A candidate's first turn in the job is ``FIRST_TRIAL_UNTIMED + TRIAL_STEPS - 1`` steps,
-    the last ``TRIAL_STEPS - 1`` timed; later turns are ``TRIAL_STEPS`` steps, one untimed.
-    ``reach_first``: every candidate runs in the first trial, so the re-check (``RECHECK_STEPS``
-    8 after the decision) has short turns only; else the reach rule leaves the coded allgather
-    and the sparse allreduce out of the first trial (it ends with the allgather's turn) and
-    their first turns, in the re-check, are the long ones. Which steps were timed (wrote a
+    the last ``TRIAL_STEPS - 1`` timed; later turns, and dense's turn in the first trial (dense
+    ran the steps before it), are ``TRIAL_STEPS`` steps, one untimed. ``reach_first``: every
+    candidate runs in the first trial, so the re-check (``RECHECK_STEPS`` 8 after the
+    decision) has short turns only; else the reach rule leaves the coded allgather and the
+    sparse allreduce out of the first trial (it ends with the allgather's turn) and their
+    first turns, in the re-check, are the long ones. Which steps were timed (wrote a
     sample) follows from that closed form, on every rank."""
     from conftest import LIBRARY_FIRST_TRIAL_UNTIMED
 
@@ -165,7 +166,7 @@ def test_a_candidates_first_turn_times_it_after_more_untimed_steps(hvd, monkeypa
     monkeypatch.setattr(measured.MeasuredChoiceStep, "_record", recording)
     long_turn, turn = untimed + measured.TRIAL_STEPS - 1, measured.TRIAL_STEPS
     # each trial's turns in order (dense, the allgather, the two that build on it): lengths
-    first = [long_turn] * (CANDIDATES if reach_first else 2)
+    first = [turn] + [long_turn] * (CANDIDATES - 1 if reach_first else 1)
     second = [turn] * 2 + [turn if reach_first else long_turn] * 2
     first_end = sum(first)  # the counter at the first trial's last step (it starts at 1)
     second_start = first_end + 8
