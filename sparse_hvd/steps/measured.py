@@ -21,8 +21,8 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    trace took 0.52, 0.40, 0.32 s, then about 0.25 s; timed from the second, that trial ran
    dense for the warm-up's next 70 steps on every seed,
    ``docs/time_to_loss_update_cut_1gbit.md``). That is every turn of the job's first trial
-   but dense's (the steps before the trial ran it, so its function is
-   traced and its collectives set up: at 4 workers on the emulated 1 Gbit/s cluster its
+   but dense's (the steps before the trial ran it, so its function is traced and its
+   collectives set up: at 4 workers on the emulated 1 Gbit/s cluster its
    first trial steps took 0.31-0.37 s, its medians in the next trial 0.32-0.40 s, so 3 of
    its 7 steps were spent for nothing, each 2-3x a sparse one's), and the turn of a
    candidate first tried later (the reach rule or the byte gate left it out
@@ -219,8 +219,9 @@ class MeasuredChoiceStep(SynchronousStep):
         first = self.first_mode()
         # each candidate: has run its first steps (dense's ran before the trial; a sparse
         # first plan's steps after its trace are still slow, step 1)
-        self.warmed = np.arange(count) == (self.dense_index if first == self.dense_index
-                                           else -1)
+        self.warmed = np.zeros([count], np.bool_)
+        if self.dense_index is not None:
+            self.warmed[self.dense_index] = True
         self.turn_lengths = self._next_turn_lengths()  # in the coming trial
         # what the graph reads: not optimizer variables, so not checkpointed either
         with tf.init_scope():
