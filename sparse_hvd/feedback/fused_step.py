@@ -114,31 +114,51 @@ class LocalSteps(NamedTuple):
     write_state: Callable[[], None]
 
 
+class SgdInputs(NamedTuple):
+    """What the native SGD ops take for one variable besides its gradient: the velocity
+    variable (None without momentum), the velocity and the weights flat (an empty velocity
+    without momentum), and the coefficients [learning rate, momentum, decayed, decay]."""
+
+    velocity: Optional[keras.Variable]
+    flat_velocity: tf.Tensor
+    flat_weights: tf.Tensor
+    coefficients: tf.Tensor
+
+
+def sgd_inputs(inner, variables) -> List[SgdInputs]:
+    """Each variable's :class:`SgdInputs` for a plain SGD's step now (this step's learning
+    rate: the count is not moved), as Keras' step would take them."""
+    rate = tf.cast(inner.learning_rate, tf.float32)
+    momentum = tf.cast(inner.momentum, tf.float32)
+    decay = tf.cast(inner.weight_decay or 0.0, tf.float32)
+    inputs = []
+    for variable in variables:
+        velocity = (inner.momentums[inner._get_variable_index(variable)]
+                    if inner.momentum != 0 else None)
+        inputs.append(SgdInputs(
+            velocity, tf.reshape(velocity, [-1]) if velocity is not None else tf.zeros([0]),
+            tf.reshape(variable, [-1]),
+            tf.stack([rate, momentum, _float32(float(_decayed(inner, variable))), decay])))
+    return inputs
+
+
 def sgd_steps(inner, grads, variables) -> LocalSteps:
     """Steps 1-3 of :func:`local_update.local_updates` for a plain SGD by the native pass: per
     variable this rank's update, and the momentum's velocity to write."""
     native = kernels.local_sgd()
-    rate = tf.cast(inner.learning_rate, tf.float32)  # this step's: the count is not moved
-    momentum = tf.cast(inner.momentum, tf.float32)
-    decay = tf.cast(inner.weight_decay or 0.0, tf.float32)
     updates, flags, writes = [], [], []
-    for gradient, variable in zip(grads, variables):
-        velocity = (inner.momentums[inner._get_variable_index(variable)]
-                    if inner.momentum != 0 else None)
-        coefficients = tf.stack([rate, momentum, _float32(float(_decayed(inner, variable))),
-                                 decay])
-        update, kept, finite = native(
-            tf.reshape(gradient, [-1]),
-            tf.reshape(velocity, [-1]) if velocity is not None else tf.zeros([0]),
-            tf.reshape(variable, [-1]), coefficients, nesterov=bool(inner.nesterov))
-        if velocity is not None:
-            writes.append((inner, velocity, tf.reshape(kept, variable.shape)))
+    for gradient, variable, given in zip(grads, variables, sgd_inputs(inner, variables)):
+        update, kept, finite = native(tf.reshape(gradient, [-1]), given.flat_velocity,
+                                      given.flat_weights, given.coefficients,
+                                      nesterov=bool(inner.nesterov))
+        if given.velocity is not None:
+            writes.append((inner, given.velocity, tf.reshape(kept, variable.shape)))
         updates.append(tf.reshape(update, variable.shape))
         flags.append(finite)
-    return LocalSteps(updates, tf.reduce_all(flags), lambda: _assign_all(writes))
+    return LocalSteps(updates, tf.reduce_all(flags), lambda: assign_all(writes))
 
 
-def _assign_all(writes):
+def assign_all(writes):
     """Each (optimizer, variable, value): the optimizer's ``assign`` (Keras' rule)."""
     for optimizer, variable, value in writes:
         optimizer.assign(variable, value)
@@ -185,7 +205,7 @@ def adam_steps(opt, adam, grads, variables, workers, new_weights=False) -> Local
             writes.append((second_moment.writer, q, tf.reshape(explained, variable.shape)))
         updates.append(tf.reshape(update, variable.shape))
         flags.append(finite)
-    return LocalSteps(updates, tf.reduce_all(flags), lambda: _assign_all(writes))
+    return LocalSteps(updates, tf.reduce_all(flags), lambda: assign_all(writes))
 
 
 def steps_if_usable(opt, inner, grads, variables, workers) -> Optional[LocalSteps]:

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from ..runtime import startup as runtime
 from . import clipping as clipping_rules
+from . import fused_cut
 from .application import own_step
 from .local_update import local_updates
 from .payload import PayloadBuilder
@@ -109,14 +110,19 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
     # its residual holds steps, and the inner state is each rank's own, so it goes on as steps)
     cut = ([i for i, p in enumerate(prepared) if p[2].sparse or p[2].flushed]
            if opt.sparsify == "update" else [])
-    if cut:
-        updates = local_updates(opt, [prepared[i][-1] for i in cut],
-                                [grads_and_vars[prepared[i][0]][1] for i in cut], own_step)
-        for i, update in zip(cut, updates):
-            prepared[i] = prepared[i][:-1] + (update,)
     budgets = {index: opt.density_policy.k(index, route.num_elements, step)
                for _, index, route, rows, _ in prepared if route.sparse and not rows}
-    sparsifier = model_wide_sparsifier(opt, prepared, budgets) or opt._selector
+    cut_variables = [grads_and_vars[prepared[i][0]][1] for i in cut]
+    fused = None  # a plain SGD's local step, compensation and model-wide cut in one pass
+    if fused_cut.usable(opt, prepared, cut, cut_variables, budgets):
+        fused = fused_cut.selected(opt, prepared, cut, cut_variables, budgets,
+                                   builder.ready_time)
+    elif cut:
+        updates = local_updates(opt, [prepared[i][-1] for i in cut], cut_variables, own_step)
+        for i, update in zip(cut, updates):
+            prepared[i] = prepared[i][:-1] + (update,)
+    sparsifier = (None if fused is not None
+                  else model_wide_sparsifier(opt, prepared, budgets) or opt._selector)
     levels = getattr(opt._exchange, "levels", 0)  # exchange="topk_sign": the rest as signs
     if levels:
         from ..exchanges.topk_sign import BAND, SignsOfTheRest
@@ -130,9 +136,12 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
             builder.add_rows(position, index, route, grad)
         elif route.sparse:
             k = budgets[index]
-            with tf.control_dependencies([builder.ready_time(grad)]):
-                selection, updates = opt._feedback.select(index, grad, sparsifier, k,
-                                                           opt._compression)
+            if fused is not None:
+                selection, updates = fused[index]
+            else:
+                with tf.control_dependencies([builder.ready_time(grad)]):
+                    selection, updates = opt._feedback.select(index, grad, sparsifier, k,
+                                                               opt._compression)
             builder.add_sparse(position, index, route, grad, selection, updates, budget=k)
         elif route.flushed:
             sent, updates = opt._feedback.flush(index, grad, opt._compression)

@@ -43,6 +43,10 @@
   ops (local_step.cc, ``sparsify="update"`` with a plain Keras Adam or SGD: this worker's step
   as an update, the optimizer's state written (and Adam's noise estimate applied), in one
   pass, the weights untouched);
+* ``local_sgd_cut()`` and ``sampled_local_sgd()``: the ``SparseHvdLocalSgdCut`` and
+  ``SparseHvdSampledLocalSgd`` ops (local_sgd_cut.cc, the update cut with a plain SGD and the
+  model-wide budget: the local step, error feedback and the cut in one pass per variable, and
+  the cut's sample with the step computed at the sampled entries only);
 * ``watch_enter()``, ``watch_leave()`` and ``watch_table()``: the ``SparseHvdWatchEnter`` and
   ``SparseHvdWatchLeave`` ops and the C functions that read their table (watch.cc: the stall
   watchdog's brackets around a traced step's collectives).
@@ -241,6 +245,18 @@ def local_adam():
 def local_sgd():
     """The native local SGD step of ``sparsify="update"`` (``feedback.fused_step``), or None."""
     return _op("sparse_hvd_local_sgd")
+
+
+def local_sgd_cut():
+    """The native local SGD step, compensation and model-wide cut in one pass
+    (``feedback.fused_cut``), or None."""
+    return _op("sparse_hvd_local_sgd_cut")
+
+
+def sampled_local_sgd():
+    """The native ``|update + residual|`` at the model-wide cut's sampled entries, the local
+    SGD step computed there only (``feedback.fused_cut``), or None."""
+    return _op("sparse_hvd_sampled_local_sgd")
 
 
 def watch_enter():

@@ -21,7 +21,7 @@
 //
 // SparseHvdLocalSgd (``keras.optimizers.SGD``), per entry: step 2 as above, then with momentum
 // m' = m * momentum - g * lr and w2 = w1 + m' (Nesterov: w1 + (m' * momentum - g * lr)),
-// without it w2 = w1 - g * lr; and u = w - w2.
+// without it w2 = w1 - g * lr; and u = w - w2 (``SgdUpdate``, sgd_entry.h).
 //
 // Both also say whether every u is finite (``finite``), counted in the same pass: a NaN or
 // an infinity in g reaches u through every formula above (g * lr, g - m and g * g are
@@ -41,6 +41,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
 #include "finite_output.h"
+#include "sgd_entry.h"
 #include "vectorised.h"
 
 namespace sparse_hvd {
@@ -75,8 +76,6 @@ REGISTER_OP("SparseHvdLocalAdam")
 
 constexpr int64_t kShard = 1 << 15;
 
-// 1 where ``x`` is NaN or infinite, else 0, without a branch (so the loops stay vectorised).
-SPARSE_HVD_INLINE int NotFinite(float x) { return !(std::fabs(x) <= FLT_MAX); }
 
 // In the order of the op's ``coefficients``: Adam's, then the decay's (``decayed`` 1: step 2
 // applies; ``kept_out`` 1: the correction leaves the decay unscaled, as
@@ -237,10 +236,6 @@ REGISTER_OP("SparseHvdLocalSgd")
       return tsl::OkStatus();
     });
 
-struct SgdCoefficients {
-  float learning_rate, momentum, decayed, weight_decay;
-};
-
 template <bool kMomentum, bool kNesterov, bool kDecayed>
 SPARSE_HVD_INLINE int SgdRange(const float* __restrict g, const float* __restrict m,
                                const float* __restrict w, float* __restrict u,
@@ -248,16 +243,10 @@ SPARSE_HVD_INLINE int SgdRange(const float* __restrict g, const float* __restric
                                const SgdCoefficients k) {
   int not_finite = 0;
   for (int64_t i = begin; i < end; ++i) {
-    const float w1 = kDecayed ? w[i] - (w[i] * k.weight_decay) * k.learning_rate : w[i];
-    float w2;
-    if (kMomentum) {
-      const float velocity = m[i] * k.momentum - g[i] * k.learning_rate;
-      w2 = kNesterov ? w1 + (velocity * k.momentum - g[i] * k.learning_rate) : w1 + velocity;
-      m_out[i] = velocity;
-    } else {
-      w2 = w1 - g[i] * k.learning_rate;
-    }
-    u[i] = w[i] - w2;
+    float velocity = 0.0f;
+    u[i] = SgdUpdate<kMomentum, kNesterov, kDecayed>(g[i], kMomentum ? m[i] : 0.0f, w[i], k,
+                                                     &velocity);
+    if (kMomentum) m_out[i] = velocity;
     not_finite |= NotFinite(u[i]);
   }
   return not_finite;
@@ -299,15 +288,10 @@ class LocalSgdOp : public OpKernel {
     const Tensor& weights = context->input(2);
     const Tensor& coefficients = context->input(3);
     const int64_t n = gradient.NumElements();
-    OP_REQUIRES(context, gradient.dims() == 1,
-                InvalidArgumentError("gradient must be 1-D (flat)"));
+    OP_REQUIRES_OK(context, CheckSgdInputs(gradient, m, coefficients));
     OP_REQUIRES(context, weights.NumElements() == n,
                 InvalidArgumentError("gradient and weights must have as many entries"));
     const bool momentum = m.NumElements() > 0;
-    OP_REQUIRES(context, !momentum || m.NumElements() == n,
-                InvalidArgumentError("m must be empty or have as many entries as gradient"));
-    OP_REQUIRES(context, coefficients.NumElements() == 4,
-                InvalidArgumentError("coefficients must hold 4 values"));
     Tensor* update = nullptr;
     Tensor* velocity = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, gradient.shape(), &update));

@@ -22,6 +22,7 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "sampled_rows.h"
 
 namespace sparse_hvd {
 
@@ -43,19 +44,6 @@ REGISTER_OP("SparseHvdSampledMagnitudes")
       c->set_output(0, c->Vector(c->UnknownDim()));
       return tsl::OkStatus();
     });
-
-// Step 1: the rows of variable v and the entries taken from each.
-struct Rows {
-  int64_t count;  // rows
-  int64_t every;  // entries from one row start to the next
-  int64_t taken;  // entries taken at the start of each row
-};
-
-Rows RowsOf(int64_t n, int64_t stride, int64_t block) {
-  if (stride == 0) return {1, n, n};
-  if (n < stride) return {1, n, std::min(block, n)};
-  return {n / stride, stride, std::min(block, stride)};
-}
 
 class SampledMagnitudesOp : public OpKernel {
  public:
