@@ -5,9 +5,11 @@ where it travels as rows), unscales it (an inner LossScaleOptimizer), lets the d
 see it, clips it locally (``clipping="local"``), with ``sparsify="update"`` replaces a
 sparse-route gradient by the inner optimizer's update on this rank (``feedback.local_update``),
 asks the policy for each sparse variable's k (or one cut over the model, ``budget="model"``),
-then compensates and selects by route (error feedback), rounds for ``compression``, and
-returns the step's :class:`~sparse_hvd.feedback.payload.Payload`: nothing is written yet (with
-``sparsify="update"`` the inner optimizer's own state has moved; the weights have not).
+then compensates and selects by route (error feedback; with a plain SGD and the model-wide cut
+the update, compensation and cut are one pass, ``feedback.fused_cut``), rounds for
+``compression``, and returns the step's :class:`~sparse_hvd.feedback.payload.Payload`:
+nothing is written yet (with ``sparsify="update"`` the inner optimizer's own state has moved;
+the weights have not).
 :func:`inner_gradients` turns the exchange's averages into what the inner optimizer takes.
 What they use of the optimizer: its routes, density policy, sparsifier, budget, clipping,
 error feedback, loss scaling, compression, exchange, ``nonfinite``, ``momentum_correction``,
