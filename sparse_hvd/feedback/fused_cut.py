@@ -28,7 +28,7 @@ error feedback on without momentum correction, no ``compression`` rounding and n
 rest (``exchange="topk_sign"``), float32 residuals, and the native kernels in use.
 """
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import keras
 import tensorflow as tf
@@ -47,8 +47,9 @@ def usable(opt, prepared, cut, variables, budgets) -> bool:
     variables' k."""
     if not cut or opt.budget != "model" or getattr(opt._exchange, "levels", 0):
         return False
-    if any(not prepared[i][2].sparse or prepared[i][3] or prepared[i][1] not in budgets
-           for i in cut):
+    if any(not prepared[i][2].sparse or prepared[i][3] for i in cut):
+        return False
+    if set(budgets) != {prepared[i][1] for i in cut}:  # every selection is the pass's
         return False
     feedback = opt._feedback
     if not feedback.enabled or feedback.momentum:
