@@ -45,8 +45,6 @@ using tensorflow::TensorShape;
 
 namespace {
 
-SgdCoefficients CoefficientsAt(const float* c) { return {c[0], c[1], c[2], c[3]}; }
-
 // An entry that passed the cut, with its position.
 struct Passed {
   float c;
@@ -199,7 +197,7 @@ class LocalSgdCutOp : public OpKernel {
     OP_REQUIRES_OK(context, context->allocate_output(0, m.shape(), &velocity));
     OP_REQUIRES_OK(context,
                    context->forward_input_or_allocate_output({3}, 1, gradient.shape(), &remainder));
-    const SgdCoefficients k = CoefficientsAt(coefficients.flat<float>().data());
+    const SgdCoefficients k = SgdCoefficientsAt(coefficients.flat<float>().data());
     const float cut = context->input(5).scalar<float>()();
     const CutFunction scan = ChosenCut(momentum, nesterov_, k.decayed != 0.0f);
     const float* g = gradient.flat<float>().data();
@@ -274,21 +272,19 @@ class SampledLocalSgdOp : public OpKernel {
   void Compute(OpKernelContext* context) override {
     const int v_count = variables_;
     const Tensor& coefficients = context->input(4 * v_count);
-    const Tensor& strides_tensor = context->input(4 * v_count + 1);
     OP_REQUIRES(context, coefficients.NumElements() == kSgdCoefficients * v_count,
                 InvalidArgumentError(absl::StrCat("coefficients must hold 4 values for each of ",
                                                   v_count, " variables")));
-    OP_REQUIRES(context, strides_tensor.dims() == 1 && strides_tensor.NumElements() == v_count,
-                InvalidArgumentError(absl::StrCat("strides must be a vector of ", v_count,
-                                                  " entries, one per variable")));
-    const bool momentum = context->input(v_count).NumElements() > 0;
-    const int64_t* strides = strides_tensor.flat<int64_t>().data();
-    std::vector<Rows> rows(v_count);
+    std::vector<int64_t> lengths(v_count);
+    for (int v = 0; v < v_count; ++v) lengths[v] = context->input(v).NumElements();
+    std::vector<Rows> rows;
     int64_t total = 0;
+    OP_REQUIRES_OK(context, SampledRows(context->input(4 * v_count + 1), lengths, block_,
+                                        &rows, &total));
+    const bool momentum = context->input(v_count).NumElements() > 0;
     for (int v = 0; v < v_count; ++v) {
-      const int64_t n = context->input(v).NumElements();
       for (int part = 1; part < 4; ++part) {
-        const int64_t want = (part == 1 && !momentum) ? 0 : n;
+        const int64_t want = (part == 1 && !momentum) ? 0 : lengths[v];
         const int64_t have = context->input(part * v_count + v).NumElements();
         OP_REQUIRES(context, have == want,
                     InvalidArgumentError(absl::StrCat(
@@ -296,18 +292,13 @@ class SampledLocalSgdOp : public OpKernel {
                         " where ", want, " are needed (gradients, momenta, weights, residuals; "
                         "momenta all empty or all full)")));
       }
-      OP_REQUIRES(context, strides[v] >= 0,
-                  InvalidArgumentError(absl::StrCat("strides[", v, "] = ", strides[v],
-                                                    " is negative")));
-      rows[v] = RowsOf(n, strides[v], block_);
-      total += rows[v].count * rows[v].taken;
     }
     Tensor* out_tensor = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({total}), &out_tensor));
     float* out = out_tensor->flat<float>().data();
     const float* c = coefficients.flat<float>().data();
     for (int v = 0; v < v_count; ++v) {
-      const SgdCoefficients k = CoefficientsAt(c + kSgdCoefficients * v);
+      const SgdCoefficients k = SgdCoefficientsAt(c + kSgdCoefficients * v);
       const SampleFunction sample = ChosenSample(momentum, nesterov_, k.decayed != 0.0f);
       const float* g = context->input(v).flat<float>().data();
       const float* m = momentum ? context->input(v_count + v).flat<float>().data() : nullptr;

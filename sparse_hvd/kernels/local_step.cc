@@ -296,8 +296,7 @@ class LocalSgdOp : public OpKernel {
     Tensor* velocity = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, gradient.shape(), &update));
     OP_REQUIRES_OK(context, context->allocate_output(1, m.shape(), &velocity));
-    const float* c = coefficients.flat<float>().data();
-    const SgdCoefficients k{c[0], c[1], c[2], c[3]};
+    const SgdCoefficients k = SgdCoefficientsAt(coefficients.flat<float>().data());
     const SgdStepFunction step = ChosenSgdStep(momentum, nesterov_, k.decayed != 0.0f);
     const float* g = gradient.flat<float>().data();
     const float* first = momentum ? m.flat<float>().data() : nullptr;

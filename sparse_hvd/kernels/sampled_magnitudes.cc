@@ -53,25 +53,17 @@ class SampledMagnitudesOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* context) override {
-    const Tensor& strides_tensor = context->input(2 * variables_);
-    OP_REQUIRES(context, strides_tensor.dims() == 1 &&
-                             strides_tensor.NumElements() == variables_,
-                InvalidArgumentError(absl::StrCat("strides must be a vector of ", variables_,
-                                                  " entries, one per variable")));
-    const int64_t* strides = strides_tensor.flat<int64_t>().data();
-    std::vector<Rows> rows(variables_);
+    std::vector<int64_t> lengths(variables_);
+    for (int v = 0; v < variables_; ++v) lengths[v] = context->input(v).NumElements();
+    std::vector<Rows> rows;
     int64_t total = 0;
+    OP_REQUIRES_OK(context, SampledRows(context->input(2 * variables_), lengths, block_, &rows,
+                                        &total));
     for (int v = 0; v < variables_; ++v) {
-      const int64_t n = context->input(v).NumElements();
-      OP_REQUIRES(context, context->input(variables_ + v).NumElements() == n,
+      OP_REQUIRES(context, context->input(variables_ + v).NumElements() == lengths[v],
                   InvalidArgumentError(absl::StrCat(
                       "residuals[", v, "] has ", context->input(variables_ + v).NumElements(),
-                      " entries, gradients[", v, "] ", n)));
-      OP_REQUIRES(context, strides[v] >= 0,
-                  InvalidArgumentError(absl::StrCat("strides[", v, "] = ", strides[v],
-                                                    " is negative")));
-      rows[v] = RowsOf(n, strides[v], block_);
-      total += rows[v].count * rows[v].taken;
+                      " entries, gradients[", v, "] ", lengths[v])));
     }
     Tensor* out_tensor = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({total}), &out_tensor));

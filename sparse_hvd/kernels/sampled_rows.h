@@ -7,6 +7,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/tensor.h"
 
 namespace sparse_hvd {
 
@@ -23,6 +27,30 @@ inline Rows RowsOf(int64_t n, int64_t stride, int64_t block) {
   if (stride == 0) return {1, n, n};
   if (n < stride) return {1, n, std::min(block, n)};
   return {n / stride, stride, std::min(block, stride)};
+}
+
+// Both ops: ``strides`` checked (a vector of one stride per variable, none negative) and each
+// variable's rows for its length in ``lengths``, with the sample's size in ``total``.
+inline tsl::Status SampledRows(const tensorflow::Tensor& strides,
+                               const std::vector<int64_t>& lengths, int64_t block,
+                               std::vector<Rows>* rows, int64_t* total) {
+  const int64_t count = static_cast<int64_t>(lengths.size());
+  if (strides.dims() != 1 || strides.NumElements() != count) {
+    return absl::InvalidArgumentError(absl::StrCat("strides must be a vector of ", count,
+                                                   " entries, one per variable"));
+  }
+  const int64_t* stride = strides.flat<int64_t>().data();
+  rows->resize(count);
+  *total = 0;
+  for (int64_t v = 0; v < count; ++v) {
+    if (stride[v] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("strides[", v, "] = ", stride[v],
+                                                     " is negative"));
+    }
+    (*rows)[v] = RowsOf(lengths[v], stride[v], block);
+    *total += (*rows)[v].count * (*rows)[v].taken;
+  }
+  return tsl::OkStatus();
 }
 
 }  // namespace sparse_hvd

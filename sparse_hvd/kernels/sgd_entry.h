@@ -25,6 +25,9 @@ struct SgdCoefficients {
 };
 constexpr int kSgdCoefficients = 4;
 
+// The coefficients at ``c`` (kSgdCoefficients floats, in the order above).
+inline SgdCoefficients SgdCoefficientsAt(const float* c) { return {c[0], c[1], c[2], c[3]}; }
+
 // 1 where ``x`` is NaN or infinite, else 0, without a branch (so the loops stay vectorised).
 SPARSE_HVD_INLINE int NotFinite(float x) { return !(std::fabs(x) <= FLT_MAX); }
 
