@@ -80,8 +80,13 @@ class LocalState:
         """Keep the residuals' sum over ranks when restored on another number of workers.
 
         Runs by itself at the first step after ``keras.models.load_model``/``load_weights``;
-        call it (eagerly, on every rank) after restoring a ``tf.train.Checkpoint``.
+        call it (eagerly, on every rank) after restoring a ``tf.train.Checkpoint``. With
+        ``exchange="auto"`` it also has the next dense step send the restored residuals (a
+        fresh build's residuals count as sent, and ``tf.train.Checkpoint`` does not say it
+        restored them).
         """
+        if self.built:
+            self._step.residuals_restored()
         self._feedback.rescale_after_restore(self.process_set)
 
     # ---- staleness: the averages in flight (sparse_hvd.steps.staleness) -------------------------

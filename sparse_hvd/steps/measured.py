@@ -106,7 +106,7 @@ import tensorflow as tf
 from ..feedback.preparation import tensor_parts
 from ..runtime import collectives, log, startup as runtime
 from .candidates import Plan, dense_bytes_per_entry, plans_for, warmup_trials  # noqa: F401
-from .plan_step import plan_step
+from .plan_step import DENSE_PLAIN, DENSE_HELD, FIRST, plan_step, traced_mode, traced_plan  # noqa: F401
 from .strategies import SynchronousStep
 from .trial_rules import (decide, decision_message, median_of_samples, sparse_can_win,
                           within_reach, worth_trying)
@@ -117,7 +117,6 @@ RECHECK_STEPS = 1000  # a new trial this many steps after a decision
 FIRST_RECHECK_STEPS = 100  # sooner after a job's first decision if no warm-up trial follows
 DENSE_WITHIN = 0.5  # dense wins unless a sparse exchange's step is faster by more than this
 PRUNE_AFTER = 2.0  # a warm-up re-trial skips candidates slower than this x the fastest
-FIRST = -1  # MeasuredChoiceStep.traced: the plan before the first trial
 ABORT_AFTER = 2.0  # a turn ends at two timed steps in a row slower than this x the best so far
 BEATEN_TRIALS = 2  # dense sits out the warm-up's later trials after losing this many in a row
 NOISE_WITHIN = 0.15  # the smallest margin: a trial's medians on shared cores vary about this much
@@ -242,20 +241,25 @@ class MeasuredChoiceStep(SynchronousStep):
             self.order = tf.constant(self.turn_order)
             self.next_branch = tf.Variable(first, dtype=tf.int32, trainable=False,
                                            name="auto_next_branch")
-            # the residuals were sent whole by a dense step that went ahead, and no sparse
-            # step came after it (False after a restore: the restored residuals count)
-            self.clear = tf.Variable(False, trainable=False, name="auto_residuals_clear")
+            self.next_in_trial = tf.Variable(False, trainable=False, name="auto_next_in_trial")
+            # no residual is owed: none yet, or a dense step that went ahead sent them whole
+            # and no sparse step came after it (False after a restore: they count)
+            self.clear = tf.Variable(True, trainable=False, name="auto_residuals_clear")
             # with the update cut: the inner state may differ across the ranks (a sparse step
             # ran, or a restore, since it was last made their mean)
-            self.own_state = tf.Variable(True, trainable=False, name="auto_inner_state_own")
+            self.own_state = tf.Variable(False, trainable=False, name="auto_inner_state_own")
             self.last_end = tf.Variable(0.0, dtype=tf.float64, trainable=False,
                                         name="auto_last_step_end")
 
     def discard(self):
+        self.residuals_restored()
+
+    def residuals_restored(self):
         """A restore replaced the residuals: the next dense step sends them again."""
         if len(self.plans) > 1:
-            self.clear.assign(False)
-            self.own_state.assign(True)
+            with tf.init_scope():  # also when asked in a trace: once, not in every step
+                self.clear.assign(False)
+                self.own_state.assign(True)
 
     def _current(self) -> Plan:
         """The plan running now (eager)."""
@@ -270,8 +274,8 @@ class MeasuredChoiceStep(SynchronousStep):
         return plan.routes if plan else super().current_routes()
 
     def wanted_mode(self) -> int:
-        """The plan the next step runs (eager): what its function is traced for."""
-        return int(self.next_branch.numpy())
+        """What the next step's function is traced for (eager): its plan, or dense's way."""
+        return traced_mode(self, int(self.next_branch.numpy()))
 
     def first_mode(self) -> int:
         """The plan steps run before the first trial: dense where it is a candidate (the
@@ -301,9 +305,9 @@ class MeasuredChoiceStep(SynchronousStep):
             ended = tf.switch_case(branch, [plan_step(self, plan, grads_and_vars, in_trial)
                                             for plan in self.plans])
         else:
-            index = self.first_mode() if self.traced == FIRST else self.traced
+            index, way = traced_plan(self)
             trial_step = tf.logical_and(in_trial, tf.equal(candidate, index))
-            ended = plan_step(self, self.plans[index], grads_and_vars, trial_step)()
+            ended = plan_step(self, self.plans[index], grads_and_vars, trial_step, way)()
             # a trial step due for another candidate waits until a step traced for it (only
             # when one call runs several steps: the callback re-traces before each call)
             put_off = tf.logical_and(in_trial, tf.not_equal(candidate, index))
@@ -314,7 +318,9 @@ class MeasuredChoiceStep(SynchronousStep):
         self.last_end.assign(ended)
         tf.cond(in_trial, lambda: self._time(elapsed, exchanged, phase, candidate), lambda: None)
         self.steps.assign_add(1)
-        self.next_branch.assign(self._due()[-1])
+        _, in_trial, _, branch = self._due()
+        self.next_branch.assign(branch)
+        self.next_in_trial.assign(in_trial)
 
     def _time(self, elapsed, exchanged, phase, candidate):
         """Step 1's timing of one trial step (and step 2 at the trial's end): every rank's

@@ -101,6 +101,9 @@ class SynchronousStep:
     def discard(self):
         pass
 
+    def residuals_restored(self):
+        """The residuals were replaced by restored ones (eager): nothing to note here."""
+
     def pending_steps(self) -> List[int]:
         return []
 

@@ -23,7 +23,7 @@ import keras
 import tensorflow as tf
 
 from ..runtime import startup as runtime
-from . import measured
+from . import measured, plan_step
 
 
 def _mode(optimizer):
@@ -61,7 +61,7 @@ class _PerMode:
         if measured.FIRST in self.functions and self.optimizer.built:
             step = self.optimizer._step
             function = self.functions.pop(measured.FIRST)
-            key = step.first_mode() if len(step.plans) > 1 else None
+            key = plan_step.first_traced(step) if len(step.plans) > 1 else None
             self.functions.setdefault(key, function)
 
 

@@ -117,8 +117,12 @@ def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd, per_mo
     everyone = gather(hvd, (times, choice), name=f"auto_trial_{per_mode}.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
     assert stats[-1][next(iter(stats[-1]))]["exchange"] == choice
-    if per_mode:  # one function per candidate
-        assert sorted(optimizer.functions) == list(range(CANDIDATES))
+    if per_mode:  # one function per candidate; dense's first for clear residuals alone
+        dense = names.index("dense")
+        expected = {measured.DENSE_PLAIN} | set(range(CANDIDATES)) - {dense}
+        if choice == "dense":  # chosen after sparse steps: the function of its three ways
+            expected.add(dense)
+        assert sorted(optimizer.functions) == sorted(expected)
     _same_everywhere(hvd, weights, "auto_trial")
     _conservation(hvd, optimizer, weights, STEPS, "none")
     # the checkpoint holds what the allgather's does: the candidates' state is not saved
@@ -321,6 +325,32 @@ def test_dense_beaten_twice_sits_out_the_warmup_until_the_recheck(hvd, monkeypat
     _conservation(hvd, optimizer, weights, steps, "none")
 
 
+def test_a_fresh_build_owes_no_residual_and_a_restore_does(hvd):
+    """Built afresh, the residuals are zero and the inner state the same on every rank: the
+    steps before the trial run dense's way 1 alone, traced for it. After a restore
+    (``tf.train.Checkpoint``'s, said by ``rescale_residuals_after_restore``), the next dense
+    step sends the restored residuals and shares the inner state: its function has all three
+    ways. Every rank alike."""
+    import keras
+
+    import sparse_hvd
+
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), density=0.05, warmup_steps=0,
+        exchange="auto", name="auto_fresh_build")
+    optimizer.build([keras.Variable(np.zeros(BIG, "float32")),
+                     keras.Variable(np.zeros(SMALL, "float32"))])
+    step = optimizer._step
+    dense = [p.name for p in step.plans].index("dense")
+    fresh = (bool(step.clear.numpy()), bool(step.own_state.numpy()), step.wanted_mode())
+    assert fresh == (True, False, measured.DENSE_PLAIN)
+    optimizer.rescale_residuals_after_restore()
+    restored = (bool(step.clear.numpy()), bool(step.own_state.numpy()), step.wanted_mode())
+    assert restored == (False, True, dense)
+    everyone = gather(hvd, (fresh, restored), name="auto_fresh_build.states")
+    assert all(e == everyone[0] for e in everyone), everyone
+
+
 def test_a_first_decision_is_checked_again_sooner(hvd, monkeypatch):
     """No warm-up: the job's first trial (its candidates' first steps) decides dense, wrongly
     here (the rule forced to dense the first time, the allgather afterwards); the next trial
@@ -454,7 +484,7 @@ def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod
 
 @pytest.mark.parametrize("inner,compression,per_mode", [
     ("sgd", "none", False), ("sgd", "float16", False), ("momentum", "none", False),
-    ("momentum", "none", True)])
+    ("momentum", "none", True), ("sgd", "float16", True)])
 def test_a_trials_dense_turn_keeps_the_residuals(hvd, monkeypatch, inner, compression,
                                                  per_mode):
     """The allgather chosen, then re-checked (``RECHECK_STEPS`` 8): the re-trial's dense turn
@@ -524,6 +554,12 @@ def test_a_trials_dense_turn_keeps_the_residuals(hvd, monkeypatch, inner, compre
                 np.testing.assert_allclose(got[1][i], held, rtol=0, atol=1e-7,
                                            err_msg=f"rank {rank}, step {passed}: residual {i}")
             assert np.any(got[1][0]), "a residual to keep"
+    if per_mode:  # dense's turns: before any sparse step its way 1; after them its way 1
+        # too, the inner state shared first, unless values are rounded (way 2)
+        names = [p.name for p in optimizer._step.plans]
+        held = [measured.DENSE_HELD] if compression != "none" else []
+        assert sorted(optimizer.functions) == sorted(
+            [measured.DENSE_PLAIN] + held + [i for i, n in enumerate(names) if n != "dense"])
     _same_everywhere(hvd, weights, name)
     if inner == "sgd":
         _conservation(hvd, optimizer, weights, steps, compression)
@@ -621,8 +657,8 @@ def test_a_trial_no_sparse_exchange_can_win_ends_with_dense(hvd, monkeypatch, pe
     assert seen[0] == pytest.approx((np.median(dense_steps), np.median(computes),
                                      measured.DENSE_WITHIN))
     assert all(s[next(iter(s))]["exchange"] == "dense" for s in stats)
-    if per_mode:  # dense's function alone
-        assert sorted(optimizer.functions) == [names.index("dense")]
+    if per_mode:  # dense's function alone, for its clear residuals (no sparse step ran)
+        assert sorted(optimizer.functions) == [measured.DENSE_PLAIN]
     everyone = gather(hvd, (optimizer.exchange_decisions, computes.tolist()),
                       name=f"{name}.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
@@ -672,9 +708,11 @@ def test_what_cannot_beat_the_allgather_by_its_bytes_is_not_tried(hvd, monkeypat
         assert numbers[1:] == pytest.approx((median["allgather"], reference, median["dense"],
                                              compute, dense_bytes, measured.DENSE_WITHIN))
     assert all(s[next(iter(s))]["exchange"] == choice for s in stats[decided_at:])
-    if per_mode:  # dense's function and the allgather's alone
+    if per_mode:  # dense's for clear residuals and the allgather's alone (and, chosen after
+        # the allgather's steps, dense's with its three ways)
         assert sorted(optimizer.functions) == sorted(
-            [names.index("dense"), names.index("allgather")])
+            [measured.DENSE_PLAIN, names.index("allgather")]
+            + ([names.index("dense")] if choice == "dense" else []))
     everyone = gather(hvd, (optimizer.exchange_decisions, asked), name=f"{name}.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
     _same_everywhere(hvd, weights, name)
@@ -766,11 +804,12 @@ def test_fit_with_the_callback_runs_each_step_traced_for_its_exchange(hvd, monke
     assert len(optimizer.exchange_decisions) == 1
     assert optimizer.exchange_decisions[0][2] == forced
     modes = {mode for _, mode in seen}
-    # each candidate's function made once; the first filed under dense once it is known
-    assert sorted(choice._modes.functions) == sorted({names.index("dense") if m == measured.FIRST
+    # each candidate's function made once; the first filed under dense's for clear residuals
+    # (no sparse step ran before the trial's dense turn, so that is its only function)
+    assert sorted(choice._modes.functions) == sorted({measured.DENSE_PLAIN if m == measured.FIRST
                                                       else m for m in modes})
     if per_call == 1:  # dense before the trial and first in it, then the others in turn
-        order = [names.index("dense")] + [i for i in range(len(names)) if names[i] != "dense"]
+        order = [measured.DENSE_PLAIN] + [i for i in range(len(names)) if names[i] != "dense"]
         expected = [order[0]]
         for index in order:
             expected += [index] * measured.TRIAL_STEPS
@@ -778,7 +817,8 @@ def test_fit_with_the_callback_runs_each_step_traced_for_its_exchange(hvd, monke
         # the first call's function is traced before the optimizer is built
         assert [mode for _, mode in seen] == [measured.FIRST] + expected[1:]
     else:
-        assert {names[i] for i in modes if i != measured.FIRST} == NAMES
+        assert {"dense" if i == measured.DENSE_PLAIN else names[i]
+                for i in modes if i != measured.FIRST} == NAMES
     everyone = gather(hvd, seen, name=f"{name}.modes")
     assert all(e == everyone[0] for e in everyone), everyone
     weights = [v.numpy() for v in model.trainable_variables]
