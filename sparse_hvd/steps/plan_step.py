@@ -34,8 +34,8 @@ with compression; else the three ways. A call that runs several steps stays in i
 dense's steps keep the residuals as they were (a held step outside a trial leaves them to the
 sparse steps after it, and does not call them clear). With the three ways in one function,
 dense's trace and first call took 3.6 s a rank at 4 workers on 2 cores (the wide CNN), way 1
-alone 1.4 s: the first steps of every job that starts on dense; the trial after sparse steps
-then traced way 2 for another 1.1 s.
+alone 1.4 s: the first steps of every job that starts on dense (way 2 traced apart for the
+trial's turn after sparse steps took another 1.1 s, hence way 1 there where it can).
 """
 
 import tensorflow as tf
