@@ -48,12 +48,6 @@ DENSE_PLAIN = -2  # dense's plan, way 1 alone (the residuals clear, or held as w
 DENSE_HELD = -3  # dense's plan, way 2 alone (a trial's turn after sparse steps, compressed)
 
 
-def held_as_clear(optimizer) -> bool:
-    """Whether way 2 sends what way 1 does: without compression (with it, way 2 keeps each
-    value's rounding error in its residual, ``preparation``)."""
-    return optimizer._compression.half is None
-
-
 def traced_mode(step, branch) -> int:
     """What the function of a step due for the plan ``branch`` is traced for (eager, on the
     host, the same on every rank): dense's way, or ``branch`` itself."""
@@ -62,7 +56,9 @@ def traced_mode(step, branch) -> int:
     if bool(step.clear.numpy()):
         return DENSE_PLAIN
     if bool(step.next_in_trial.numpy()):
-        return DENSE_PLAIN if held_as_clear(step.optimizer) else DENSE_HELD
+        # way 2 sends what way 1 does unless values are rounded: it keeps each value's rounding
+        # error in its residual (``preparation``)
+        return DENSE_HELD if step.optimizer._compression.enabled else DENSE_PLAIN
     return branch
 
 
