@@ -14,14 +14,18 @@ from sparse_hvd.exchanges.global_threshold import LEVELS
 STARTS = [0, 300, 301, 5000]  # a one-entry variable among them
 
 
-def _received(ranks, dtype, seed):
+def _received(ranks, dtype, seed, ordered):
     """Per rank, distinct global indices (shared between ranks: sums of several entries) with
-    values over six orders of magnitude, so rounding depends on the order of the additions."""
+    values over six orders of magnitude, so rounding depends on the order of the additions;
+    ``ordered``: each rank's ascending, as the coded blocks arrive (the kernel merges up to
+    two such runs and sorts more)."""
     rng = np.random.RandomState(seed)
     indices, values, per_rank = [], [], []
     for _ in range(ranks):
         chosen = rng.choice(6000, size=rng.randint(1, 900), replace=False)
         chosen = np.concatenate([[300], chosen[chosen != 300]])  # the one-entry variable
+        if ordered:
+            chosen = np.sort(chosen)
         indices.append(chosen.astype(np.int32))
         values.append((rng.randn(chosen.size) * 10.0 ** rng.uniform(-3, 3, chosen.size))
                       .astype(dtype))
@@ -58,11 +62,12 @@ def _use(monkeypatch, path):
 
 @pytest.mark.parametrize("path", ["native", "tensorflow", "gpu"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("ranks,seed", [(1, 0), (3, 1), (5, 2)])
+@pytest.mark.parametrize("ranks,seed", [(1, 0), (2, 3), (3, 1), (5, 2)])
+@pytest.mark.parametrize("ordered", [False, True])
 def test_owner_sums_are_rank_order_sums_kept_at_the_threshold(monkeypatch, path, dtype, ranks,
-                                                              seed):
+                                                              seed, ordered):
     _use(monkeypatch, path)
-    indices, values, per_rank = _received(ranks, dtype, seed)
+    indices, values, per_rank = _received(ranks, dtype, seed, ordered)
     thresholds = [0.5, 0.0, 2.0, 1e9]  # theta 0 keeps all; 1e9 keeps none
     got = owner_sums(tf.constant(np.concatenate(indices)), tf.constant(np.concatenate(values)),
                      tf.constant(per_rank, tf.int32), tf.constant(STARTS, tf.int32),

@@ -6,8 +6,10 @@
 // variable begins in the index space; ``thresholds`` (float64 [V]): each variable's theta;
 // ``levels`` (float64 [L]): the factors of theta to count at (the first is 1: the kept set).
 //
-//   1. the positions are sorted by (index, position), so equal indices come together in rank
-//      order;
+//   1. the entries are visited by (index, position), so equal indices come together in rank
+//      order: at most two ascending runs (the one-gather form at two ranks receives both
+//      ranks' blocks, each in index order) by one merge walk; else a radix sort of as many
+//      11-bit passes as the indices' span needs;
 //   2. each index's sum starts from zero and adds its entries in that order: the additions of
 //      TensorFlow's segment sum on CPU, so the same bits;
 //   3. per sum: its variable (the last start at or below it), its magnitude in float64, the
@@ -52,6 +54,58 @@ REGISTER_OP("SparseHvdOwnerSum")
       return tsl::OkStatus();
     });
 
+// Steps 1-2 for entries that are at most two ascending runs, [0, middle) and [middle,
+// entries) (two ranks' blocks, each in index order): one merge walk; an index in both is
+// summed first run first.
+template <typename T, typename Account>
+void MergeTwoRuns(const int32_t* index, const T* value, int64_t middle, int64_t entries,
+                  Account& account) {
+  int64_t i = 0, j = middle;
+  while (i < middle || j < entries) {
+    if (j == entries || (i < middle && index[i] < index[j])) {
+      account(index[i], T(0) + value[i]);
+      ++i;
+    } else if (i == middle || index[j] < index[i]) {
+      account(index[j], T(0) + value[j]);
+      ++j;
+    } else {
+      account(index[i], (T(0) + value[i]) + value[j]);
+      ++i;
+      ++j;
+    }
+  }
+}
+
+// Steps 1-2 for entries in any order: (index less ``lowest``, position) in one 64-bit key,
+// sorted by the index with a stable radix sort (the positions of one index stay in ascending
+// order) of as many 11-bit passes as the span up to ``highest`` needs (an owner's region of
+// up to 2^22 entries: two, where three over all 32 bits took a third longer), then each
+// index's entries summed in position order.
+template <typename T, typename Account>
+void SortAndSum(const int32_t* index, const T* value, int64_t entries, int32_t lowest,
+                int32_t highest, Account& account) {
+  std::vector<uint64_t> keys(entries), scratch(entries);
+  for (int64_t e = 0; e < entries; ++e) {
+    keys[e] = (static_cast<uint64_t>(index[e] - lowest) << 32) | static_cast<uint64_t>(e);
+  }
+  const uint64_t span = static_cast<uint64_t>(highest - lowest);
+  int end_shift = 32;  // the first bit above the span's
+  while (end_shift < 64 && (span >> (end_shift - 32)) != 0) end_shift += 11;
+  for (int shift = 32; shift < end_shift; shift += 11) {
+    std::vector<int64_t> bucket(2049, 0);
+    for (uint64_t key : keys) ++bucket[((key >> shift) & 2047) + 1];
+    for (int b = 0; b < 2048; ++b) bucket[b + 1] += bucket[b];
+    for (uint64_t key : keys) scratch[bucket[(key >> shift) & 2047]++] = key;
+    keys.swap(scratch);
+  }
+  for (int64_t e = 0; e < entries;) {
+    const uint64_t at = keys[e] >> 32;
+    T sum = T(0);
+    for (; e < entries && (keys[e] >> 32) == at; ++e) sum += value[keys[e] & 0xffffffffu];
+    account(static_cast<int32_t>(at) + lowest, sum);
+  }
+}
+
 template <typename T>
 class OwnerSumOp : public OpKernel {
  public:
@@ -74,23 +128,18 @@ class OwnerSumOp : public OpKernel {
     const int32_t* index = indices.flat<int32_t>().data();
     const T* value = values.flat<T>().data();
 
-    // Step 1: (index, position) in one 64-bit key, sorted by the index with a stable radix
-    // sort (three passes of 11 bits): the positions of one index stay in ascending order.
-    std::vector<uint64_t> keys(entries), scratch(entries);
+    // Step 1's first pass: the indices checked, their span, and where a second ascending
+    // run starts (``runs`` counts up to 3).
+    int32_t lowest = entries > 0 ? index[0] : 0, highest = lowest;
+    int64_t runs = entries > 0 ? 1 : 0, middle = entries;
     for (int64_t e = 0; e < entries; ++e) {
       OP_REQUIRES(context, index[e] >= 0,
                   InvalidArgumentError(absl::StrCat("a negative index arrived: ", index[e])));
-      keys[e] = (static_cast<uint64_t>(index[e]) << 32) | static_cast<uint64_t>(e);
-    }
-    for (int shift = 32; shift < 65; shift += 11) {
-      std::vector<int64_t> bucket(2049, 0);
-      for (uint64_t key : keys) ++bucket[((key >> shift) & 2047) + 1];
-      for (int b = 0; b < 2048; ++b) bucket[b + 1] += bucket[b];
-      for (uint64_t key : keys) scratch[bucket[(key >> shift) & 2047]++] = key;
-      keys.swap(scratch);
+      lowest = std::min(lowest, index[e]);
+      highest = std::max(highest, index[e]);
+      if (e > 0 && index[e] <= index[e - 1] && runs < 3 && ++runs == 2) middle = e;
     }
 
-    // Steps 2-3.
     Tensor* counts_out = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(
                                 2, TensorShape({variables, count_levels}), &counts_out));
@@ -101,12 +150,8 @@ class OwnerSumOp : public OpKernel {
     kept_index.reserve(entries);
     kept_sum.reserve(entries);
     int64_t variable = 0;
-    for (int64_t e = 0; e < entries;) {
-      const int32_t at = static_cast<int32_t>(keys[e] >> 32);
-      T sum = T(0);
-      for (; e < entries && static_cast<int32_t>(keys[e] >> 32) == at; ++e) {
-        sum += value[keys[e] & 0xffffffffu];
-      }
+    // Step 3 for one index's sum, in ascending index order.
+    auto account = [&](int32_t at, T sum) {
       while (variable + 1 < variables && starts(variable + 1) <= at) ++variable;
       const double magnitude = std::fabs(static_cast<double>(sum));
       const double theta = thresholds(variable);
@@ -117,6 +162,11 @@ class OwnerSumOp : public OpKernel {
         kept_index.push_back(at);
         kept_sum.push_back(sum);
       }
+    };
+    if (runs <= 2) {
+      MergeTwoRuns(index, value, middle, entries, account);
+    } else {
+      SortAndSum(index, value, entries, lowest, highest, account);
     }
 
     Tensor* out = nullptr;
