@@ -7,9 +7,9 @@
 // ``levels`` (float64 [L]): the factors of theta to count at (the first is 1: the kept set).
 //
 //   1. the entries are visited by (index, position), so equal indices come together in rank
-//      order: at most two ascending runs (the one-gather form at two ranks receives both
-//      ranks' blocks, each in index order) by one merge walk; else a radix sort of as many
-//      11-bit passes as the indices' span needs;
+//      order: at most two ascending runs (an owner of two ranks receives two blocks, each in
+//      index order) by one merge walk; else a radix sort of as many 11-bit passes as the
+//      indices' span needs;
 //   2. each index's sum starts from zero and adds its entries in that order: the additions of
 //      TensorFlow's segment sum on CPU, so the same bits;
 //   3. per sum: its variable (the last start at or below it), its magnitude in float64, the
@@ -56,7 +56,8 @@ REGISTER_OP("SparseHvdOwnerSum")
 
 // Steps 1-2 for entries that are at most two ascending runs, [0, middle) and [middle,
 // entries) (two ranks' blocks, each in index order): one merge walk; an index in both is
-// summed first run first.
+// summed first run first. (Two runs of 44,000 entries over 4.35M: 1.30 ms, against 1.66 ms
+// for the radix sort of all 32 bits; one process, the op alone.)
 template <typename T, typename Account>
 void MergeTwoRuns(const int32_t* index, const T* value, int64_t middle, int64_t entries,
                   Account& account) {
@@ -79,8 +80,8 @@ void MergeTwoRuns(const int32_t* index, const T* value, int64_t middle, int64_t 
 // Steps 1-2 for entries in any order: (index less ``lowest``, position) in one 64-bit key,
 // sorted by the index with a stable radix sort (the positions of one index stay in ascending
 // order) of as many 11-bit passes as the span up to ``highest`` needs (an owner's region of
-// up to 2^22 entries: two, where three over all 32 bits took a third longer), then each
-// index's entries summed in position order.
+// up to 2^22 entries: two; 4 ranks' 216,000 entries over 1.09M: 3.71 ms, against 4.07 ms for
+// three passes over all 32 bits), then each index's entries summed in position order.
 template <typename T, typename Account>
 void SortAndSum(const int32_t* index, const T* value, int64_t entries, int32_t lowest,
                 int32_t highest, Account& account) {
