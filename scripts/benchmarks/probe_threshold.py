@@ -2,7 +2,8 @@
 
 Every rank of an ``mpirun`` job runs this: the 4.35M-parameter MLP on the digits shards (as
 ``bench_step.py``), ``SGD(0.01, momentum=0.9)`` wrapped with ``exchange=--exchange``, top-k at
-``--density`` with per-layer budgets, no warm-up and the default cut (the update, with SGD's
+``--density`` with per-layer budgets (``--budget model``: the model-wide one, the default's),
+no warm-up and the default cut (the update, with SGD's
 momentum; ``--sparsify gradient``: the gradient). Each step rank 0 records, over the
 sparsely sent variables, the sums the owners kept (reaching the global threshold theta: what
 the allgather carries) and the sums applied (the exact top-k), both as multiples of k, and
@@ -37,6 +38,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--budget", choices=("layer", "model"), default="layer",
+                        help="model: the selection's budget over the whole model (the "
+                        "default's); the owners still keep and apply per variable")
     parser.add_argument("--exchange", default="plain_sparse_allreduce",
                         choices=("sparse_allreduce", "plain_sparse_allreduce"))
     parser.add_argument("--rule", choices=("forecast", "last-cut"), default="forecast")
@@ -104,7 +108,7 @@ def main(argv=None):
     sparse_allreduce.next_thresholds = recorded
     _, run_step = training(lambda: sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(0.01, momentum=0.9), density=args.density, sparsifier="topk",
-        exchange=args.exchange, warmup_steps=0, budget="layer", sparsify=args.sparsify,
+        exchange=args.exchange, warmup_steps=0, budget=args.budget, sparsify=args.sparsify,
         name="probe_threshold"), rank, size)
 
     for _ in range(args.steps):
@@ -113,7 +117,7 @@ def main(argv=None):
         return
     ratios = [(sum(kept) / sum(k), sum(applied) / sum(k)) for kept, applied, k in records]
     print(f"{args.rule} rule, {args.exchange}, {size} workers, density {args.density}, "
-          f"the {args.sparsify} cut, "
+          f"the {args.sparsify} cut, budget {args.budget}, "
           f"{len(ratios)} steps")
     for first, last in PHASES:
         phase = ratios[first - 1:last]

@@ -19,7 +19,14 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
    values is not one) for the rest of the step;
 4. global selection: each owner keeps the summed entries whose magnitude reaches their
    variable's global threshold ``theta`` (identical on every rank), about k of the variable's
-   entries in all; at the first step theta is 0 and every summed entry is kept;
+   entries in all; at the first step theta is 0 and every summed entry is kept. With the
+   model-wide budget (``budget="model"``, the default with this exchange) the whole model is
+   one variable here and in step 6: one theta, about the sum of the variables' k kept over
+   all of them, as the selection spent that sum where the model's largest entries were
+   (per variable, the owners applied 0.24-0.41 k at 2 workers and 0.45-0.67 k at 4: each
+   variable's own k cut what the selection had sent to the variables whose entries were
+   largest, and the rest went back to the residuals;
+   ``scripts/benchmarks/probe_threshold.py --budget model``);
 5. ONE ``allgather`` of the kept entries (a block of the same code, within the owner's
    region, the sums in their own dtype), the header per rank (``base.header``: whether its
    gradients were finite, its step and state for ``sparse_hvd.runtime.lockstep``; then per variable
@@ -153,6 +160,20 @@ def _sampled_quantiles(indices, parts, current):
     return tf.cond(count > 0, quantiles, lambda: current)
 
 
+def _model_wide(thresholds, forecast, magnitudes, level_counts, budgets):
+    """``next_thresholds`` with the whole model as one variable (``budget="model"``): the
+    cut is the sum of the budgets' largest kept sum over every variable, the next theta one
+    forecast of it, and each variable's slot holds the same numbers (its thresholds and
+    forecast, all alike since the first step)."""
+    variables = level_counts.shape[0]
+    everything = tf.stack([0, tf.size(magnitudes)])
+    cut, theta, following = next_thresholds(
+        thresholds[:1], Forecast(*(state[:1] for state in forecast)), magnitudes, everything,
+        tf.reduce_sum(level_counts, 0, keepdims=True), tf.reduce_sum(budgets, keepdims=True))
+    return (tf.repeat(cut, variables), tf.repeat(theta, variables),
+            Forecast(*(tf.repeat(state, variables) for state in following)))
+
+
 class SparseAllreduce:
     """The state and the step of the sparse allreduce for one optimizer.
 
@@ -184,6 +205,8 @@ class SparseAllreduce:
                 "entries do not fit int32 indices; use exchange='allgather'")
         self.total = total
         self.size = size
+        # one threshold and one top-k over all the variables, as the selection's budget
+        self.model_wide = getattr(optimizer, "budget", "layer") == "model"
         if saved:
             self.thresholds = optimizer.add_variable(shape=(len(routes),), dtype="float64",
                                                      name="global_threshold")
@@ -272,9 +295,13 @@ class SparseAllreduce:
         forecast = Forecast(*(tf.where(following, tf.gather_nd(tf.convert_to_tensor(state),
                                                                 positions), afresh)
                               for state, afresh in zip(self.forecast, first_forecast(len(keys)))))
-        cut, next_theta, next_forecast = next_thresholds(
-            thresholds, forecast, magnitudes, cuts, level_counts,
-            tf.stack([tf.cast(budgets[j], tf.int32) for j in order]))
+        budget = tf.stack([tf.cast(budgets[j], tf.int32) for j in order])
+        if self.model_wide and len(keys) > 1:
+            cut, next_theta, next_forecast = _model_wide(
+                thresholds, forecast, magnitudes, level_counts, budget)
+        else:
+            cut, next_theta, next_forecast = next_thresholds(
+                thresholds, forecast, magnitudes, cuts, level_counts, budget)
         # each kept entry's variable: how many of the variables' ends it is at or past (a few
         # ops, where tf.repeat of the cuts and tf.boolean_mask traced about 100)
         variable_of = sorted_search(cuts[1:], tf.range(tf.size(magnitudes)), "right")

@@ -23,16 +23,32 @@ class NumpyRule:
     """The documented rule (sparse_hvd/exchanges/sparse_allreduce.py, steps 2-8, the thresholds'
     forecast in global_threshold.py) for every rank at once."""
 
-    def __init__(self, size, select, rounding=None):
+    def __init__(self, size, select, rounding=None, model_wide=False):
+        """``model_wide``: ``budget="model"``, under which the variables are one (their
+        selection, threshold and top-k), with the sum of their budgets."""
         self.size, self.select = size, select
         self.rounding = rounding or (lambda values: values)  # what compression sends
-        self.sizes = [int(np.prod(s)) for s in SHAPES]
+        self.parts = [int(np.prod(s)) for s in SHAPES]
+        self.sizes = list(self.parts)
         self.budgets = [math.ceil(DENSITY * n) for n in self.sizes]
-        self.theta = [0.0] * len(SHAPES)
-        self.last_cut = [0.0] * len(SHAPES)
-        self.growth = [0.0] * len(SHAPES)
-        self.miss = [FIRST_MISS] * len(SHAPES)
+        if model_wide:
+            self.sizes, self.budgets = [sum(self.sizes)], [sum(self.budgets)]
+        count = len(self.sizes)
+        self.theta = [0.0] * count
+        self.last_cut = [0.0] * count
+        self.growth = [0.0] * count
+        self.miss = [FIRST_MISS] * count
         self.residuals = [[np.zeros(n) for n in self.sizes] for _ in range(size)]
+        self.applied = []  # per step, the applied indices of each variable of ``SHAPES``
+
+    def split(self, vectors):
+        """Per variable of ``SHAPES``, from this rule's variables (one when model-wide)."""
+        joined = np.concatenate(vectors)
+        return np.split(joined, np.cumsum(self.parts)[:-1])
+
+    def thresholds(self):
+        """Each variable's threshold (the one threshold for all when model-wide)."""
+        return self.theta * (len(SHAPES) // len(self.theta))
 
     def forget(self):
         """A step that does not follow the exchange's last one forecasts afresh (the thresholds
@@ -42,7 +58,10 @@ class NumpyRule:
         self.miss = [FIRST_MISS] * len(SHAPES)
 
     def step(self, grads):
-        """``grads[rank][variable]`` (flat): the averages every rank applies."""
+        """``grads[rank][variable]`` (flat, per variable of ``SHAPES``): the averages every
+        rank applies, per variable of ``SHAPES``."""
+        if len(self.sizes) == 1:
+            grads = [[np.concatenate(g)] for g in grads]
         averages = []
         for v, n in enumerate(self.sizes):
             sent = []
@@ -90,11 +109,12 @@ class NumpyRule:
             for i, s in kept.items():
                 average[i] = s / self.size
             averages.append(average)
+            self.applied.append(sorted(kept))
             for r, (chosen, values) in enumerate(sent):
                 for i, x in zip(chosen.tolist(), values.tolist()):
                     if i not in kept:
                         self.residuals[r][v][i] += x
-        return averages
+        return self.split(averages)
 
 
 def _gradients(rank, step, silent_rank=None):
@@ -115,7 +135,7 @@ def _thresholds(exchange):
 
 
 def _run(hvd, sparsifier, select, steps, silent_rank, name, compression="none", rounding=None,
-         grouping="grouped", gap_before=None):
+         grouping="grouped", gap_before=None, budget="layer"):
     """``gap_before``: before that step the optimizer's step count jumps (as when auto ran
     another exchange in between)."""
     rank, size = hvd.rank(), hvd.size()
@@ -124,10 +144,10 @@ def _run(hvd, sparsifier, select, steps, silent_rank, name, compression="none", 
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(1.0), density=DENSITY, sparsifier=sparsifier,
         exchange="sparse_allreduce", compression=compression, warmup_steps=0, grouping=grouping,
-        name=name)
+        budget=budget, name=name)
     step = tf.function(lambda a, b, c: optimizer.apply_gradients(
         [(a, variables[0]), (b, variables[1]), (c, bias)]))
-    rule = NumpyRule(size, select, rounding)
+    rule = NumpyRule(size, select, rounding, model_wide=budget == "model")
     expected = [np.zeros(int(np.prod(s))) for s in SHAPES]
     for t in range(steps):
         everyone = [_gradients(r, t, silent_rank) for r in range(size)]
@@ -141,10 +161,10 @@ def _run(hvd, sparsifier, select, steps, silent_rank, name, compression="none", 
             expected[v] = expected[v] - average
             np.testing.assert_array_equal(variables[v].numpy().reshape(-1), expected[v],
                                           err_msg=f"weights of variable {v} at step {t}")
-            np.testing.assert_array_equal(optimizer.residuals[v].numpy().reshape(-1),
-                                          rule.residuals[rank][v],
+        for v, residual in enumerate(rule.split(rule.residuals[rank])):
+            np.testing.assert_array_equal(optimizer.residuals[v].numpy().reshape(-1), residual,
                                           err_msg=f"residual of variable {v} at step {t}")
-        np.testing.assert_array_equal(_thresholds(optimizer._exchange), rule.theta)
+        np.testing.assert_array_equal(_thresholds(optimizer._exchange), rule.thresholds())
     if rounding is None:  # the bias goes dense; with compression it is rounded too
         np.testing.assert_allclose(bias.numpy(), -steps * (size - 1) / 2 * np.ones(10))
     if grouping == "layerwise":
@@ -163,6 +183,18 @@ def test_each_step_applies_the_kept_sums_and_returns_the_rest(hvd):
     assert all(theta > 0 for theta in rule.theta)
     assert bounds[0] == 0 and bounds[-1] == 4600 and bounds == sorted(bounds)
     assert bounds[1] < 4600 // hvd.size(), "the regions did not follow the selections"
+
+
+def test_with_the_model_wide_budget_one_threshold_and_one_top_k_span_every_variable(hvd):
+    # budget="model": each rank selects the top sum-of-k of both variables together, and the
+    # owners keep and apply the top sum-of-k sums of both together (one threshold): variable 0,
+    # whose first 400 entries are larger, gets more than its own k applied, as it was sent
+    k = [math.ceil(DENSITY * int(np.prod(s))) for s in SHAPES]
+    rule, _ = _run(hvd, "topk", lambda r, c, k: numpy_topk_indices(c, k), steps=4,
+                   silent_rank=None, name="sar_model_wide", budget="model")
+    assert rule.theta[0] > 0 and len(rule.theta) == 1
+    assert len(rule.applied[0]) == sum(k)  # theta 0 at the first step: the exact top sum-of-k
+    assert sum(i < rule.parts[0] for i in rule.applied[0]) > k[0], rule.applied[0]
 
 
 @pytest.mark.parametrize("grouping", ["grouped", "layerwise"])
