@@ -62,8 +62,8 @@ def test_rank_tests_pass_on_every_rank(launcher, num_ranks):
     assert not re.search(r"\d+ (failed|errors?)\b", result.output), result.output[-10000:]
 
 
-# the 3-rank job runs the same file; it also runs at 2 ranks (Gloo, about 30 s) and at N = 5
-# in the full suite (56 s)
+# the 3-rank job runs the same file (the regions and the alltoall); at 2 ranks (Gloo, about
+# 30 s) the sparse allreduce is one gather, its own code path; at N = 5 in the full suite (56 s)
 @pytest.mark.distributed
 @bounded_by_the_job
 @pytest.mark.parametrize("launcher,num_ranks", [

@@ -10,7 +10,7 @@ import sparse_hvd
 from helpers import native_op
 from sparse_hvd import kernels
 from sparse_hvd.exchanges.global_threshold import FIRST_MISS, LEVELS, Forecast, next_thresholds
-from sparse_hvd.exchanges.sparse_allreduce import even_boundaries, owners_of
+from sparse_hvd.exchanges.regions import even_boundaries, owners_of
 from sparse_hvd.selection.order_statistics import kth_largest_per_segment
 
 

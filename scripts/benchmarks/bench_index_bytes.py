@@ -178,7 +178,7 @@ def sparse_allreduce_bytes(selections, sizes, compression, regions):
     import tensorflow as tf
 
     from sparse_hvd.exchanges.compression import Compression
-    from sparse_hvd.exchanges.sparse_allreduce import even_boundaries
+    from sparse_hvd.exchanges.regions import even_boundaries
     from sparse_hvd.exchanges.sparse_blocks import CodedBlocks
 
     offsets = np.cumsum([0] + list(sizes[:-1]))

@@ -46,6 +46,16 @@ al., SC 2019) splits the work by index instead, with two Horovod collectives per
 8. the next boundaries: the mean over ranks of where each rank's selected indices divide into N
    equal parts (so each owner receives about as many entries).
 
+At two ranks the scatter and the gather move about what one allgather of the selections
+moves: each worker receives half of the other's k entries and half of the about 1.03-1.05 k
+kept sums (``global_threshold``), where one allgather brings the other's k. So there the
+exchange is ONE ``allgather`` (``SparseAllreduce.one_gather``): each rank's block holds all its
+selections, coded among the whole index space, and every rank runs steps 3-4 over the whole
+space itself (the same entries in the same rank order: the same sums, counts and kept set as
+the owners', so the same averages, residuals and thresholds, bit for bit). It saves the second
+collective's round trip, the split into regions and the kept sums' coding, and the first
+steps' extra kept sums (up to 2.4 k while the forecast learns); the regions stay even.
+
 What it computes is therefore a global top-k of the SUM of the workers' selections (found
 with a threshold set one step ahead), not the average of every local top-k. Per worker, the
 wire carries about k (N - 1) / N entries out and the kept entries in. The kept entries beyond
@@ -74,17 +84,15 @@ import tensorflow as tf
 from .. import kernels
 from ..feedback.payload import Payload
 from ..runtime import collectives, lockstep, startup as runtime
-from ..selection.sparsifiers import spread_positions
-from .averaging import average_entries, divided
+from .averaging import applied_at_positions, average_entries
 from .base import HEADER_FIELDS, Exchange, checked_headers, header, register
 from .compression import NONE
 from .fused_allgather import FusedAllgather
 from .global_threshold import LEVELS, Forecast, first_forecast, next_thresholds
 from .owner_sums import owner_sums
+from .regions import even_boundaries, owners_of, sampled_quantiles, sorted_search
 from .sparse_blocks import CodedBlocks, PlainBlocks
 
-# sampled selected indices per rank and step for the boundaries (step 8)
-BOUNDARY_SAMPLES = 1024
 MAX_INDEX_SPACE = (1 << 31) - 1
 
 
@@ -98,27 +106,6 @@ class Result(NamedTuple):
     sent_words: tf.Tensor  # int32 words of this rank's blocks of its selections (step 2)
 
 
-def sorted_search(sorted_sequence, values, side):
-    """``tf.searchsorted`` of 1-D tensors (int32 positions) as the one op it wraps: the
-    wrapper's reshapes for N-D inputs traced about 20 operations a call, six calls a step."""
-    search = tf.raw_ops.LowerBound if side == "left" else tf.raw_ops.UpperBound
-    # reshapes, not ``[tf.newaxis]`` and ``[0]``: a strided slice and its three constants each
-    return tf.reshape(search(sorted_inputs=tf.reshape(sorted_sequence, [1, -1]),
-                             values=tf.reshape(values, [1, -1]), out_type=tf.int32), [-1])
-
-
-def even_boundaries(total: int, parts: int) -> List[int]:
-    """``parts + 1`` cut points of [0, total) into regions of (nearly) equal length."""
-    return [total * j // parts for j in range(parts + 1)]
-
-
-def owners_of(indices, boundaries):
-    """The region (rank) of each global index: ``boundaries[r] <= i < boundaries[r + 1]``.
-    Empty regions (equal cut points) own nothing."""
-    inner = boundaries[1:-1]
-    return sorted_search(inner, indices, "right")
-
-
 def not_applied(indices, applied):
     """Which of ``indices`` (int32) are absent from ``applied`` (ascending, distinct): one
     merge walk on CPU (``kernels.not_in``), else a binary search each."""
@@ -130,34 +117,6 @@ def not_applied(indices, applied):
     at = tf.minimum(sorted_search(applied, indices, "left"), last)
     at = tf.where(tf.size(applied) > 0, at, tf.size(applied))
     return tf.not_equal(tf.gather(padded, at), indices)
-
-
-def applied_at_positions(positions, sums, cuts, sizes, divisor):
-    """Step 6's averages where the applied sums are, one ``tf.IndexedSlices`` per variable
-    (``cuts``: where each variable's slice of ``positions`` starts, and the end), for an
-    optimizer that subtracts them in place (``sparsify="update"``): each position is applied
-    once, so its average is its sum over ``divisor``, with the bits :func:`average_entries`
-    gives it (a sum added to zero first, so -0.0 averages to +0.0)."""
-    averages = tf.where(tf.equal(sums, 0), tf.zeros_like(sums), divided(sums, divisor))
-    # one split each: slices per variable traced 104 of the step's 1,431 operations (wide CNN)
-    counts = cuts[1:] - cuts[:-1]
-    return [tf.IndexedSlices(values, at, tf.constant([n], tf.int64)) for values, at, n in zip(
-        tf.split(averages, counts, num=len(sizes)), tf.split(positions, counts, num=len(sizes)),
-        sizes)]
-
-
-def _sampled_quantiles(indices, parts, current):
-    """Where ``indices`` divide into ``parts`` equal parts (from at most BOUNDARY_SAMPLES of
-    them, at fixed spread positions); ``current`` (int64 [parts - 1]) if there are none."""
-    count = tf.size(indices, out_type=tf.int64)
-
-    def quantiles():
-        samples = tf.minimum(count, BOUNDARY_SAMPLES)
-        positions = spread_positions(samples, count)
-        ordered = tf.sort(tf.gather(tf.cast(indices, tf.int64), positions))
-        return tf.gather(ordered, tf.range(1, parts, dtype=tf.int64) * samples // parts)
-
-    return tf.cond(count > 0, quantiles, lambda: current)
 
 
 def _model_wide(thresholds, forecast, magnitudes, level_counts, budgets):
@@ -205,6 +164,8 @@ class SparseAllreduce:
                 "entries do not fit int32 indices; use exchange='allgather'")
         self.total = total
         self.size = size
+        # two ranks: one allgather (the module doc)
+        self.one_gather = size == 2
         # one threshold and one top-k over all the variables, as the selection's budget
         self.model_wide = getattr(optimizer, "budget", "layer") == "model"
         if saved:
@@ -230,7 +191,7 @@ class SparseAllreduce:
         entries and density budgets ``budgets``); ``dense_words``: int32 tensors to gather
         along (step 5); ``step``: the training step (sent along and checked);
         ``at_positions``: the averages as ``tf.IndexedSlices`` of the applied positions
-        (:func:`applied_at_positions`) instead of dense."""
+        (``averaging.applied_at_positions``) instead of dense."""
         size = self.size
         dtype = selections[0].values.dtype
         if any(s.values.dtype != dtype for s in selections):
@@ -239,50 +200,15 @@ class SparseAllreduce:
                              "use exchange='allgather'")
         order = sorted(range(len(keys)), key=lambda j: keys[j])  # ascending in the index space
         starts = tf.constant([self.offsets[keys[j]] for j in order], tf.int32)
-        boundaries = tf.convert_to_tensor(self.boundaries)
-        levels = len(LEVELS)
 
-        # Step 2: each owner's block of the entries in its region (``sparse_blocks``)
+        # Steps 2-5: with regions, or at two ranks in one gather
         sent = [s.indices + self.offsets[key] for s, key in zip(selections, keys)]
         indices = tf.concat(sent, 0)
         values = tf.concat([s.values for s in selections], 0)
-        owners = owners_of(tf.cast(indices, tf.int64), boundaries)
-        blocks = [self.blocks.scatter_block(owned, owned_values, boundaries[r],
-                                            boundaries[r + 1] - boundaries[r])
-                  for r, (owned, owned_values) in enumerate(zip(
-                      tf.dynamic_partition(indices, owners, size),
-                      tf.dynamic_partition(values, owners, size)))]
-        splits = tf.stack([tf.size(block) for block in blocks])
-        received, from_each = collectives.alltoall(tf.concat(blocks, 0), splits,
-                                        name=f"{self.name}.sparse_allreduce.scatter",
-                                        process_set=self.process_set, step=step)
-
-        # Steps 3-4: the sums, in rank order (the blocks arrive rank by rank), ascending by
-        # index; kept where they reach their variable's threshold; every level counted
-        me = runtime.rank(self.process_set)
-        start, length = boundaries[me], boundaries[me + 1] - boundaries[me]
-        received_indices, received_values, per_rank = self.blocks.unpack_scatter(
-            received, tf.ensure_shape(from_each, [size]), dtype, start, length)
         thresholds = tf.gather(tf.convert_to_tensor(self.thresholds), [keys[j] for j in order])
-        kept_here, kept_sums, counts = owner_sums(received_indices, received_values, per_rank,
-                                                  starts, thresholds, LEVELS)
-
-        # Step 5: gather the kept entries, the headers and the dense words
-        quantiles = _sampled_quantiles(indices, size, boundaries[1:-1])
-        parts, fields = self.blocks.gather_parts(kept_here, kept_sums, start, length)
-        own = tf.concat([tf.reshape(counts, [-1]), tf.cast(quantiles, tf.int32), fields], 0)
-        own_quantiles = levels * len(keys)
-        own_fields = own_quantiles + size - 1
-        self._layout = (own_fields + self.blocks.header_fields, len(dense_words))
-        gathered = collectives.grouped_allgather(
-            [header(finite_here, step, rest=own)] + parts + list(dense_words),
-            name=f"{self.name}.sparse_allreduce.gather", process_set=self.process_set, step=step)
-        gathered, finite, headers = checked_headers(gathered, size)  # headers: the own fields
-        # ascending: the owners' regions in rank order, each ascending
-        kept, kept_values = self.blocks.unpack_gather(
-            gathered[1:1 + len(parts)], headers[:, own_fields:], boundaries, dtype)
-        level_counts = tf.reduce_sum(
-            tf.reshape(headers[:, :own_quantiles], [size, len(keys), levels]), 0)
+        form = self._summed_in_one_gather if self.one_gather else self._summed_by_owners
+        kept, kept_values, level_counts, finite, dense_gathered, sent_words, quantiles = form(
+            indices, values, starts, thresholds, len(keys), finite_here, dense_words, step, dtype)
 
         # Step 6: for every variable at once (a slice of the ascending kept entries each), the
         # next threshold and what is applied: the k largest kept sums (ties included), or all
@@ -333,10 +259,77 @@ class SparseAllreduce:
                                                   values)
             state.assign(tf.where(finite, updated, state))
         self.last_step.assign(this_step)
-        quantiles = tf.cast(headers[:, own_quantiles:own_fields], tf.int64)
-        self.boundaries.assign(tf.concat(
-            [[0], tf.reduce_sum(quantiles, 0) // size, [self.total]], 0))
-        return Result(averages, returned, finite, gathered[1 + len(parts):], tf.reduce_sum(splits))
+        if quantiles is not None:
+            self.boundaries.assign(tf.concat(
+                [[0], tf.reduce_sum(quantiles, 0) // size, [self.total]], 0))
+        return Result(averages, returned, finite, dense_gathered, sent_words)
+
+    def _summed_by_owners(self, indices, values, starts, thresholds, variables, finite_here,
+                          dense_words, step, dtype):
+        """Steps 2-5 with regions: ``(kept indices, kept sums, level counts [variables,
+        levels], every rank finite, the gathered dense words, the int32 words this rank's
+        blocks hold, each rank's quantiles for step 8)``."""
+        size, levels = self.size, len(LEVELS)
+        boundaries = tf.convert_to_tensor(self.boundaries)
+        # Step 2: each owner's block of the entries in its region (``sparse_blocks``)
+        owners = owners_of(tf.cast(indices, tf.int64), boundaries)
+        blocks = [self.blocks.scatter_block(owned, owned_values, boundaries[r],
+                                            boundaries[r + 1] - boundaries[r])
+                  for r, (owned, owned_values) in enumerate(zip(
+                      tf.dynamic_partition(indices, owners, size),
+                      tf.dynamic_partition(values, owners, size)))]
+        splits = tf.stack([tf.size(block) for block in blocks])
+        received, from_each = collectives.alltoall(tf.concat(blocks, 0), splits,
+                                        name=f"{self.name}.sparse_allreduce.scatter",
+                                        process_set=self.process_set, step=step)
+
+        # Steps 3-4: the sums, in rank order (the blocks arrive rank by rank), ascending by
+        # index; kept where they reach their variable's threshold; every level counted
+        me = runtime.rank(self.process_set)
+        start, length = boundaries[me], boundaries[me + 1] - boundaries[me]
+        received_indices, received_values, per_rank = self.blocks.unpack_scatter(
+            received, tf.ensure_shape(from_each, [size]), dtype, start, length)
+        kept_here, kept_sums, counts = owner_sums(received_indices, received_values, per_rank,
+                                                  starts, thresholds, LEVELS)
+
+        # Step 5: gather the kept entries, the headers and the dense words
+        quantiles = sampled_quantiles(indices, size, boundaries[1:-1])
+        parts, fields = self.blocks.gather_parts(kept_here, kept_sums, start, length)
+        own = tf.concat([tf.reshape(counts, [-1]), tf.cast(quantiles, tf.int32), fields], 0)
+        own_quantiles = levels * variables
+        own_fields = own_quantiles + size - 1
+        self._layout = (own_fields + self.blocks.header_fields, len(dense_words))
+        gathered = collectives.grouped_allgather(
+            [header(finite_here, step, rest=own)] + parts + list(dense_words),
+            name=f"{self.name}.sparse_allreduce.gather", process_set=self.process_set, step=step)
+        gathered, finite, headers = checked_headers(gathered, size)  # headers: the own fields
+        # ascending: the owners' regions in rank order, each ascending
+        kept, kept_values = self.blocks.unpack_gather(
+            gathered[1:1 + len(parts)], headers[:, own_fields:], boundaries, dtype)
+        level_counts = tf.reduce_sum(
+            tf.reshape(headers[:, :own_quantiles], [size, variables, levels]), 0)
+        return (kept, kept_values, level_counts, finite, gathered[1 + len(parts):],
+                tf.reduce_sum(splits), tf.cast(headers[:, own_quantiles:own_fields], tf.int64))
+
+    def _summed_in_one_gather(self, indices, values, starts, thresholds, variables,
+                              finite_here, dense_words, step, dtype):
+        """Steps 2-5 at two ranks (``one_gather``, the module doc), as
+        :meth:`_summed_by_owners` returns them (no quantiles: the regions stay): this rank's
+        block of all its entries (the scatter's block for one region, the whole space)
+        gathered with the headers, which carry each block's length, and the dense words;
+        then steps 3-4 over every rank's block, rank by rank."""
+        space = [tf.constant(0, tf.int64), tf.constant(self.total, tf.int64)]
+        block = self.blocks.scatter_block(indices, values, *space)
+        self._layout = (1, len(dense_words))
+        gathered = collectives.grouped_allgather(
+            [header(finite_here, step, rest=tf.size(block)), block] + list(dense_words),
+            name=f"{self.name}.sparse_allreduce.gather", process_set=self.process_set, step=step)
+        gathered, finite, headers = checked_headers(gathered, self.size)
+        received_indices, received_values, per_rank = self.blocks.unpack_scatter(
+            gathered[1], headers[:, 0], dtype, *space)
+        kept, kept_values, counts = owner_sums(received_indices, received_values, per_rank,
+                                               starts, thresholds, LEVELS)
+        return kept, kept_values, counts, finite, gathered[2:], tf.size(block), None
 
     @property
     def traced(self) -> bool:
@@ -352,16 +345,20 @@ class SparseAllreduce:
         # Horovod's ops are not marked stateful: grappler's constant folding would run (and
         # re-run) a collective whose inputs are all constants while it optimizes the function.
         # So the splits (all zero) are computed from an argument.
-        no_rows = tf.fill([self.size], tf.minimum(tf.cast(state, tf.int32), 0))
-        received, _ = collectives.alltoall(
-            tf.zeros([0], tf.int32), no_rows,
-            name=f"{self.name}.sparse_allreduce.scatter", process_set=self.process_set)
-        # in the step's order: the gather starts once the scatter is done
-        empty = tf.zeros([0], tf.int32) + tf.reduce_sum(received[:0])
+        nothing = tf.minimum(tf.cast(state, tf.int32), 0)
+        empty = tf.zeros([0], tf.int32) + nothing
+        parts = 1
+        if not self.one_gather:
+            received, _ = collectives.alltoall(
+                empty, tf.fill([self.size], nothing),
+                name=f"{self.name}.sparse_allreduce.scatter", process_set=self.process_set)
+            # in the step's order: the gather starts once the scatter is done
+            empty = empty + tf.reduce_sum(received[:0])
+            parts = self.blocks.gathered_parts
         first = tf.concat([header(True, step, state, rest=tf.zeros([own_length], tf.int32)),
                            empty], 0)
         gathered = collectives.grouped_allgather(
-            [first] + [empty] * (self.blocks.gathered_parts + dense),
+            [first] + [empty] * (parts + dense),
             name=f"{self.name}.sparse_allreduce.gather", process_set=self.process_set)
         return lockstep.check(tf.reshape(gathered[0], [self.size, -1])[:, 1:HEADER_FIELDS])
 
