@@ -121,9 +121,10 @@ def not_applied(indices, applied):
 
 def _model_wide(thresholds, forecast, magnitudes, level_counts, budgets):
     """``next_thresholds`` with the whole model as one variable (``budget="model"``): the
-    cut is the sum of the budgets' largest kept sum over every variable, the next theta one
-    forecast of it, and each variable's slot holds the same numbers (its thresholds and
-    forecast, all alike since the first step)."""
+    cut is the K-th largest kept sum over all the variables, K the sum of their budgets, the
+    next theta one forecast of it, and every variable's slot gets the same numbers (their
+    thresholds and forecasts are alike from the first step on; a checkpoint from before
+    holds one per variable, and the first variable's is taken)."""
     variables = level_counts.shape[0]
     everything = tf.stack([0, tf.size(magnitudes)])
     cut, theta, following = next_thresholds(
