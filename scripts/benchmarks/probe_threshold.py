@@ -40,7 +40,7 @@ def parse_args(argv=None):
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--budget", choices=("layer", "model"), default="layer",
                         help="model: the selection's budget over the whole model (the "
-                        "default's); the owners still keep and apply per variable")
+                        "default's), and one threshold and top-k over it")
     parser.add_argument("--exchange", default="plain_sparse_allreduce",
                         choices=("sparse_allreduce", "plain_sparse_allreduce"))
     parser.add_argument("--rule", choices=("forecast", "last-cut"), default="forecast")

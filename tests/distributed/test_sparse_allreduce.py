@@ -26,7 +26,7 @@ class NumpyRule:
     def __init__(self, size, select, rounding=None, model_wide=False):
         """``model_wide``: ``budget="model"``, under which the variables are one (their
         selection, threshold and top-k), with the sum of their budgets."""
-        self.size, self.select = size, select
+        self.size, self.select, self.model_wide = size, select, model_wide
         self.rounding = rounding or (lambda values: values)  # what compression sends
         self.parts = [int(np.prod(s)) for s in SHAPES]
         self.sizes = list(self.parts)
@@ -53,14 +53,14 @@ class NumpyRule:
     def forget(self):
         """A step that does not follow the exchange's last one forecasts afresh (the thresholds
         stay)."""
-        self.last_cut = [0.0] * len(SHAPES)
-        self.growth = [0.0] * len(SHAPES)
-        self.miss = [FIRST_MISS] * len(SHAPES)
+        self.last_cut = [0.0] * len(self.theta)
+        self.growth = [0.0] * len(self.theta)
+        self.miss = [FIRST_MISS] * len(self.theta)
 
     def step(self, grads):
         """``grads[rank][variable]`` (flat, per variable of ``SHAPES``): the averages every
         rank applies, per variable of ``SHAPES``."""
-        if len(self.sizes) == 1:
+        if self.model_wide:
             grads = [[np.concatenate(g)] for g in grads]
         averages = []
         for v, n in enumerate(self.sizes):
