@@ -5,7 +5,8 @@ that reach their variable's threshold kept.
 On CPU with float32 or float64 sums, the native kernel (``sparse_hvd/kernels/owner_sum.cc``)
 does it in one pass after merging two ranks' ascending blocks, or a radix sort of more
 (measured, one process, load 10: 1.5 ms against the TensorFlow ops' 8.3 ms on 44,000 received
-entries, 7.5 ms against 46 ms on 256,000, before the merge); elsewhere (GPUs, 16-bit sums) TensorFlow ops compute the same bits:
+entries, 7.5 ms against 46 ms on 256,000, before the merge); elsewhere (GPUs, 16-bit sums)
+TensorFlow ops compute the same bits:
 
 1. the distinct indices and, for each, the sum of its entries in the order they arrived (rank
    by rank: ``averaging.sum_rank_by_rank``), ascending by index;
