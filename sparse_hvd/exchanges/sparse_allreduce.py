@@ -338,10 +338,10 @@ class SparseAllreduce:
         return self._layout is not None
 
     def announce(self, step, state):
-        """One step's two collectives with nothing to send, as a rank that is not training
-        (``lockstep.FINISHED`` or ``EPOCH_END`` after ``step`` steps); raises unless every rank
-        does the same. In a trace (``Exchange.assert_same_step``), after a step was
-        (:attr:`traced`)."""
+        """One step's collectives (two; one at two ranks) with nothing to send, as a rank that
+        is not training (``lockstep.FINISHED`` or ``EPOCH_END`` after ``step`` steps); raises
+        unless every rank does the same. In a trace (``Exchange.assert_same_step``), after a
+        step was (:attr:`traced`)."""
         own_length, dense = self._layout
         # Horovod's ops are not marked stateful: grappler's constant folding would run (and
         # re-run) a collective whose inputs are all constants while it optimizes the function.
