@@ -33,16 +33,16 @@ def _received(ranks, dtype, seed, ordered):
     return indices, values, per_rank
 
 
-def _numpy(indices, values, thresholds):
+def _numpy(indices, values, thresholds, starts=STARTS):
     sums = {}
     for rank_indices, rank_values in zip(indices, values):  # rank order, from zero
         for i, x in zip(rank_indices.tolist(), rank_values):
             sums[i] = sums.get(i, x.dtype.type(0)) + x
     order = sorted(sums)
-    counts = np.zeros((len(STARTS), len(LEVELS)), np.int32)
+    counts = np.zeros((len(starts), len(LEVELS)), np.int32)
     kept = []
     for i in order:
-        variable = np.searchsorted(STARTS, i, side="right") - 1
+        variable = np.searchsorted(starts, i, side="right") - 1
         magnitude = abs(float(sums[i]))
         theta = thresholds[variable]
         counts[variable] += [magnitude >= theta * level for level in LEVELS]
@@ -77,6 +77,30 @@ def test_owner_sums_are_rank_order_sums_kept_at_the_threshold(monkeypatch, path,
         assert g.dtype.as_numpy_dtype == e.dtype, name
         np.testing.assert_array_equal(g.numpy(), e, err_msg=name)
     assert expected[2][3].sum() == 0 and expected[2][1][0] == 1  # the cases above were hit
+
+
+@pytest.mark.parametrize("path", ["native", "tensorflow"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_variable_that_received_nothing_between_others_counts_nothing(monkeypatch, path,
+                                                                        ranks):
+    """The native kernel walks the variables as the ascending sums pass their starts: one
+    that received nothing (here [2000, 3000), and the empty one at 3000) is stepped over,
+    its counts zero, and the next one's sums counted against its own threshold."""
+    _use(monkeypatch, path)
+    starts = [0, 300, 301, 2000, 3000, 3000, 5000]
+    indices, values, per_rank = _received(ranks, "float32", 7, ordered=True)
+    outside = [(i < 2000) | (i >= 3000) for i in indices]
+    indices = [i[keep] for i, keep in zip(indices, outside)]
+    values = [v[keep] for v, keep in zip(values, outside)]
+    per_rank = [int(keep.sum()) for keep in outside]
+    thresholds = [0.5, 0.0, 2.0, 0.0, 0.0, 0.3, 1.0]
+    got = owner_sums(tf.constant(np.concatenate(indices)), tf.constant(np.concatenate(values)),
+                     tf.constant(per_rank, tf.int32), tf.constant(starts, tf.int32),
+                     tf.constant(thresholds, tf.float64), LEVELS)
+    expected = _numpy(indices, values, thresholds, starts)
+    for name, g, e in zip(("kept indices", "kept sums", "counts"), got, expected):
+        np.testing.assert_array_equal(g.numpy(), e, err_msg=name)
+    assert not expected[2][3:5].any() and expected[2][5].all() and expected[2][6].any()
 
 
 def test_nothing_received_keeps_nothing(monkeypatch):
