@@ -226,17 +226,22 @@ class SparseAllreduce:
         if self.model_wide and len(keys) > 1:
             cut, next_theta, next_forecast = _model_wide(
                 thresholds, forecast, magnitudes, level_counts, budget)
+            reaches = magnitudes >= cut[0]  # one cut for the model
         else:
             cut, next_theta, next_forecast = next_thresholds(
                 thresholds, forecast, magnitudes, cuts, level_counts, budget)
-        # each kept entry's variable: how many of the variables' ends it is at or past (a few
-        # ops, where tf.repeat of the cuts and tf.boolean_mask traced about 100)
-        variable_of = sorted_search(cuts[1:], tf.range(tf.size(magnitudes)), "right")
-        applied = tf.reshape(tf.where(magnitudes >= tf.gather(cut, variable_of)), [-1])
+            # each kept entry's variable: how many of the variables' ends it is at or past (a
+            # few ops, where tf.repeat of the cuts and tf.boolean_mask traced about 100)
+            variable_of = sorted_search(cuts[1:], tf.range(tf.size(magnitudes)), "right")
+            reaches = magnitudes >= tf.gather(cut, variable_of)
+        applied = tf.reshape(tf.where(reaches), [-1])
         kept, kept_values = tf.gather(kept, applied), tf.gather(kept_values, applied)
         cuts = sorted_search(kept, tf.concat([starts, [tf.int32.max]], 0), "left")
         per_variable = tf.reshape(cuts[1:] - cuts[:-1], [1, len(keys)])
-        local = kept - tf.gather(starts, sorted_search(starts, kept, "right") - 1)
+        # each applied index within its variable: the slices less their (known) starts, where
+        # a search of every index among the starts and a gather took 0.3-0.4 ms a step
+        local = tf.concat([at - self.offsets[keys[j]] for j, at in zip(order, tf.split(
+            kept, per_variable[0], num=len(keys)))], 0)
         if at_positions:
             in_order = applied_at_positions(local, kept_values, cuts, [sizes[j] for j in order],
                                             size)
