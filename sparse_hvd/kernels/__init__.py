@@ -13,7 +13,7 @@
   from the weights in place, the variable taken as TensorFlow's dense training ops take it);
 * ``owner_sum()``: the ``SparseHvdOwnerSum`` op (owner_sum.cc: what a sparse allreduce owner
   received, summed in rank order, counted at the threshold's levels and kept, in one pass
-  after a radix sort);
+  after a merge of two ranks' blocks or a radix sort);
 * ``encode_values()`` and ``decode_values()``: the ``SparseHvdEncodeValues`` and
   ``SparseHvdDecodeValues`` ops (value_codec.cc: ``sparse_hvd.exchanges.value_coding``'s code
   in one sequential pass each way, the same words bit for bit);
