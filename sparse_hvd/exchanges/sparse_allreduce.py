@@ -213,8 +213,8 @@ class SparseAllreduce:
 
         # Step 6: for every variable at once (a slice of the ascending kept entries each), the
         # next threshold and what is applied: the k largest kept sums (ties included), or all
-        # of them if fewer were kept
-        cuts = sorted_search(kept, tf.concat([starts, [tf.int32.max]], 0), "left")
+        # of them if fewer were kept; where each variable's slice of the kept entries begins
+        bounds = tf.concat([starts, [tf.int32.max]], 0)
         positions = [[keys[j]] for j in order]
         magnitudes = tf.abs(tf.cast(kept_values, tf.float64))
         this_step = tf.cast(step, tf.int64)
@@ -228,6 +228,7 @@ class SparseAllreduce:
                 thresholds, forecast, magnitudes, level_counts, budget)
             reaches = magnitudes >= cut[0]  # one cut for the model
         else:
+            cuts = sorted_search(kept, bounds, "left")
             cut, next_theta, next_forecast = next_thresholds(
                 thresholds, forecast, magnitudes, cuts, level_counts, budget)
             # each kept entry's variable: how many of the variables' ends it is at or past (a
@@ -236,7 +237,7 @@ class SparseAllreduce:
             reaches = magnitudes >= tf.gather(cut, variable_of)
         applied = tf.reshape(tf.where(reaches), [-1])
         kept, kept_values = tf.gather(kept, applied), tf.gather(kept_values, applied)
-        cuts = sorted_search(kept, tf.concat([starts, [tf.int32.max]], 0), "left")
+        cuts = sorted_search(kept, bounds, "left")
         per_variable = tf.reshape(cuts[1:] - cuts[:-1], [1, len(keys)])
         # each applied index within its variable: the slices less their (known) starts, where
         # a search of every index among the starts and a gather took 0.3-0.4 ms a step
