@@ -65,6 +65,7 @@ def _use(monkeypatch, path):
         pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
     if path == "tensorflow":
         monkeypatch.setattr(index_coding.kernels, "encode_positions", lambda: None)
+        monkeypatch.setattr(index_coding.kernels, "encode_entries", lambda: None)
         monkeypatch.setattr(index_coding.kernels, "decode_positions", lambda: None)
 
 
@@ -88,6 +89,38 @@ def test_any_order_in_every_rank_back_in_order_from_the_closed_form_code(monkeyp
     decoded = index_coding.decode_ranks(tf.concat(blocks, 0), tf.constant(counts), [0, second], n)
     assert decoded.dtype == tf.int32
     np.testing.assert_array_equal(decoded.numpy(), np.concatenate(expected))
+
+
+@pytest.mark.parametrize("path", ["native", "tensorflow"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("arrive", ["sorted", "shuffled"])
+def test_values_come_in_the_codes_order_with_the_same_words(monkeypatch, path, dtype, arrive):
+    """``encode_entries``: the words of :func:`encode` of the sorted positions, and each value
+    moved with its position (values distinct, so a wrong permutation shows)."""
+    _use(monkeypatch, path)
+    wide = dtype in ("float32", "float64")  # 16-bit types hold the integers to 256 exactly
+    for n, k in [(4_350_000, 43_500 if wide else 256), (100_000, 200), (10, 0), (1, 1)]:
+        x = _positions(n, k, 3)
+        values = np.arange(1, len(x) + 1, dtype=np.float64)  # exact in the dtype
+        permutation = (np.random.default_rng(1).permutation(len(x)) if arrive == "shuffled"
+                       else np.arange(len(x)))
+        words, in_order = index_coding.encode_entries(
+            tf.constant(x[permutation]), tf.cast(values[permutation], dtype), n)
+        assert in_order.dtype == tf.as_dtype(dtype)
+        np.testing.assert_array_equal(words.numpy(),
+                                      index_coding.encode(tf.constant(x), n).numpy())
+        np.testing.assert_array_equal(in_order.numpy().astype(np.float64), values)
+
+
+def test_the_native_entry_code_refuses_repeated_positions_and_values_of_another_length(
+        monkeypatch):
+    _use(monkeypatch, "native")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="sent twice"):
+        index_coding.encode_entries(tf.constant([5, 9, 5], tf.int64), tf.zeros([3]), 100)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="outside"):
+        index_coding.encode_entries(tf.constant([5, 100], tf.int64), tf.zeros([2]), 100)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="2 positions, 3 values"):
+        index_coding.encode_entries(tf.constant([5, 9], tf.int64), tf.zeros([3]), 100)
 
 
 def test_the_native_code_refuses_repeated_or_outside_positions_and_wrong_words(monkeypatch):

@@ -224,30 +224,44 @@ def test_one_worker_applies_its_own_selection_as_the_allgather_exchange_does():
 
 @pytest.mark.parametrize("path", ["native", "tensorflow"])
 @pytest.mark.parametrize("needles_ascend", [True, False])
-def test_the_entries_not_applied_are_those_absent_from_the_applied_list(path, needles_ascend,
-                                                                      monkeypatch):
-    from sparse_hvd.exchanges.sparse_allreduce import not_applied
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_the_values_owed_are_those_whose_indices_are_absent_from_the_applied_list(
+        path, needles_ascend, dtype, monkeypatch):
+    from sparse_hvd.exchanges.sparse_allreduce import unapplied
 
-    if path == "native" and kernels.not_in() is None:
+    if path == "native" and kernels.unapplied() is None:
         pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
     if path == "tensorflow":
-        monkeypatch.setattr(kernels, "not_in", lambda: None)
+        monkeypatch.setattr(kernels, "unapplied", lambda: None)
     rng = np.random.default_rng(4)
     sent = np.sort(rng.choice(100000, 5000, replace=False)).astype(np.int32)
     if not needles_ascend:
         rng.shuffle(sent)
+    values = rng.standard_normal(sent.size).astype(np.float32) + 3.0  # never 0 itself
     applied = np.sort(np.concatenate([rng.choice(sent, 2000, replace=False),
                                       rng.choice(100000, 300)])).astype(np.int32)
     applied = np.unique(applied)
-    for needles, hay in ((sent, applied), (sent, applied[:0]), (sent[:0], applied),
-                         (sent[:1], applied[-1:])):
-        got = not_applied(tf.constant(needles), tf.constant(hay)).numpy()
-        np.testing.assert_array_equal(got, ~np.isin(needles, hay))
+    for needles, given, hay in ((sent, values, applied), (sent, values, applied[:0]),
+                                (sent[:0], values[:0], applied),
+                                (sent[:1], values[:1], applied[-1:])):
+        given = tf.cast(tf.constant(given), dtype)
+        got = unapplied(tf.constant(needles), tf.constant(hay), given)
+        assert got.dtype == given.dtype
+        expected = np.where(np.isin(needles, hay), 0.0, given.numpy().astype(np.float64))
+        np.testing.assert_array_equal(got.numpy().astype(np.float64), expected)
 
 
 def test_an_applied_list_out_of_order_is_refused_naming_the_place():
-    if kernels.not_in() is None:
+    if kernels.unapplied() is None:
         pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"sorted must ascend: sorted\[1\] = 7, sorted\[2\] = 7"):
-        kernels.not_in()(tf.constant([1, 2]), tf.constant([3, 7, 7]))
+        kernels.unapplied()(tf.constant([1, 2]), tf.constant([3, 7, 7]), tf.constant([1., 2.]))
+
+
+def test_values_of_another_length_than_the_indices_are_refused():
+    if kernels.unapplied() is None:
+        pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"values must have one entry per needle: 3 values, 2 needles"):
+        kernels.unapplied()(tf.constant([1, 2]), tf.constant([3, 7]), tf.constant([1., 2., 3.]))

@@ -19,7 +19,8 @@ The bitmap costs at most 3 bits an entry (``(n >> L) / K < 2``), so an entry cos
 travels in the exchange's header), so the code needs no length field; the word counts follow
 from them (:func:`encoded_words`).
 
-On CPU, :func:`encode_in_any_order` and :func:`decode_ranks` run as one native pass each
+On CPU, :func:`encode_in_any_order`, :func:`encode_entries` and :func:`decode_ranks` run as
+one native pass each
 (``sparse_hvd/kernels/index_codec.cc``, the same words bit for bit); the TensorFlow ops are
 the path on GPU and without the kernels. :func:`decode_host` decodes in NumPy, for code that
 reached the host (the delayed pipeline's thread).
@@ -103,6 +104,18 @@ def encode_in_any_order(positions, space):
         return native(positions, tf.cast(space, tf.int64))
     order = tf.argsort(positions, stable=True)
     return encode(tf.gather(positions, order), space), order
+
+
+def encode_entries(positions, values, space):
+    """``(words, values in their order)``: :func:`encode` of distinct ``positions`` given in
+    any order, and ``values`` (one per position) reordered as the code sends them. Natively,
+    positions that arrive sorted hand back ``values`` itself, where a gather copied them."""
+    positions = tf.cast(positions, tf.int64)
+    native = kernels.encode_entries()
+    if native is not None:
+        return native(positions, values, tf.cast(space, tf.int64))
+    words, order = encode_in_any_order(positions, space)
+    return words, tf.gather(values, order)
 
 
 def decode_ranks(words, counts, starts, space):

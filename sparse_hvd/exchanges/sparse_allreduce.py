@@ -106,17 +106,19 @@ class Result(NamedTuple):
     sent_words: tf.Tensor  # int32 words of this rank's blocks of its selections (step 2)
 
 
-def not_applied(indices, applied):
-    """Which of ``indices`` (int32) are absent from ``applied`` (ascending, distinct): one
-    merge walk on CPU (``kernels.not_in``), else a binary search each."""
-    native = kernels.not_in()
+def unapplied(indices, applied, values):
+    """``values`` where their ``indices`` (int32) are absent from ``applied`` (ascending,
+    distinct), else 0: one merge walk on CPU (``kernels.unapplied``), else a binary search
+    each and a select."""
+    native = kernels.unapplied()
     if native is not None:
-        return native(indices, applied)
+        return native(indices, applied, values)
     last = tf.maximum(tf.size(applied) - 1, 0)
     padded = tf.concat([applied, [-1]], 0)  # never equal to an index: nothing applied at all
     at = tf.minimum(sorted_search(applied, indices, "left"), last)
     at = tf.where(tf.size(applied) > 0, at, tf.size(applied))
-    return tf.not_equal(tf.gather(padded, at), indices)
+    absent = tf.not_equal(tf.gather(padded, at), indices)
+    return tf.where(absent, values, tf.zeros_like(values))
 
 
 def _model_wide(thresholds, forecast, magnitudes, level_counts, budgets):
@@ -255,7 +257,7 @@ class SparseAllreduce:
 
         # Step 7: what this rank sent that was not applied goes back (all sent entries at
         # once; an applied one goes back as 0, which leaves its residual entry as it is)
-        owed = tf.where(not_applied(indices, kept), values, tf.zeros_like(values))
+        owed = unapplied(indices, kept, values)
         returned = [(owed_values, selection.indices) for selection, owed_values in zip(
             selections, tf.split(owed, [tf.size(i) for i in sent], num=len(sent)))]
 

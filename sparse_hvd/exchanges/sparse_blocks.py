@@ -77,8 +77,8 @@ class CodedBlocks(PlainBlocks):
     def _coded(self, positions, values, length, wire_dtype):
         """``(header, index words, value words)`` of one block: ``positions`` (in the region,
         any order) and their ``values`` as they travel (``wire_dtype``)."""
-        index_words, order = index_coding.encode_in_any_order(positions, length)
-        values = tf.cast(tf.gather(values, order), wire_dtype)
+        index_words, values = index_coding.encode_entries(positions, values, length)
+        values = tf.cast(values, wire_dtype)
         count = tf.size(positions, out_type=tf.int64)
         if value_coding.codable(wire_dtype):
             block = value_coding.encode(values, [count])

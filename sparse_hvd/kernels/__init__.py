@@ -17,13 +17,15 @@
 * ``encode_values()`` and ``decode_values()``: the ``SparseHvdEncodeValues`` and
   ``SparseHvdDecodeValues`` ops (value_codec.cc: ``sparse_hvd.exchanges.value_coding``'s code
   in one sequential pass each way, the same words bit for bit);
-* ``encode_positions()`` and ``decode_positions()``: the ``SparseHvdEncodePositions`` and
-  ``SparseHvdDecodePositions`` ops (index_codec.cc: ``sparse_hvd.exchanges.index_coding``'s
-  Elias-Fano code, likewise);
+* ``encode_positions()``, ``encode_entries()`` and ``decode_positions()``: the
+  ``SparseHvdEncodePositions``, ``SparseHvdEncodeEntries`` (the code and the values in its
+  order) and ``SparseHvdDecodePositions`` ops (index_codec.cc:
+  ``sparse_hvd.exchanges.index_coding``'s Elias-Fano code, likewise);
 * ``divide_checked()``: the ``SparseHvdDivideChecked`` op (divide_checked.cc: the dense
   allreduce's sums divided into averages, and whether all are finite, in one pass).
-* ``not_in()``: the ``SparseHvdNotIn`` op (not_in.cc: which of some indices are absent
-  from an ascending list, by one merge walk; the sparse allreduce's unapplied entries);
+* ``unapplied()``: the ``SparseHvdUnapplied`` op (unapplied.cc: values whose indices are
+  absent from an ascending list, 0 for the others, by one merge walk; the sparse allreduce's
+  entries that go back into the residual);
 * ``add_at()``: the ``SparseHvdAddAt`` op (add_at.cc: values added into a flat tensor at
   indices, in its own buffer when nothing else holds it; the sparse allreduce's unapplied
   entries going back into the residuals);
@@ -182,6 +184,11 @@ def encode_positions():
     return _op("sparse_hvd_encode_positions")
 
 
+def encode_entries():
+    """The native Elias-Fano coding op that also puts values in the code's order, or None."""
+    return _op("sparse_hvd_encode_entries")
+
+
 def decode_positions():
     """The native Elias-Fano decoding op, or None."""
     return _op("sparse_hvd_decode_positions")
@@ -197,9 +204,9 @@ def add_at():
     return _op("sparse_hvd_add_at")
 
 
-def not_in():
-    """The native membership op of the sparse allreduce, or None."""
-    return _op("sparse_hvd_not_in")
+def unapplied():
+    """The native op of the sparse allreduce's unapplied values, or None."""
+    return _op("sparse_hvd_unapplied")
 
 
 def kth_largest():
