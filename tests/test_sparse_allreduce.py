@@ -234,21 +234,69 @@ def test_the_values_owed_are_those_whose_indices_are_absent_from_the_applied_lis
     if path == "tensorflow":
         monkeypatch.setattr(kernels, "unapplied", lambda: None)
     rng = np.random.default_rng(4)
+    offset = 70000  # the variable's start in the index space: applied holds global indices
     sent = np.sort(rng.choice(100000, 5000, replace=False)).astype(np.int32)
     if not needles_ascend:
         rng.shuffle(sent)
     values = rng.standard_normal(sent.size).astype(np.float32) + 3.0  # never 0 itself
-    applied = np.sort(np.concatenate([rng.choice(sent, 2000, replace=False),
-                                      rng.choice(100000, 300)])).astype(np.int32)
+    applied = np.sort(np.concatenate([rng.choice(sent, 2000, replace=False) + offset,
+                                      rng.choice(200000, 300)])).astype(np.int32)
     applied = np.unique(applied)
     for needles, given, hay in ((sent, values, applied), (sent, values, applied[:0]),
                                 (sent[:0], values[:0], applied),
                                 (sent[:1], values[:1], applied[-1:])):
         given = tf.cast(tf.constant(given), dtype)
-        got = unapplied(tf.constant(needles), tf.constant(hay), given)
+        got = unapplied(tf.constant(needles), tf.constant(hay), given, offset)
         assert got.dtype == given.dtype
-        expected = np.where(np.isin(needles, hay), 0.0, given.numpy().astype(np.float64))
+        expected = np.where(np.isin(needles + offset, hay), 0.0,
+                            given.numpy().astype(np.float64))
         np.testing.assert_array_equal(got.numpy().astype(np.float64), expected)
+
+
+@pytest.mark.parametrize("path", ["native", "tensorflow"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_the_applied_entries_are_the_kept_sums_that_reach_their_variables_cut(
+        path, dtype, monkeypatch):
+    """Three variables at 0, 40,000 and 90,000 of the index space (the middle one with no kept
+    entry at all, the last with a cut of 0: all applied), against NumPy."""
+    from sparse_hvd.exchanges.sparse_allreduce import applied_entries
+
+    if path == "native" and kernels.applied() is None:
+        pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
+    if path == "tensorflow":
+        monkeypatch.setattr(kernels, "applied", lambda: None)
+    rng = np.random.default_rng(7)
+    starts = np.array([0, 40000, 90000], np.int32)
+    kept = np.unique(np.concatenate([rng.choice(40000, 3000, replace=False),
+                                     90000 + rng.choice(5000, 400, replace=False)])).astype(np.int32)
+    sums = rng.standard_normal(kept.size)
+    magnitudes = np.abs(sums)
+    magnitudes[5] = 1.25  # exactly at the first variable's cut: applied
+    cuts = np.array([1.25, 0.5, 0.0])
+    variable = np.searchsorted(starts, kept, "right") - 1
+    reach = magnitudes >= cuts[variable]
+    got = applied_entries(tf.constant(kept), tf.cast(tf.constant(sums), dtype),
+                          tf.constant(magnitudes), tf.constant(cuts), tf.constant(starts))
+    applied, local, values, counts = (t.numpy() for t in got)
+    np.testing.assert_array_equal(applied, kept[reach])
+    np.testing.assert_array_equal(local, kept[reach] - starts[variable[reach]])
+    np.testing.assert_array_equal(values, tf.cast(tf.constant(sums[reach]), dtype).numpy())
+    np.testing.assert_array_equal(counts, np.bincount(variable[reach], minlength=3))
+    assert counts[1] == 0 and counts[2] == 400
+    empty = applied_entries(tf.constant(kept[:0]), tf.cast(tf.constant(sums[:0]), dtype),
+                            tf.constant(magnitudes[:0]), tf.constant(cuts), tf.constant(starts))
+    assert [int(tf.size(t)) for t in empty] == [0, 0, 0, 3]
+    np.testing.assert_array_equal(empty[3].numpy(), [0, 0, 0])
+
+
+def test_kept_entries_out_of_order_are_refused_naming_the_place():
+    if kernels.applied() is None:
+        pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"kept must ascend from starts\[0\] = 0: kept\[2\] = 4 after 9"):
+        kernels.applied()(tf.constant([1, 9, 4]), tf.constant([1., 2., 3.]),
+                          tf.constant([1., 2., 3.], tf.float64), tf.constant([0.], tf.float64),
+                          tf.constant([0]))
 
 
 def test_an_applied_list_out_of_order_is_refused_naming_the_place():
@@ -256,7 +304,7 @@ def test_an_applied_list_out_of_order_is_refused_naming_the_place():
         pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"sorted must ascend: sorted\[1\] = 7, sorted\[2\] = 7"):
-        kernels.unapplied()(tf.constant([1, 2]), tf.constant([3, 7, 7]), tf.constant([1., 2.]))
+        kernels.unapplied()(tf.constant([1, 2]), tf.constant([3, 7, 7]), tf.constant([1., 2.]), 0)
 
 
 def test_values_of_another_length_than_the_indices_are_refused():
@@ -264,4 +312,5 @@ def test_values_of_another_length_than_the_indices_are_refused():
         pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"values must have one entry per needle: 3 values, 2 needles"):
-        kernels.unapplied()(tf.constant([1, 2]), tf.constant([3, 7]), tf.constant([1., 2., 3.]))
+        kernels.unapplied()(tf.constant([1, 2]), tf.constant([3, 7]), tf.constant([1., 2., 3.]),
+                            0)

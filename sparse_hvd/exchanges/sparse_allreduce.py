@@ -106,13 +106,33 @@ class Result(NamedTuple):
     sent_words: tf.Tensor  # int32 words of this rank's blocks of its selections (step 2)
 
 
-def unapplied(indices, applied, values):
-    """``values`` where their ``indices`` (int32) are absent from ``applied`` (ascending,
-    distinct), else 0: one merge walk on CPU (``kernels.unapplied``), else a binary search
-    each and a select."""
+def applied_entries(kept, sums, magnitudes, cuts, starts):
+    """Step 6's applied entries: of the ascending ``kept`` indices (int32, in the index space)
+    and their ``sums`` and ``magnitudes`` (float64), those whose magnitude reaches their
+    variable's cut (``cuts[v]`` for the indices from ``starts[v]`` (ascending) to the next
+    start), as ``(indices, indices within their variables, sums, count per variable)``. One
+    native pass on CPU (``kernels.applied``), else searches, a comparison and gathers."""
+    native = kernels.applied()
+    if native is not None:
+        return native(kept, sums, magnitudes, cuts, starts)
+    slices = sorted_search(kept, tf.concat([starts, [tf.int32.max]], 0), "left")
+    # each kept entry's variable: how many of the variables' ends it is at or past
+    variable_of = sorted_search(slices[1:], tf.range(tf.size(magnitudes)), "right")
+    at = tf.reshape(tf.where(magnitudes >= tf.gather(cuts, variable_of)), [-1])
+    applied, variable_of = tf.gather(kept, at), tf.gather(variable_of, at)
+    counts = tf.math.bincount(variable_of, minlength=tf.size(starts),
+                              maxlength=tf.size(starts), dtype=tf.int32)
+    return applied, applied - tf.gather(starts, variable_of), tf.gather(sums, at), counts
+
+
+def unapplied(indices, applied, values, offset):
+    """``values`` where their ``indices`` (int32) plus ``offset`` are absent from ``applied``
+    (ascending, distinct), else 0: one merge walk on CPU (``kernels.unapplied``), else a
+    binary search each and a select."""
     native = kernels.unapplied()
     if native is not None:
-        return native(indices, applied, values)
+        return native(indices, applied, values, offset)
+    indices = indices + offset
     last = tf.maximum(tf.size(applied) - 1, 0)
     padded = tf.concat([applied, [-1]], 0)  # never equal to an index: nothing applied at all
     at = tf.minimum(sorted_search(applied, indices, "left"), last)
@@ -205,8 +225,8 @@ class SparseAllreduce:
         starts = tf.constant([self.offsets[keys[j]] for j in order], tf.int32)
 
         # Steps 2-5: with regions, or at two ranks in one gather
-        sent = [s.indices + self.offsets[key] for s, key in zip(selections, keys)]
-        indices = tf.concat(sent, 0)
+        indices = tf.concat([s.indices + self.offsets[key] for s, key in zip(selections, keys)],
+                            0)
         values = tf.concat([s.values for s in selections], 0)
         thresholds = tf.gather(tf.convert_to_tensor(self.thresholds), [keys[j] for j in order])
         form = self._summed_in_one_gather if self.one_gather else self._summed_by_owners
@@ -215,8 +235,7 @@ class SparseAllreduce:
 
         # Step 6: for every variable at once (a slice of the ascending kept entries each), the
         # next threshold and what is applied: the k largest kept sums (ties included), or all
-        # of them if fewer were kept; where each variable's slice of the kept entries begins
-        bounds = tf.concat([starts, [tf.int32.max]], 0)
+        # of them if fewer were kept
         positions = [[keys[j]] for j in order]
         magnitudes = tf.abs(tf.cast(kept_values, tf.float64))
         this_step = tf.cast(step, tf.int64)
@@ -226,25 +245,17 @@ class SparseAllreduce:
                               for state, afresh in zip(self.forecast, first_forecast(len(keys)))))
         budget = tf.stack([tf.cast(budgets[j], tf.int32) for j in order])
         if self.model_wide and len(keys) > 1:
-            cut, next_theta, next_forecast = _model_wide(
+            cut, next_theta, next_forecast = _model_wide(  # one cut for the model
                 thresholds, forecast, magnitudes, level_counts, budget)
-            reaches = magnitudes >= cut[0]  # one cut for the model
         else:
-            cuts = sorted_search(kept, bounds, "left")
             cut, next_theta, next_forecast = next_thresholds(
-                thresholds, forecast, magnitudes, cuts, level_counts, budget)
-            # each kept entry's variable: how many of the variables' ends it is at or past (a
-            # few ops, where tf.repeat of the cuts and tf.boolean_mask traced about 100)
-            variable_of = sorted_search(cuts[1:], tf.range(tf.size(magnitudes)), "right")
-            reaches = magnitudes >= tf.gather(cut, variable_of)
-        applied = tf.reshape(tf.where(reaches), [-1])
-        kept, kept_values = tf.gather(kept, applied), tf.gather(kept_values, applied)
-        cuts = sorted_search(kept, bounds, "left")
-        per_variable = tf.reshape(cuts[1:] - cuts[:-1], [1, len(keys)])
-        # each applied index within its variable: the slices less their (known) starts, where
-        # a search of every index among the starts and a gather took 0.3-0.4 ms a step
-        local = tf.concat([at - self.offsets[keys[j]] for j, at in zip(order, tf.split(
-            kept, per_variable[0], num=len(keys)))], 0)
+                thresholds, forecast, magnitudes,
+                sorted_search(kept, tf.concat([starts, [tf.int32.max]], 0), "left"),
+                level_counts, budget)
+        kept, local, kept_values, counts = applied_entries(kept, kept_values, magnitudes, cut,
+                                                           starts)
+        per_variable = tf.reshape(counts, [1, len(keys)])
+        cuts = tf.concat([[0], tf.cumsum(counts)], 0)
         if at_positions:
             in_order = applied_at_positions(local, kept_values, cuts, [sizes[j] for j in order],
                                             size)
@@ -255,11 +266,10 @@ class SparseAllreduce:
         for place, j in enumerate(order):
             averages[j] = in_order[place]
 
-        # Step 7: what this rank sent that was not applied goes back (all sent entries at
-        # once; an applied one goes back as 0, which leaves its residual entry as it is)
-        owed = unapplied(indices, kept, values)
-        returned = [(owed_values, selection.indices) for selection, owed_values in zip(
-            selections, tf.split(owed, [tf.size(i) for i in sent], num=len(sent)))]
+        # Step 7: what this rank sent that was not applied goes back (an applied entry goes
+        # back as 0, which leaves its residual entry as it is)
+        returned = [(unapplied(s.indices, kept, s.values, self.offsets[key]), s.indices)
+                    for s, key in zip(selections, keys)]
 
         # Steps 6 and 8: the next thresholds and boundaries, identical on every rank
         for state, values in zip((self.thresholds,) + tuple(self.forecast),

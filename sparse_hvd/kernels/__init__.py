@@ -23,9 +23,10 @@
   ``sparse_hvd.exchanges.index_coding``'s Elias-Fano code, likewise);
 * ``divide_checked()``: the ``SparseHvdDivideChecked`` op (divide_checked.cc: the dense
   allreduce's sums divided into averages, and whether all are finite, in one pass).
-* ``unapplied()``: the ``SparseHvdUnapplied`` op (unapplied.cc: values whose indices are
-  absent from an ascending list, 0 for the others, by one merge walk; the sparse allreduce's
-  entries that go back into the residual);
+* ``applied()`` and ``unapplied()``: the ``SparseHvdApplied`` and ``SparseHvdUnapplied`` ops
+  (applied.cc: the sparse allreduce's kept sums that reach their variable's cut, with their
+  indices within the variables and a count per variable, in one walk; and the values of the
+  entries a rank sent that were not applied, 0 for the others, by one merge walk);
 * ``add_at()``: the ``SparseHvdAddAt`` op (add_at.cc: values added into a flat tensor at
   indices, in its own buffer when nothing else holds it; the sparse allreduce's unapplied
   entries going back into the residuals);
@@ -202,6 +203,11 @@ def divide_checked():
 def add_at():
     """The native add-at-indices op of error feedback, or None."""
     return _op("sparse_hvd_add_at")
+
+
+def applied():
+    """The native op of the sparse allreduce's applied entries, or None."""
+    return _op("sparse_hvd_applied")
 
 
 def unapplied():
