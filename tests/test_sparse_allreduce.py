@@ -267,8 +267,9 @@ def test_the_applied_entries_are_the_kept_sums_that_reach_their_variables_cut(
         monkeypatch.setattr(kernels, "applied", lambda: None)
     rng = np.random.default_rng(7)
     starts = np.array([0, 40000, 90000], np.int32)
-    kept = np.unique(np.concatenate([rng.choice(40000, 3000, replace=False),
-                                     90000 + rng.choice(5000, 400, replace=False)])).astype(np.int32)
+    kept = np.concatenate([rng.choice(40000, 3000, replace=False),
+                           90000 + rng.choice(5000, 400, replace=False)])
+    kept = np.unique(kept).astype(np.int32)
     sums = rng.standard_normal(kept.size)
     magnitudes = np.abs(sums)
     magnitudes[5] = 1.25  # exactly at the first variable's cut: applied

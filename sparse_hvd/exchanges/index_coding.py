@@ -20,10 +20,9 @@ travels in the exchange's header), so the code needs no length field; the word c
 from them (:func:`encoded_words`).
 
 On CPU, :func:`encode_in_any_order`, :func:`encode_entries` and :func:`decode_ranks` run as
-one native pass each
-(``sparse_hvd/kernels/index_codec.cc``, the same words bit for bit); the TensorFlow ops are
-the path on GPU and without the kernels. :func:`decode_host` decodes in NumPy, for code that
-reached the host (the delayed pipeline's thread).
+one native pass each (``sparse_hvd/kernels/index_codec.cc``, the same words bit for bit); the
+TensorFlow ops are the path on GPU and without the kernels. :func:`decode_host` decodes in
+NumPy, for code that reached the host (the delayed pipeline's thread).
 """
 
 import math

@@ -6,7 +6,7 @@
 // holds the indices from ``starts[v]`` to the next start), as global indices, indices within
 // their variables, sums, and a count per variable. TensorFlow's comparison, where, two
 // gathers, the searches for each variable's slice, the split and the subtraction of each
-// variable's start took about 8 ms of op time a step at 5% density and 4 workers on 2 cores
+// variable's start took about 7 ms of op time a step at 5% density and 4 workers on 2 cores
 // (the 4.35M MLP). Here:
 //
 //   1. one walk over the kept entries, the variable advancing as the indices pass its end,
@@ -19,8 +19,8 @@
 // whose sums were not applied go back into its residual; an applied one goes back as 0.
 // TensorFlow's searchsorted, gather and comparison took 4-7 ms a step for the MLP's 43,000
 // sent entries at 4 workers on 2 cores; a membership op followed by TensorFlow's select and
-// zeros, over all variables at once and then split per variable, took 10.9 ms of op time a
-// step at 5% density (membership 2.3, select 3.7, zeros 1.2, split 3.7). Here, per variable:
+// zeros over all variables at once took 2.3, 3.7 and 1.2 ms of op time a step at 5% density,
+// and the split of the result per variable 3.7 ms in a later profile. Here, per variable:
 //
 //   1. ``sorted`` must ascend: checked first (else an error names the place);
 //   2. if the needles ascend (a rank's selections are made in index order), one merge walk
