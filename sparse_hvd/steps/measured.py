@@ -75,18 +75,18 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    density has halved since the last trial (``warmup_trials``: from 10% to 1% a sparse
    exchange often wins long before the warm-up ends, and a short run is mostly warm-up),
    each of them without the sparse candidates measured over ``PRUNE_AFTER`` x a trial's
-   fastest (on a fast link the sparse exchanges at 25% density took 4-5x dense's step, and their
-   re-trials made a 250-step run 1.7x slower than dense), without what builds on a pruned
-   reference and was not tried with it, and without dense once sparse exchanges beat it in
-   two trials in a row (``_dense_beaten``); at the density policy's first settled step (the
-   warm-up's end), with every candidate worth trying but a beaten dense; then every
-   ``RECHECK_STEPS`` steps, all. A job whose first decision no warm-up trial follows (no
-   warm-up, or a restored job's first trial) re-checks it sooner, ``FIRST_RECHECK_STEPS``
-   after it: that trial ran every candidate on its first steps (fresh traces, collectives
-   starting up, and on shared cores the other processes' start), the least reliable timings
-   of the job, and a wrong choice would otherwise last ``RECHECK_STEPS`` steps (at 8 workers
-   on the emulated 1 Gbit/s cluster one such first trial chose dense, whose step was 3.1x the
-   fastest candidate's).
+   fastest (on a fast link the sparse exchanges at 25% density took 4-5x dense's step, and
+   their re-trials made a 250-step run 1.7x slower than dense), without what builds on a
+   pruned reference and was not tried with it, and without dense once sparse exchanges beat
+   it in two trials in a row or in one by far (``_dense_beaten``); at the density policy's
+   first settled step (the warm-up's end), with every candidate worth trying but a beaten
+   dense; then every ``RECHECK_STEPS`` steps, all. A job whose first decision no warm-up
+   trial follows (no warm-up, or a restored job's first trial) re-checks it sooner,
+   ``FIRST_RECHECK_STEPS`` after it: that trial ran every candidate on its first steps (fresh
+   traces, collectives starting up, and on shared cores the other processes' start), the
+   least reliable timings of the job, and a wrong choice would otherwise last
+   ``RECHECK_STEPS`` steps (at 8 workers on the emulated 1 Gbit/s cluster one such first
+   trial chose dense, whose step was 3.1x the fastest candidate's).
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
 exact (``plan_step``): chosen, dense sends the residuals whole once and clears them (with
@@ -109,8 +109,8 @@ from .candidates import Plan, dense_bytes_per_entry, plans_for, warmup_trials  #
 from .plan_step import (DENSE_HELD, DENSE_PLAIN, FIRST, plan_step,  # noqa: F401
                         traced_mode, traced_plan)
 from .strategies import SynchronousStep
-from .trial_rules import (decide, decision_message, median_of_samples, sparse_can_win,
-                          within_reach, worth_trying)
+from .trial_rules import (decide, decision_message, decisive_loss, median_of_samples,
+                          sparse_can_win, within_reach, worth_trying)
 
 TRIAL_STEPS = 4  # steps each candidate runs in a trial; the first is not timed
 FIRST_TRIAL_UNTIMED = 4  # a candidate's first turn in the job: its first steps not timed (step 1)
@@ -466,8 +466,8 @@ class MeasuredChoiceStep(SynchronousStep):
         # beaten: by the whole margin, which the warm-up's last trial will ask (a sparse
         # exchange chosen by a warm-up trial's smaller one may still lose there)
         if self.dense_index is not None and self._dense_beaten(
-                trying[self.dense_index],
-                decide(seconds, names, DENSE_WITHIN) != self.dense_index, bool(upcoming)):
+                trying[self.dense_index], decide(seconds, names, DENSE_WITHIN) != self.dense_index,
+                decisive_loss(seconds, names, DENSE_WITHIN), bool(upcoming)):
             pruned = pruned | (np.arange(count) == self.dense_index)
         # and only those whose bytes can win at the next trial's density (``worth_trying``)
         self.trial_row = max(int(np.sum(self.gate_starts <= following)) - 1, 0)
@@ -481,20 +481,20 @@ class MeasuredChoiceStep(SynchronousStep):
             return min(FIRST_RECHECK_STEPS, RECHECK_STEPS)
         return RECHECK_STEPS
 
-    def _dense_beaten(self, ran, lost, warming) -> bool:
+    def _dense_beaten(self, ran, lost, decisive, warming) -> bool:
         """Whether dense sits out the next trial, one of the warm-up's (``warming``): a sparse
         exchange was chosen over it (it beat dense by more than ``DENSE_WITHIN``) in
         ``BEATEN_TRIALS`` of the warm-up's trials in a row in which dense ran (``ran``; this
-        one ``lost`` or not). Dense's step does not depend on the density and a sparse step's
-        does not grow as the warm-up lowers it, so dense cannot win the later ones; the
-        re-checks try it again (the link may have changed). On the wide CNN at 1 Gbit/s it ran
-        4 steps of 0.35 s, 7x the chosen exchange's, in each of two re-trials. Why not after
-        one loss: a trial's dense turn on shared cores can be slow as a whole (the character
-        LSTM at 1 Gbit/s once measured dense's step at 239 ms, 137 ms in every other trial),
-        and that one turn then kept the LSTM sparse for its whole warm-up and run (steps ratio
-        1.38 against 0.99-1.01)."""
+        one ``lost`` or not), or in one it lost by more than its own slowest turns explain
+        (``decisive``, ``trial_rules.decisive_loss``). Dense's step does not depend on the
+        density and a sparse step's does not grow as the warm-up lowers it, so dense cannot
+        win the later ones; the re-checks try it again (the link may have changed). On the
+        wide CNN at 1 Gbit/s it ran 4 steps of 0.35 s, 4-7x the chosen exchange's, in each of
+        two re-trials. Not after any one loss: one slow dense turn (shared cores) once kept the
+        character LSTM sparse for its whole run (steps ratio 1.38 against 0.99-1.01)."""
         if ran:
-            self.dense_losses = self.dense_losses + 1 if lost else 0
+            losses = self.dense_losses + 1 if lost else 0
+            self.dense_losses = BEATEN_TRIALS if decisive else losses
         if not warming:
             self.dense_losses = 0
         return self.dense_losses >= BEATEN_TRIALS

@@ -1,7 +1,7 @@
 """The rules ``exchange="auto"``'s trials decide by (``sparse_hvd.steps.measured``), as pure
 functions of the trial's numbers: which candidates are worth a trial, whether any can beat
-dense, whether one that builds on another can still win, which one a trial chooses, and the
-line rank 0 logs for it.
+dense, whether one that builds on another can still win, which one a trial chooses, whether
+dense lost it beyond doubt, and the line rank 0 logs for it.
 
 Each takes its ``margin``: how much faster than dense's a sparse step must be to run, so that
 dense, which needs no extra steps to a loss, keeps the steps a sparse exchange would win by
@@ -16,6 +16,10 @@ import numpy as np
 from .candidates import dense_bytes_per_entry
 
 SAVING = 0.05  # a candidate that builds on another is tried only if it could save this share
+# the slowest whole dense turn measured against the same job's other dense turns: the character
+# LSTM at 1 Gbit/s once timed dense's step at 239 ms, 137 ms in every other trial (1.74x);
+# a first trial's dense turn, while dense warms up, read up to 1.58x high (134 against 85 ms)
+DENSE_TURN_SPREAD = 1.75
 
 
 def worth_trying(plans, density, value_bytes, margin) -> List[bool]:
@@ -61,6 +65,19 @@ def within_reach(candidate_bytes, reference_seconds, reference_bytes, dense_seco
     lower = reference_seconds - max(reference_bytes - candidate_bytes, 0.0) * price
     return (lower * (1 + margin) < dense_seconds
             and lower * (1 + SAVING) < reference_seconds)
+
+
+def decisive_loss(seconds, names, margin) -> bool:
+    """Whether dense lost a trial (``seconds``: each candidate's median, inf where it did not
+    run) by more than a slow turn of its own explains: its median over ``1 + margin`` times
+    ``DENSE_TURN_SPREAD`` times the fastest sparse median. Dense would have lost by the margin
+    even had its turn been as slow, against its true step, as the slowest turn measured."""
+    if "dense" not in names:
+        return False
+    dense = seconds[names.index("dense")]
+    sparse = [s for name, s in zip(names, seconds) if name != "dense" and np.isfinite(s)]
+    return bool(sparse and np.isfinite(dense)
+                and dense > (1 + margin) * DENSE_TURN_SPREAD * min(sparse))
 
 
 def decide(seconds, names, margin) -> int:

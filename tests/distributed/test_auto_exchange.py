@@ -19,12 +19,14 @@ STEPS = 1 + CANDIDATES * measured.TRIAL_STEPS + 3  # step 0, the trial, then the
 
 @pytest.fixture(autouse=True)
 def whole_turns(monkeypatch):
-    """No candidate ends its turn early, no trial ends with dense's turn and none skips what
-    builds on the allgather (the schedules below are closed-form) unless a test sets
-    ``ABORT_AFTER``, ``sparse_can_win`` or ``within_reach`` itself."""
+    """No candidate ends its turn early, no trial ends with dense's turn, none skips what
+    builds on the allgather and no loss of dense counts double (the schedules below are
+    closed-form) unless a test sets ``ABORT_AFTER``, ``sparse_can_win``, ``within_reach`` or
+    ``decisive_loss`` itself."""
     monkeypatch.setattr(measured, "ABORT_AFTER", np.inf)
     monkeypatch.setattr(measured, "sparse_can_win", lambda step, compute, margin: True)
     monkeypatch.setattr(measured, "within_reach", lambda *numbers: True)
+    monkeypatch.setattr(measured, "decisive_loss", lambda seconds, names, margin: False)
 
 
 def train(name, steps, momentum_correction=0.0, compression="none", density=0.05,
@@ -296,12 +298,14 @@ def _closed_form_choice(times, margin):
     return fastest
 
 
-def test_dense_beaten_twice_sits_out_the_warmup_until_the_recheck(hvd, monkeypatch):
+@pytest.mark.parametrize("by_far", [False, True])
+def test_beaten_dense_sits_out_the_warmup_until_the_recheck(hvd, monkeypatch, by_far):
     """A sparse exchange chosen over dense in the first trial and in the re-trial at step 33
     (the rule forced to the allgather): dense's step does not depend on the density, so the
     warm-up's last trial (80) runs the three sparse candidates alone; the re-check after it
-    (``RECHECK_STEPS`` later) tries dense again. One loss is not enough: the re-trial at 33
-    still runs dense. Every rank decides alike, and nothing is lost."""
+    (``RECHECK_STEPS`` later) tries dense again. One ordinary loss is not enough: the re-trial
+    at 33 still runs dense; one loss ``by_far`` (``decisive_loss`` forced) is, and that
+    re-trial runs without it. Every rank decides alike, and nothing is lost."""
     import sparse_hvd
 
     monkeypatch.setattr(measured, "PRUNE_AFTER", np.inf)
@@ -309,15 +313,17 @@ def test_dense_beaten_twice_sits_out_the_warmup_until_the_recheck(hvd, monkeypat
     # a warm-up's trials follow the first decision: no early re-check anywhere here
     monkeypatch.setattr(measured, "FIRST_RECHECK_STEPS", 3)
     monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index("allgather"))
+    monkeypatch.setattr(measured, "decisive_loss", lambda seconds, names, margin: by_far)
     turn = measured.TRIAL_STEPS
+    second = NAMES - {"dense"} if by_far else NAMES
     settled_end = 80 + 3 * turn - 1
     steps = settled_end + 8 + CANDIDATES * turn + 1
-    name = "auto_dense_beaten"
+    name = f"auto_dense_beaten_{by_far}"
     optimizer, weights, _ = train(name, steps, density=sparse_hvd.WarmupDensity(0.01, 0.16, 80))
     decisions = optimizer.exchange_decisions
-    assert [set(d[1]) for d in decisions] == [NAMES, NAMES, NAMES - {"dense"}, NAMES]
-    assert [d[0] for d in decisions] == [CANDIDATES * turn, 33 + CANDIDATES * turn - 1, settled_end,
-                                         settled_end + 8 + CANDIDATES * turn - 1]
+    assert [set(d[1]) for d in decisions] == [NAMES, second, NAMES - {"dense"}, NAMES]
+    assert [d[0] for d in decisions] == [CANDIDATES * turn, 33 + len(second) * turn - 1,
+                                         settled_end, settled_end + 8 + CANDIDATES * turn - 1]
     assert all(d[2] == "allgather" for d in decisions)
     everyone = gather(hvd, [(d[0], sorted(d[1])) for d in decisions], name=f"{name}.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
