@@ -24,9 +24,14 @@ def path(request, monkeypatch):
     if request.param == "native" and kernels.encode_values() is None:
         pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
     if request.param == "tensorflow":
-        for name in ("encode_values", "decode_values", "encode_positions", "decode_positions"):
-            monkeypatch.setattr(kernels, name, lambda: None)
+        _without_kernels(monkeypatch)
     return request.param
+
+
+def _without_kernels(monkeypatch):
+    for name in ("encode_values", "decode_values", "encode_positions", "decode_positions",
+                 "encode_entries", "scatter_blocks"):
+        monkeypatch.setattr(kernels, name, lambda: None)
 
 
 def _entries(rng, count, start, length, dtype, compression, special=False):
@@ -79,6 +84,54 @@ def test_an_owner_unpacks_every_ranks_entries_bit_for_bit(blocks_class, dtype_na
         got_indices, got_bits = _by_index(indices.numpy()[got], values[got])
         np.testing.assert_array_equal(got_indices, expected_indices, err_msg=f"rank {r}")
         np.testing.assert_array_equal(got_bits, expected_bits, err_msg=f"rank {r}")
+
+
+@pytest.mark.parametrize("blocks_class", [CodedBlocks, PlainBlocks])
+@pytest.mark.parametrize("dtype_name,compression", FORMATS)
+@pytest.mark.parametrize("ascending", [True, False])
+def test_the_scatter_is_each_owners_block_of_its_region_one_after_another(
+        blocks_class, dtype_name, compression, ascending, monkeypatch):
+    """``scatter_blocks`` (natively one op) gives, owner by owner, the block of the entries in
+    its region that the TensorFlow ops make of them alone, bit for bit, and each block's
+    words; an empty region and an owner sent nothing get an empty block; the entries may
+    arrive in any order."""
+    rng = np.random.default_rng(11)
+    compression = Compression(compression)
+    blocks = blocks_class(compression)
+    boundaries = [0, 300, 300, 4000, 4100, 9000]  # owner 1's region is empty
+    indices, values = _entries(rng, 900, 0, 9000, dtype_name, compression, special=True)
+    indices = indices.numpy()
+    indices[np.isin(indices, np.arange(4000, 4100))] = 0  # owner 3 gets no entries ...
+    keep = np.unique(indices, return_index=True)[1]  # ... and indices stay distinct
+    order = np.sort(keep) if not ascending else keep[np.argsort(indices[keep])]
+    indices, values = tf.constant(indices[order]), tf.gather(values, order)
+    words, splits = blocks.scatter_blocks(indices, values, tf.constant(boundaries, tf.int64))
+    owner = np.searchsorted(boundaries[1:-1], indices.numpy(), side="right")
+    with monkeypatch.context() as plain:
+        _without_kernels(plain)
+        expected = [blocks.scatter_block(
+            tf.constant(indices.numpy()[owner == r]), tf.gather(values, np.flatnonzero(owner == r)),
+            tf.constant(start, tf.int64), tf.constant(end - start, tf.int64))
+            for r, (start, end) in enumerate(zip(boundaries[:-1], boundaries[1:]))]
+    assert [int(np.sum(owner == r)) for r in range(5)][1::2] == [0, 0]
+    np.testing.assert_array_equal(splits.numpy(), [int(tf.size(e)) for e in expected])
+    np.testing.assert_array_equal(words.numpy(), tf.concat(expected, 0).numpy())
+
+
+@pytest.mark.parametrize("blocks_class", [CodedBlocks, PlainBlocks])
+def test_a_scatter_of_an_index_twice_or_outside_the_space_is_refused(blocks_class, path):
+    blocks = blocks_class(Compression("none"))
+    boundaries = tf.constant([0, 10, 20], tf.int64)
+    values = tf.constant([1.0, 2.0, 3.0])
+    if blocks_class is PlainBlocks:  # no codes: the indices travel as they are
+        words, splits = blocks.scatter_blocks(tf.constant([3, 12, 12]), values, boundaries)
+        np.testing.assert_array_equal(splits.numpy(), [2, 4])
+        return
+    if path == "tensorflow":
+        pytest.skip("the TensorFlow ops code what they are given (as index_coding.encode)")
+    for indices, said in (([3, 12, 12], "sent twice"), ([3, 12, 25], "outside")):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=said):
+            blocks.scatter_blocks(tf.constant(indices), values, boundaries)
 
 
 @pytest.mark.parametrize("blocks_class", [CodedBlocks, PlainBlocks])

@@ -90,7 +90,7 @@ from .compression import NONE
 from .fused_allgather import FusedAllgather
 from .global_threshold import LEVELS, Forecast, first_forecast, next_thresholds
 from .owner_sums import owner_sums
-from .regions import even_boundaries, owners_of, sampled_quantiles, sorted_search
+from .regions import even_boundaries, sampled_quantiles, sorted_search
 from .sparse_blocks import CodedBlocks, PlainBlocks
 
 MAX_INDEX_SPACE = (1 << 31) - 1
@@ -292,14 +292,8 @@ class SparseAllreduce:
         size, levels = self.size, len(LEVELS)
         boundaries = tf.convert_to_tensor(self.boundaries)
         # Step 2: each owner's block of the entries in its region (``sparse_blocks``)
-        owners = owners_of(tf.cast(indices, tf.int64), boundaries)
-        blocks = [self.blocks.scatter_block(owned, owned_values, boundaries[r],
-                                            boundaries[r + 1] - boundaries[r])
-                  for r, (owned, owned_values) in enumerate(zip(
-                      tf.dynamic_partition(indices, owners, size),
-                      tf.dynamic_partition(values, owners, size)))]
-        splits = tf.stack([tf.size(block) for block in blocks])
-        received, from_each = collectives.alltoall(tf.concat(blocks, 0), splits,
+        blocks, splits = self.blocks.scatter_blocks(indices, values, boundaries)
+        received, from_each = collectives.alltoall(blocks, splits,
                                         name=f"{self.name}.sparse_allreduce.scatter",
                                         process_set=self.process_set, step=step)
 
@@ -339,7 +333,7 @@ class SparseAllreduce:
         gathered with the headers, which carry each block's length, and the dense words;
         then steps 3-4 over every rank's block, rank by rank."""
         space = [tf.constant(0, tf.int64), tf.constant(self.total, tf.int64)]
-        block = self.blocks.scatter_block(indices, values, *space)
+        block, _ = self.blocks.scatter_blocks(indices, values, tf.stack(space))
         self._layout = (1, len(dense_words))
         gathered = collectives.grouped_allgather(
             [header(finite_here, step, rest=tf.size(block)), block] + list(dense_words),

@@ -21,6 +21,8 @@
   ``SparseHvdEncodePositions``, ``SparseHvdEncodeEntries`` (the code and the values in its
   order) and ``SparseHvdDecodePositions`` ops (index_codec.cc:
   ``sparse_hvd.exchanges.index_coding``'s Elias-Fano code, likewise);
+* ``scatter_blocks()``: the ``SparseHvdScatterBlocks`` op (scatter_blocks.cc: the sparse
+  allreduce's scatter, every owner's coded block of this rank's entries, in one op);
 * ``divide_checked()``: the ``SparseHvdDivideChecked`` op (divide_checked.cc: the dense
   allreduce's sums divided into averages, and whether all are finite, in one pass).
 * ``applied()`` and ``unapplied()``: the ``SparseHvdApplied`` and ``SparseHvdUnapplied`` ops
@@ -193,6 +195,11 @@ def encode_entries():
 def decode_positions():
     """The native Elias-Fano decoding op, or None."""
     return _op("sparse_hvd_decode_positions")
+
+
+def scatter_blocks():
+    """The native sparse allreduce's scatter blocks (``exchanges.sparse_blocks``), or None."""
+    return _op("sparse_hvd_scatter_blocks")
 
 
 def divide_checked():

@@ -29,6 +29,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
 #include "bit_stream.h"
+#include "codecs.h"
 
 namespace sparse_hvd {
 
@@ -79,29 +80,21 @@ REGISTER_OP("SparseHvdDecodePositions")
       return tsl::OkStatus();
     });
 
-namespace {
+namespace codecs {
 
-// L of step 1: floor(log2(space / count)), 0 when space < 2 count.
 int LowBits(int64_t count, int64_t space) {
   const uint64_t quotient = static_cast<uint64_t>(space / std::max<int64_t>(count, 1));
   return quotient <= 1 ? 0 : 63 - __builtin_clzll(quotient);
 }
 
-// (low words, bitmap words) of the code of ``count`` positions among ``space``.
-std::pair<int64_t, int64_t> CodeWords(int64_t count, int64_t space) {
+std::pair<int64_t, int64_t> PositionWords(int64_t count, int64_t space) {
   if (count == 0) return {0, 0};
   const int low = LowBits(count, space);
   return {WordsFor(count * low), WordsFor(count + (space >> low) + 1)};
 }
 
-}  // namespace
-
-// Steps 1-3 for ``count`` positions into output 0 of ``context``: ``order`` (``count``
-// entries) becomes the permutation that sorts them; false (the context's status set) when a
-// position is outside the space or repeats. ``sorted``: whether they arrived sorted.
-static bool EncodeInto(OpKernelContext* context, const int64_t* positions, int64_t count,
-                       int64_t space, int32_t* order, bool* sorted) {
-  // Step 1
+absl::Status SortedOrder(const int64_t* positions, int64_t count, int64_t space, int32_t* order,
+                         bool* sorted) {
   std::iota(order, order + count, 0);
   *sorted = true;
   for (int64_t i = 1; i < count && *sorted; ++i) *sorted = positions[i - 1] < positions[i];
@@ -110,26 +103,18 @@ static bool EncodeInto(OpKernelContext* context, const int64_t* positions, int64
               [&](int32_t a, int32_t b) { return positions[a] < positions[b]; });
   for (int64_t i = 0; i < count; ++i) {
     const int64_t x = positions[order[i]];
-    if (x < 0 || x >= space) {
-      context->CtxFailure(InvalidArgumentError(
-          absl::StrCat("position ", x, " is outside [0, ", space, ")")));
-      return false;
-    }
-    if (i > 0 && positions[order[i - 1]] >= x) {
-      context->CtxFailure(InvalidArgumentError(absl::StrCat("position ", x, " is sent twice")));
-      return false;
-    }
+    if (x < 0 || x >= space)
+      return InvalidArgumentError(absl::StrCat("position ", x, " is outside [0, ", space, ")"));
+    if (i > 0 && positions[order[i - 1]] >= x)
+      return InvalidArgumentError(absl::StrCat("position ", x, " is sent twice"));
   }
+  return absl::OkStatus();
+}
+
+void WritePositions(const int64_t* positions, const int32_t* order, int64_t count,
+                    int64_t space, uint32_t* out) {
   const int low = count == 0 ? 0 : LowBits(count, space);
-  const auto [low_words, bitmap_words] = CodeWords(count, space);
-  Tensor* words_tensor = nullptr;
-  const auto status = context->allocate_output(0, TensorShape({low_words + bitmap_words}),
-                                               &words_tensor);
-  if (!status.ok()) {
-    context->CtxFailure(status);
-    return false;
-  }
-  uint32_t* out = reinterpret_cast<uint32_t*>(words_tensor->flat<int32_t>().data());
+  const auto [low_words, bitmap_words] = PositionWords(count, space);
   std::fill(out, out + low_words + bitmap_words, 0u);
   // Step 2
   const uint64_t mask = (uint64_t{1} << low) - 1;
@@ -141,6 +126,30 @@ static bool EncodeInto(OpKernelContext* context, const int64_t* positions, int64
   uint32_t* bitmap = out + low_words;
   for (int64_t i = 0; i < count; ++i)
     bit_stream::SetBit(bitmap, (positions[order[i]] >> low) + i);
+}
+
+}  // namespace codecs
+
+// Steps 1-3 for ``count`` positions into output 0 of ``context``: ``order`` (``count``
+// entries) becomes the permutation that sorts them; false (the context's status set) when a
+// position is outside the space or repeats. ``sorted``: whether they arrived sorted.
+static bool EncodeInto(OpKernelContext* context, const int64_t* positions, int64_t count,
+                       int64_t space, int32_t* order, bool* sorted) {
+  const auto status = codecs::SortedOrder(positions, count, space, order, sorted);
+  if (!status.ok()) {
+    context->CtxFailure(status);
+    return false;
+  }
+  const auto [low_words, bitmap_words] = codecs::PositionWords(count, space);
+  Tensor* words_tensor = nullptr;
+  const auto allocated = context->allocate_output(0, TensorShape({low_words + bitmap_words}),
+                                                  &words_tensor);
+  if (!allocated.ok()) {
+    context->CtxFailure(allocated);
+    return false;
+  }
+  codecs::WritePositions(positions, order, count, space,
+                         reinterpret_cast<uint32_t*>(words_tensor->flat<int32_t>().data()));
   return true;
 }
 
@@ -215,7 +224,7 @@ class DecodePositionsOp : public OpKernel {
       OP_REQUIRES(context, count <= space,
                   InvalidArgumentError(absl::StrCat("rank ", r, " sent ", count,
                                                     " positions among ", space)));
-      const auto [low_words, bitmap_words] = CodeWords(count, space);
+      const auto [low_words, bitmap_words] = codecs::PositionWords(count, space);
       word_start[r + 1] = word_start[r] + low_words + bitmap_words;
       start[r + 1] = start[r] + count;
     }
@@ -238,8 +247,8 @@ class DecodePositionsOp : public OpKernel {
           for (int64_t r = first; r < last; ++r) {
             const int64_t count = start[r + 1] - start[r];
             if (count == 0) continue;
-            const int low = LowBits(count, space);
-            const int64_t low_words = CodeWords(count, space).first;
+            const int low = codecs::LowBits(count, space);
+            const int64_t low_words = codecs::PositionWords(count, space).first;
             const uint32_t* lows = in + word_start[r];
             const uint32_t* bitmap = lows + low_words;
             const uint32_t* end = in + word_start[r + 1];

@@ -27,6 +27,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
 #include "bit_stream.h"
+#include "codecs.h"
 
 namespace sparse_hvd {
 
@@ -39,6 +40,7 @@ using tensorflow::TensorShape;
 using bit_stream::BitReader;
 using bit_stream::BitWriter;
 using bit_stream::WordsFor;
+using codecs::Layout;
 
 REGISTER_OP("SparseHvdEncodeValues")
     .Attr("value_bits: int")
@@ -69,26 +71,6 @@ REGISTER_OP("SparseHvdDecodeValues")
 
 namespace {
 
-struct Layout {
-  int value_bits, exponent_bits, mantissa, field;
-  Layout() : Layout(32, 8) {}
-  Layout(int value, int exponent)
-      : value_bits(value), exponent_bits(exponent), mantissa(value - 1 - exponent),
-        field(value - exponent) {}
-  uint32_t Exponent(uint32_t raw) const { return (raw >> mantissa) & ((1u << exponent_bits) - 1); }
-  uint32_t Field(uint32_t raw) const {
-    return ((raw >> (value_bits - 1)) << mantissa) | (raw & ((1u << mantissa) - 1));
-  }
-  uint32_t Raw(uint32_t field, uint32_t exponent) const {
-    return ((field >> mantissa) << (value_bits - 1)) | (exponent << mantissa) |
-           (field & ((1u << mantissa) - 1));
-  }
-  // Words of one block of ``count`` values with Rice width ``width`` and ``unary`` bitmap bits.
-  int64_t BlockWords(int64_t count, int64_t width, int64_t unary) const {
-    return WordsFor(count * field) + WordsFor(count * width) + WordsFor(unary);
-  }
-};
-
 absl::Status ReadLayout(OpKernelConstruction* context, Layout* layout) {
   int value_bits = 0, exponent_bits = 0;
   TF_RETURN_IF_ERROR(context->GetAttr("value_bits", &value_bits));
@@ -101,6 +83,68 @@ absl::Status ReadLayout(OpKernelConstruction* context, Layout* layout) {
 }
 
 }  // namespace
+
+namespace codecs {
+
+int64_t ValueEncoder::Plan(const uint32_t* raw, const int32_t* counts, int64_t variables,
+                           int64_t* fields) {
+  const Layout& l = layout_;
+  const uint32_t largest = (1u << l.exponent_bits) - 1;
+  int64_t total = 0;
+  for (int64_t v = 0; v < variables; ++v) total += counts[v];
+  // Step 1: each variable's base, then the codes
+  codes_.resize(total);
+  std::vector<int64_t> histogram(largest + 1, 0);
+  for (int64_t v = 0, start = 0; v < variables; start += counts[v], ++v) {
+    uint32_t least = largest;
+    bool zero = false;
+    for (int64_t i = start; i < start + counts[v]; ++i) {
+      const uint32_t e = l.Exponent(raw[i]);
+      if (e == 0) zero = true;
+      else least = std::min(least, e);
+    }
+    const uint32_t base = least - (zero ? 1 : 0);
+    fields[2 + v] = 2 * static_cast<int64_t>(base) + (zero ? 1 : 0);
+    for (int64_t i = start; i < start + counts[v]; ++i) {
+      const uint32_t e = l.Exponent(raw[i]);
+      codes_[i] = e == 0 ? 0 : e - base;
+      ++histogram[codes_[i]];
+    }
+  }
+  // Step 2
+  int64_t best = -1;
+  width_ = 0;
+  for (int w = 0; w <= l.exponent_bits; ++w) {
+    int64_t cost = total * w;
+    for (uint32_t c = 0; c <= largest; ++c) cost += histogram[c] * (c >> w);
+    if (best < 0 || cost < best) best = cost, width_ = w;
+  }
+  unary_ = total;
+  for (int64_t i = 0; i < total; ++i) unary_ += codes_[i] >> width_;
+  fields[0] = width_;
+  fields[1] = unary_;
+  return l.BlockWords(total, width_, unary_);
+}
+
+void ValueEncoder::Write(const uint32_t* raw, uint32_t* out) const {
+  // Step 3
+  const Layout& l = layout_;
+  const int64_t total = static_cast<int64_t>(codes_.size());
+  BitWriter writer(out);
+  for (int64_t i = 0; i < total; ++i) writer.Put(l.Field(raw[i]), l.field);
+  writer = BitWriter(writer.Flush());
+  const uint32_t low_mask = (1u << width_) - 1;
+  for (int64_t i = 0; i < total; ++i) writer.Put(codes_[i] & low_mask, static_cast<int>(width_));
+  uint32_t* bitmap = writer.Flush();
+  std::fill(bitmap, bitmap + WordsFor(unary_), 0u);
+  int64_t place = 0;
+  for (int64_t i = 0; i < total; ++i) {
+    place += codes_[i] >> width_;
+    bit_stream::SetBit(bitmap, place++);
+  }
+}
+
+}  // namespace codecs
 
 class EncodeValuesOp : public OpKernel {
  public:
@@ -123,60 +167,15 @@ class EncodeValuesOp : public OpKernel {
     OP_REQUIRES(context, sum == total,
                 InvalidArgumentError(absl::StrCat("counts add up to ", sum, " values, ",
                                                   total, " given")));
-    const Layout& l = layout_;
-    const uint32_t largest = (1u << l.exponent_bits) - 1;
     Tensor* fields_tensor = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(1, TensorShape({variables + 2}),
                                                      &fields_tensor));
-    auto fields = fields_tensor->flat<int64_t>();
-    // Step 1: each variable's base, then the codes
-    std::vector<uint32_t> codes(total);
-    std::vector<int64_t> histogram(largest + 1, 0);
-    for (int64_t v = 0, start = 0; v < variables; start += count(v), ++v) {
-      uint32_t least = largest;
-      bool zero = false;
-      for (int64_t i = start; i < start + count(v); ++i) {
-        const uint32_t e = l.Exponent(raw[i]);
-        if (e == 0) zero = true;
-        else least = std::min(least, e);
-      }
-      const uint32_t base = least - (zero ? 1 : 0);
-      fields(2 + v) = 2 * static_cast<int64_t>(base) + (zero ? 1 : 0);
-      for (int64_t i = start; i < start + count(v); ++i) {
-        const uint32_t e = l.Exponent(raw[i]);
-        codes[i] = e == 0 ? 0 : e - base;
-        ++histogram[codes[i]];
-      }
-    }
-    // Step 2
-    int64_t width = 0, best = -1;
-    for (int w = 0; w <= l.exponent_bits; ++w) {
-      int64_t cost = total * w;
-      for (uint32_t c = 0; c <= largest; ++c) cost += histogram[c] * (c >> w);
-      if (best < 0 || cost < best) best = cost, width = w;
-    }
-    int64_t unary = total;
-    for (int64_t i = 0; i < total; ++i) unary += codes[i] >> width;
-    fields(0) = width;
-    fields(1) = unary;
-    // Step 3
+    codecs::ValueEncoder encoder(layout_);
+    const int64_t words = encoder.Plan(raw, count.data(), variables,
+                                       fields_tensor->flat<int64_t>().data());
     Tensor* words_tensor = nullptr;
-    OP_REQUIRES_OK(context, context->allocate_output(
-                                0, TensorShape({l.BlockWords(total, width, unary)}),
-                                &words_tensor));
-    uint32_t* out = reinterpret_cast<uint32_t*>(words_tensor->flat<int32_t>().data());
-    BitWriter writer(out);
-    for (int64_t i = 0; i < total; ++i) writer.Put(l.Field(raw[i]), l.field);
-    writer = BitWriter(writer.Flush());
-    const uint32_t low_mask = (1u << width) - 1;
-    for (int64_t i = 0; i < total; ++i) writer.Put(codes[i] & low_mask, static_cast<int>(width));
-    uint32_t* bitmap = writer.Flush();
-    std::fill(bitmap, bitmap + WordsFor(unary), 0u);
-    int64_t place = 0;
-    for (int64_t i = 0; i < total; ++i) {
-      place += codes[i] >> width;
-      bit_stream::SetBit(bitmap, place++);
-    }
+    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({words}), &words_tensor));
+    encoder.Write(raw, reinterpret_cast<uint32_t*>(words_tensor->flat<int32_t>().data()));
   }
 
  private:
