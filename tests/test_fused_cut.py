@@ -173,6 +173,24 @@ def test_training_steps_are_the_unfused_steps_bit_for_bit(inner, sizes):
     assert np.count_nonzero(fused[len(sizes)]) > 0  # residuals kept something
 
 
+@pytest.mark.parametrize("inner", ["momentum", "nesterov_decay_schedule"])
+def test_the_signs_of_the_rest_take_the_fused_remainder_bit_for_bit(inner):
+    """``exchange="topk_sign"``: its signs of the rest come from the fused pass's remainders
+    (``SignsOfTheRest.after_fused_cut``), and four steps leave the same bits as the unfused
+    ops (the local step, the compensate-and-cut, then the signs), the signs taken on both."""
+    native_op(kernels.local_sgd_cut)
+    fused, fused_types = _train(INNERS[inner], True, sparsify="update", exchange="topk_sign")
+    unfused, unfused_types = _train(INNERS[inner], False, sparsify="update",
+                                    exchange="topk_sign")
+    assert {"SparseHvdLocalSgdCut", "SparseHvdSignsOfRest"} <= fused_types
+    assert not {"SparseHvdLocalSgd", "SparseHvdCompensateCut"} & fused_types
+    assert {"SparseHvdLocalSgd", "SparseHvdCompensateCut", "SparseHvdSignsOfRest"} <= (
+        unfused_types)
+    for part, (a, b) in enumerate(zip(fused, unfused)):
+        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"state {part}")
+    assert np.count_nonzero(fused[3]) > 0  # residuals kept something
+
+
 def test_a_nonfinite_gradient_skips_the_step_on_both_paths():
     """A NaN in the second step's gradient: that step moves nothing (weights, residuals,
     velocities and step count as after the first, the default ``nonfinite``), on the fused
@@ -195,6 +213,7 @@ def test_a_nonfinite_gradient_skips_the_step_on_both_paths():
     (lambda: type("MySGD", (keras.optimizers.SGD,), {})(0.05, momentum=0.9), {},
      "an SGD subclass"),
     (lambda: keras.optimizers.Adam(1e-3), {"exchange": "allgather"}, "Adam"),
+    (INNERS["momentum"], {"exchange": "topk_sign2"}, "two levels of signs"),
 ])
 def test_the_unfused_path_runs_where_the_fused_one_would_differ(make, options, why):
     native_op(kernels.local_sgd_cut)

@@ -120,8 +120,8 @@ class CodedBlocks(PlainBlocks):
 
     def scatter_blocks(self, indices, values, boundaries):
         """As the plain blocks' (the same words), natively in one op on CPU
-        (``kernels/scatter_blocks.cc``) where the TensorFlow ops took about 10 ms of op time
-        a step at 5% density and 4 ranks."""
+        (``kernels/scatter_blocks.cc``: 184 operations fewer in the wide CNN's step at 4
+        ranks)."""
         native = kernels.scatter_blocks()
         wire_dtype = self._wire_dtype(values.dtype)
         if native is None or wire_dtype not in NATIVE_DTYPES:

@@ -132,6 +132,14 @@ class SignsOfTheRest(Sparsifier):
         signs, _ = self._signs(zeroed_at(flat, selection.indices), tf.size(selection.indices))
         return selection._replace(signs=signs)
 
+    def after_fused_cut(self, selection, writes):
+        """Steps 2-3 on the remainder of the update cut's fused pass (``feedback.fused_cut``:
+        the local step, compensation and model-wide cut in one pass, one level of signs only):
+        the selection with its signs, and the residual's write after both stages."""
+        (residual_variable, remainder), = writes
+        signs, residual = self._signs(remainder, tf.size(selection.indices))
+        return selection._replace(signs=signs), ((residual_variable, residual),)
+
     def fused_compensate_select(self, flat_grad, flat_residual, k):
         from ..feedback.error_feedback import compensate_and_select
 

@@ -24,8 +24,10 @@ The float32 operations are the unfused ops' own, in their order, so the cut, the
 the remainders and the velocities are the same bits (``tests/test_fused_cut.py``). Used only
 where the unfused path would run exactly those ops: ``sparsify="update"`` with every cut
 variable on the sparse route, ``budget="model"``, ``fused_step``'s native SGD step usable,
-error feedback on without momentum correction, no ``compression`` rounding and no signs of the
-rest (``exchange="topk_sign"``), float32 residuals, and the native kernels in use.
+error feedback on without momentum correction, no ``compression`` rounding and not two levels
+of signs (``exchange="topk_sign2"``, whose band is cut from the updates the pass does not write
+out), float32 residuals, and the native kernels in use. With ``exchange="topk_sign"`` the
+signs of the rest come from the pass's remainders (``SignsOfTheRest.after_fused_cut``).
 """
 
 from typing import Dict, Tuple
@@ -45,7 +47,7 @@ def usable(opt, prepared, cut, variables, budgets) -> bool:
     ``prepared`` as ``preparation.make_payload`` holds it, ``cut`` the positions in it of the
     variables the update cut takes, ``variables`` those variables, ``budgets`` the sparse
     variables' k."""
-    if not cut or opt.budget != "model" or getattr(opt._exchange, "levels", 0):
+    if not cut or opt.budget != "model" or getattr(opt._exchange, "levels", 0) > 1:
         return False
     if any(not prepared[i][2].sparse or prepared[i][3] for i in cut):
         return False

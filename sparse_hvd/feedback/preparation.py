@@ -140,6 +140,8 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
             k = budgets[index]
             if fused is not None:
                 selection, updates = fused[index]
+                if levels:  # exchange="topk_sign": the signs of the pass's remainder
+                    selection, updates = sparsifier.after_fused_cut(selection, updates)
             else:
                 with tf.control_dependencies([builder.ready_time(grad)]):
                     selection, updates = opt._feedback.select(index, grad, sparsifier, k,
