@@ -30,10 +30,14 @@ Methods (``--methods``, comma-separated):
   has ``budget="layer"`` unless it says ``_model``, and no warm-up (``warmup_steps=0``): the
   step of the steady state is timed;
 * ``auto@<d>``: the default exchange (``exchange="auto"``: the candidates timed on the job's
-  first steps, ``steps.measured``) with the default model-wide budget, no warm-up; its untimed
-  first steps cover the whole trial, and the row says what it chose; its re-checks (the
-  first ``FIRST_RECHECK_STEPS`` after that choice) are put off past the timed steps, so
-  the row is the steady step (``--auto-recheck`` times them); its step is a
+  first steps, ``steps.measured``) with the default model-wide budget and the default cut
+  (``sparsify=None``: the update's under ``--inner momentum`` or Adam, so ``auto`` is compared
+  with the ``..._model_update`` rows), no warm-up; its untimed first steps cover the first
+  trial and the first re-check (``FIRST_RECHECK_STEPS`` after it, as in any job: the first
+  trial's timings are the job's least reliable), and the row says what each chose; later
+  re-checks are put off past the timed steps, so the row is the steady step
+  (``--auto-settle first``: timed from the first decision on; ``--auto-recheck`` times the
+  re-checks); its step is a
   ``sparse_hvd.function`` (traced for the exchange it runs); ``auto_cond@<d>``: the same in a
   plain ``tf.function`` (every candidate a branch of one conditional: a custom loop that does
   not use ``sparse_hvd.function``);
@@ -111,6 +115,10 @@ def parse_args(argv=None):
                         "library, and the first one's, FIRST_RECHECK_STEPS, 100): a short one "
                         "shows the first trial's times next to later ones; without it no "
                         "re-trial falls in the timed steps")
+    parser.add_argument("--auto-settle", choices=("recheck", "first"), default="recheck",
+                        help="auto's timed steps follow its first re-check (recheck, default: "
+                        "what a job runs after its first FIRST_RECHECK_STEPS steps) or its "
+                        "first decision, made on the job's first steps (first)")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", default=os.path.join(ROOT, "results", "bench_step"))
     parser.add_argument("--publish", default=None, metavar="DIR",
@@ -156,7 +164,8 @@ def worker(args):
     # the steady step: no re-trial among the timed steps unless asked for
     measured.RECHECK_STEPS = args.auto_recheck or max(measured.RECHECK_STEPS,
                                                       args.rounds * args.steps + 10)
-    measured.FIRST_RECHECK_STEPS = measured.RECHECK_STEPS
+    if args.auto_recheck or args.auto_settle == "first":
+        measured.FIRST_RECHECK_STEPS = measured.RECHECK_STEPS
     import keras
     import numpy as np
     import tensorflow as tf
@@ -217,8 +226,9 @@ def worker(args):
                     second_moment = "own"
                 if name == "sign_per_variable":  # one float32 scale per variable
                     exchange = "sign_per_variable"
-            if name in ("auto", "auto_cond"):  # the default: the fastest, one model budget
-                exchange, budget, sparsifier = "auto", "model", "topk"
+            if name in ("auto", "auto_cond"):  # the default: the fastest, one model budget,
+                # the default cut (the update's under SGD with momentum or Adam)
+                exchange, budget, sparsifier, sparsify = "auto", "model", "topk", None
             nonfinite = "skip"
             if name in ("wrapped_dense", "wrapped_dense_unchecked"):  # the wrapper's own cost
                 exchange, sparsifier = "dense", "topk"
@@ -290,6 +300,11 @@ def worker(args):
             untimed = max(untimed, 2 + measured.first_trial_length(len(sparse._step.plans)))
         for _ in range(untimed):
             float(step(next(stream)))
+        if name in ("auto", "auto_cond") and measured.FIRST_RECHECK_STEPS < measured.RECHECK_STEPS:
+            for _ in range(10 * measured.FIRST_RECHECK_STEPS):  # on to the first re-check
+                if len(sparse.exchange_decisions) >= 2:  # after the same step on every rank
+                    break
+                float(step(next(stream)))
         runs[method] = {"model": model, "step": step, "sparse": sparse, "times": [], "stats": [],
                         "link": []}
     for _ in range(args.rounds):
@@ -457,6 +472,7 @@ def run_job(args, json_path, extra_env=None, rounds=None, steps=None):
             "--threads", str(args.threads)]
     if args.auto_recheck:
         argv += ["--auto-recheck", str(args.auto_recheck)]
+    argv += ["--auto-settle", args.auto_settle]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(extra_env or {}))
     launching.run_benchmark_job(args.np, argv, args.rate, args.timeout, env=env, cwd=ROOT,
                                 export=list(extra_env or {}))
