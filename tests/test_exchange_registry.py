@@ -13,7 +13,8 @@ from sparse_hvd.selection.density import ConstantDensity
 from sparse_hvd.steps.candidates import Plan, warmup_trials
 from sparse_hvd.steps.measured import DENSE_WITHIN
 from sparse_hvd.steps.trial_rules import (DENSE_TURN_SPREAD, SAVING, decide, decisive_loss,
-                                          sparse_can_win, within_reach, worth_trying)
+                                          sparse_can_win, turn_order, within_reach,
+                                          worth_trying)
 from sparse_hvd.exchanges import available, create, exchange_class, groupings_of, register
 from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 
@@ -163,23 +164,59 @@ def test_auto_tries_what_builds_on_the_allgather_only_where_its_bytes_could_pay(
     allreduce's lower bound 0.12. The numbers of a trial on 10 Gbit/s links (dense 104.9 ms,
     its compute 13.9, the allgather 88.4): 1.8 ms saved at most, 86.6 ms, not 1.5x under
     dense's. On 1 Gbit/s links (dense 336 ms, compute 46.5, the allgather 142.3 at the
-    warm-up's 2.5%, 0.6 against 0.3 bytes): 14.5 ms saved, under the allgather's by 5%."""
-    assert not within_reach(0.12, 0.0884, 0.24, 0.1049, 0.0139, 6.0, DENSE_WITHIN)
-    assert within_reach(0.3, 0.1423, 0.6, 0.336, 0.0465, 6.0, DENSE_WITHIN)
+    warm-up's 2.5%, 0.6 against 0.3 bytes): 14.5 ms saved, under the allgather's by 5%, and
+    under the fastest step so far unless another candidate's step was at or under the bound
+    (127.8 ms)."""
+    inf = math.inf
+    assert not within_reach(0.12, 0.0884, 0.24, 0.1049, 0.0139, 6.0, inf, DENSE_WITHIN)
+    assert within_reach(0.3, 0.1423, 0.6, 0.336, 0.0465, 6.0, inf, DENSE_WITHIN)
+    bound = 0.1423 - 0.3 * (0.336 - 0.0465) / 6.0
+    assert bound == pytest.approx(0.127825)
+    assert not within_reach(0.3, 0.1423, 0.6, 0.336, 0.0465, 6.0, bound, DENSE_WITHIN)
+    assert within_reach(0.3, 0.1423, 0.6, 0.336, 0.0465, 6.0, bound + 1e-9, DENSE_WITHIN)
     # closed form at the edges: a bound of exactly dense's step over the margin is out, as is
     # one exactly the reference's over 1 + SAVING; just under both is in
     price = (1.0 - 0.5) / 5.0  # 0.1 s per byte of an entry
     edge = 1.0 / (1 + DENSE_WITHIN)  # the bound that ties the margin
     # the bound: the edge exactly
-    assert not within_reach(0.0, edge + 0.2, 2.0, 1.0, 0.5, 5.0, DENSE_WITHIN)
-    assert within_reach(0.0, edge + 0.2 - 1e-9, 2.0, 1.0, 0.5, 5.0, DENSE_WITHIN)
+    assert not within_reach(0.0, edge + 0.2, 2.0, 1.0, 0.5, 5.0, inf, DENSE_WITHIN)
+    assert within_reach(0.0, edge + 0.2 - 1e-9, 2.0, 1.0, 0.5, 5.0, inf, DENSE_WITHIN)
     tie = 0.3 * (1 + SAVING) / SAVING  # a reference whose step ties the bound at SAVING
-    assert not within_reach(0.0, tie, 3.0, 100.0, 100.0 - 5.0 * price, 5.0, DENSE_WITHIN)
-    assert within_reach(0.0, tie * (1 - 1e-9), 3.0, 100.0, 100.0 - 5.0 * price, 5.0,
+    assert not within_reach(0.0, tie, 3.0, 100.0, 100.0 - 5.0 * price, 5.0, inf, DENSE_WITHIN)
+    assert within_reach(0.0, tie * (1 - 1e-9), 3.0, 100.0, 100.0 - 5.0 * price, 5.0, inf,
                         DENSE_WITHIN)
     # more bytes than the reference never lowers the bound; unknown bytes are always tried
-    assert not within_reach(0.5, 0.1, 0.24, 0.1049, 0.0139, 6.0, DENSE_WITHIN)
-    assert within_reach(None, 1.0, 0.24, 0.1, 0.0, 6.0, DENSE_WITHIN)
+    assert not within_reach(0.5, 0.1, 0.24, 0.1049, 0.0139, 6.0, inf, DENSE_WITHIN)
+    assert within_reach(None, 1.0, 0.24, 0.1, 0.0, 6.0, 0.0, DENSE_WITHIN)
+
+
+def test_auto_times_the_candidates_that_build_on_the_allgather_fewest_bytes_first(monkeypatch):
+    """A trial's turns: the plan the steps before it ran (dense), the reference (the
+    allgather), then the others by their bytes on the wire at the trial's density, fewest
+    first, ties in the plans' order. The sparse allreduce receives 2 (N - 1) / N entries a
+    sent entry, the coded allgather N - 1 (the same code per entry): a tie at two workers,
+    the sparse allreduce first from three on. An exchange whose bytes are not known goes
+    last."""
+    import sparse_hvd.exchanges.base as base
+    import sparse_hvd.steps.trial_rules as trial_rules
+
+    names = ("allgather", "compact_allgather", "sparse_allreduce", "dense")
+    for size in (2, 3, 4, 8):
+        monkeypatch.setattr(base.runtime, "size", lambda process_set=None, n=size: n)
+        plans = [Plan(name, create(name, "grouped", name="order"), []) for name in names]
+        coded = plans[1].exchange.wire_bytes_per_entry(0.1, 4) / (size - 1)
+        assert plans[2].exchange.wire_bytes_per_entry(0.1, 4) == pytest.approx(
+            2 * (size - 1) / size * coded)
+        expected = [3, 0, 1, 2] if size == 2 else [3, 0, 2, 1]
+        assert turn_order(plans, 3, 0, 0.1, 4) == expected
+        unknown = Plan("unknown", type("Unknown", (), {"wire_bytes_per_entry": lambda *a: None})(),
+                       [])
+        assert turn_order([unknown] + plans, 4, 1, 0.1, 4)[-1] == 0
+    # no reference: the plan before the trial, then the rest by bytes (8 workers)
+    assert turn_order(plans, 3, None, 0.1, 4) == [3, 2, 1, 0]
+    # the previous releases' order: the rest as the plans come
+    monkeypatch.setattr(trial_rules, "FEWEST_BYTES_FIRST", False)
+    assert turn_order(plans, 3, 0, 0.1, 4) == [3, 0, 1, 2]
 
 
 def test_auto_tries_again_each_time_the_warmup_halves_the_density():

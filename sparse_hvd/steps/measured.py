@@ -42,10 +42,12 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    with dense's turn and the sparse candidates are never traced or run (on the character
    LSTM at 1 Gbit/s their traces and trial steps made the first 20 steps 2x dense's). After
    dense comes the reference (``Exchange.builds_on``: the coded allgather and the sparse
-   allreduce do the allgather's work and more, to send fewer bytes); at the end of its turn,
-   those not run before that could not become the choice even if their fewer bytes were all
-   they changed (``within_reach``) leave the trial untraced (with 4 ranks on 2 cores a trace
-   took 3-6 s: 13 s of a 57 s run on 10 Gbit/s links, where dense won). One that ran in an
+   allreduce do the allgather's work and more, to send fewer bytes), then the others, fewest
+   bytes on the wire first (``turn_order``); at the end of each of these turns, those not
+   run before that could not become the choice, or beat the fastest step so far, even if
+   their fewer bytes were all they changed (``within_reach``; where dense sits out, its last
+   turn's step) leave the trial untraced (with 4 ranks on 2 cores a trace took 3-6 s: 13 s
+   of a 57 s run on 10 Gbit/s links, where dense won). One that ran in an
    earlier trial stays: it is traced already, its turn costs a few steps, and its measured
    step is worth more than the bound (at 8 workers on the emulated 1 Gbit/s cluster the
    bound left out the sparse allreduce, traced in the first trial, in a warm-up's second
@@ -110,7 +112,8 @@ from .plan_step import (DENSE_HELD, DENSE_PLAIN, FIRST, plan_step,  # noqa: F401
                         traced_mode, traced_plan)
 from .strategies import SynchronousStep
 from .trial_rules import (decide, decision_message, decisive_loss, median_of_samples,
-                          sparse_can_win, within_reach, worth_trying)
+                          plans_within_reach, sparse_can_win, turn_order, within_reach,
+                          worth_trying)
 
 TRIAL_STEPS = 4  # steps each candidate runs in a trial; the first is not timed
 FIRST_TRIAL_UNTIMED = 4  # a candidate's first turn in the job: its first steps not timed (step 1)
@@ -235,10 +238,9 @@ class MeasuredChoiceStep(SynchronousStep):
             # each candidate's turn in the next trial: its first one is longer (step 1)
             self.turn_steps = tf.Variable(self.turn_lengths, trainable=False,
                                           name="auto_turn_steps")
-            # dense first, then the reference, so that what builds on it can be skipped
-            leading = [first] + [i for i in [self.reference_index] if i not in (None, first)]
-            self.turn_order = np.array(
-                leading + [i for i in range(count) if i not in leading], np.int32)
+            # dense first, the reference, the rest fewest bytes first: the others can be skipped
+            self.turn_order = np.array(turn_order(self.plans, first, self.reference_index,
+                                                  self.gate_densities[0], value_bytes), np.int32)
             self.order = tf.constant(self.turn_order)
             self.next_branch = tf.Variable(first, dtype=tf.int32, trainable=False,
                                            name="auto_next_branch")
@@ -374,12 +376,15 @@ class MeasuredChoiceStep(SynchronousStep):
             compute = median_of_samples(self.computes)
             hopeless = (turn_done and candidate == self.dense_index
                         and not sparse_can_win(median, compute, DENSE_WITHIN))
-            if (turn_done and candidate == self.reference_index and any(self.bounded)
-                    and trying[self.dense_index]):
-                dense = median_of_samples(self.samples[self.dense_index])
+            if (turn_done and any(self.bounded) and trying[self.reference_index]
+                    and (candidate == self.reference_index or self.bounded[candidate])
+                    and np.all(self.samples[self.dense_index] > 0)):
                 # a candidate that ran before (traced) stays: its turn costs a few steps
-                trying &= self._within_reach(median, dense, compute,
-                                             self.gate_densities[self.trial_row]) | self.warmed
+                trying &= self.warmed | plans_within_reach(
+                    self.plans, self.bounded, self.reference_index, self.dense_index,
+                    median_of_samples(self.samples), compute, self.best,
+                    self.gate_densities[self.trial_row], self.value_bytes, DENSE_WITHIN,
+                    within_reach)
         length = int(np.sum(np.where(trying, self.turn_lengths, 0)))
         if (turn_done and int(phase) + skipped == length - 1) or hopeless:
             start, choice, trying = self._decide(hopeless, int(step), trying)
@@ -396,22 +401,6 @@ class MeasuredChoiceStep(SynchronousStep):
         position = int(np.flatnonzero(self.turn_order == candidate)[0])
         end = int(np.sum(lengths[:position + 1]))
         return end - int(lengths[position]), int(lengths[position])
-
-    def _within_reach(self, reference_seconds, dense_seconds, compute, density):
-        """``within_reach`` for each plan (host), at the trial's ``density`` and the whole
-        margin (step 1): True for those that do not build on the reference."""
-        density = float(density)
-        dense_bytes = dense_bytes_per_entry(self.plans[0].exchange.size, self.value_bytes)
-
-        def sent(plan):  # per entry of the model, at the trial's density
-            per_entry = plan.exchange.wire_bytes_per_entry(density, self.value_bytes)
-            return None if per_entry is None else density * per_entry
-
-        reference = sent(self.plans[self.reference_index])
-        return np.array([not self.bounded[i] or within_reach(
-            sent(plan), float(reference_seconds), reference, float(dense_seconds),
-            float(compute), dense_bytes, DENSE_WITHIN) for i, plan in enumerate(self.plans)],
-            np.bool_)
 
     def exchange(self, payload, gradients):
         """Step 4, timed on this rank from its gradients' existence to its averages' (read by

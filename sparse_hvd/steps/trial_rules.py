@@ -20,6 +20,7 @@ SAVING = 0.05  # a candidate that builds on another is tried only if it could sa
 # LSTM at 1 Gbit/s once timed dense's step at 239 ms, 137 ms in every other trial (1.74x);
 # a first trial's dense turn, while dense warms up, read up to 1.58x high (134 against 85 ms)
 DENSE_TURN_SPREAD = 1.75
+FEWEST_BYTES_FIRST = True  # ``turn_order``: False keeps the plans' order after the reference
 
 
 def worth_trying(plans, density, value_bytes, margin) -> List[bool]:
@@ -45,18 +46,20 @@ def sparse_can_win(step_seconds, compute_seconds, margin) -> bool:
 
 
 def within_reach(candidate_bytes, reference_seconds, reference_bytes, dense_seconds,
-                 dense_compute, dense_bytes, margin) -> bool:
+                 dense_compute, dense_bytes, fastest_seconds, margin) -> bool:
     """Whether a candidate that builds on the reference exchange (``Exchange.builds_on``: its
     work and more, to send ``candidate_bytes`` per entry of the model instead of
     ``reference_bytes``) could become the choice, from the trial's medians so far: the
-    reference's step, and dense's step, compute and bytes per entry.
+    reference's step, dense's step, compute and bytes per entry, and the fastest step of any
+    candidate (``fastest_seconds``).
 
     1. Its step is at least the reference's less what its fewer bytes save on the link,
        priced at dense's exchange time per byte (``dense_seconds - dense_compute`` over
        ``dense_bytes``: an over-estimate of the link's cost per byte, since dense's exchange
        also holds its fixed costs, so the bound errs towards trying).
-    2. It could become the choice only if that bound beats dense by more than ``margin``
-       and the reference by more than ``SAVING``.
+    2. It could become the choice only if that bound beats dense by more than ``margin``,
+       the reference by more than ``SAVING`` and the fastest step measured so far (another
+       candidate that builds on the reference may have run before it).
 
     None for a byte count: not known, so within reach."""
     if None in (candidate_bytes, reference_bytes) or dense_bytes <= 0:
@@ -64,7 +67,44 @@ def within_reach(candidate_bytes, reference_seconds, reference_bytes, dense_seco
     price = max(dense_seconds - dense_compute, 0.0) / dense_bytes
     lower = reference_seconds - max(reference_bytes - candidate_bytes, 0.0) * price
     return (lower * (1 + margin) < dense_seconds
-            and lower * (1 + SAVING) < reference_seconds)
+            and lower * (1 + SAVING) < reference_seconds and lower < fastest_seconds)
+
+
+def plans_within_reach(plans, bounded, reference, dense, medians, compute, fastest, density,
+                       value_bytes, margin, rule=within_reach) -> np.ndarray:
+    """``rule`` (:func:`within_reach`) for each plan, at a trial's ``density`` and ``margin``:
+    True for those that do not build on the reference (``bounded``). ``medians``: each
+    plan's last (dense's step does not depend on the density: its last turn's stands where
+    it sits out); ``reference``, ``dense``: their plans' indices; ``compute``: dense's step
+    less its exchange; ``fastest``: the fastest median of the trial so far."""
+    dense_bytes = dense_bytes_per_entry(plans[0].exchange.size, value_bytes)
+
+    def sent(plan):  # per entry of the model, at the trial's density
+        per_entry = plan.exchange.wire_bytes_per_entry(density, value_bytes)
+        return None if per_entry is None else density * per_entry
+
+    reference_bytes = sent(plans[reference])
+    return np.array([not bounded[i] or rule(
+        sent(plan), float(medians[reference]), reference_bytes, float(medians[dense]),
+        float(compute), dense_bytes, float(fastest), margin) for i, plan in enumerate(plans)],
+        np.bool_)
+
+
+def turn_order(plans, first, reference, density, value_bytes) -> List[int]:
+    """The order of a trial's turns, as plan indices: ``first`` (the plan the steps before
+    the trial ran, dense's: its turn decides whether any sparse one can win), the reference
+    (``within_reach`` bounds the others by its step), then the others by their bytes on the
+    wire at ``density``, fewest first (ties: the plans' order), so that the one likeliest to
+    win where bytes decide runs first and its step can leave the rest untraced (at 4 workers
+    on the emulated 1 Gbit/s cluster the sparse allreduce's step was the fastest of each
+    first trial, 140-146 ms, and the coded allgather's trace and turn cost about 2 s)."""
+    def sent(index):
+        per_entry = plans[index].exchange.wire_bytes_per_entry(density, value_bytes)
+        return np.inf if per_entry is None else per_entry
+
+    leading = [first] + [i for i in [reference] if i not in (None, first)]
+    rest = [i for i in range(len(plans)) if i not in leading]
+    return leading + (sorted(rest, key=lambda i: (sent(i), i)) if FEWEST_BYTES_FIRST else rest)
 
 
 def decisive_loss(seconds, names, margin) -> bool:
