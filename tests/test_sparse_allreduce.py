@@ -290,6 +290,48 @@ def test_the_applied_entries_are_the_kept_sums_that_reach_their_variables_cut(
     np.testing.assert_array_equal(empty[3].numpy(), [0, 0, 0])
 
 
+@pytest.mark.parametrize("path", ["native", "tensorflow"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "float16"])
+@pytest.mark.parametrize("divisor", [3, 4, 7])
+def test_the_applied_averages_are_the_sums_over_n_as_ieee_division_rounds_them(
+        path, dtype, divisor, monkeypatch):
+    """With a divisor the applied entries carry their averages: the sum over N, correctly
+    rounded in the sum's type (for the 16-bit types: in float32, then rounded, as Eigen
+    divides them), and +0.0 for a sum of 0 or -0.0; NumPy's own division is the reference.
+    The indices and counts are those without a divisor."""
+    from sparse_hvd.exchanges.sparse_allreduce import applied_entries
+
+    if path == "native" and kernels.applied() is None:
+        pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")
+    if path == "tensorflow":
+        monkeypatch.setattr(kernels, "applied", lambda: None)
+    rng = np.random.default_rng(divisor)
+    starts = np.array([0, 5000], np.int32)
+    kept = np.unique(rng.choice(9000, 2000, replace=False)).astype(np.int32)
+    sums = rng.standard_normal(kept.size) * 10.0 ** rng.integers(-6, 4, kept.size)
+    sums[:6] = [0.0, -0.0, 0.0, -0.0, 1e-30, -1e-30]
+    typed = tf.cast(tf.constant(sums), dtype)
+    magnitudes = np.abs(typed.numpy().astype(np.float64))
+    cuts = np.array([0.0, 0.5])
+    args = (tf.constant(kept), typed, tf.constant(magnitudes), tf.constant(cuts),
+            tf.constant(starts))
+    plain = [t.numpy() for t in applied_entries(*args)]
+    averaged = [t.numpy() for t in applied_entries(*args, divisor=divisor)]
+    for got, expected in zip(averaged[:2] + averaged[3:], plain[:2] + plain[3:]):
+        np.testing.assert_array_equal(got, expected)
+    applied_sums = plain[2]
+    if dtype in ("float32", "float64"):
+        quotient = applied_sums / applied_sums.dtype.type(divisor)
+    else:  # in float32, rounded to the 16-bit type once
+        quotient = tf.cast(applied_sums.astype(np.float32) / np.float32(divisor), dtype).numpy()
+    expected = np.where(applied_sums == 0, np.zeros_like(quotient), quotient)
+    got = averaged[2]
+    assert got.dtype == expected.dtype
+    np.testing.assert_array_equal(got.astype(np.float64), expected.astype(np.float64))
+    assert not np.any(np.signbit(got.astype(np.float64)[applied_sums == 0]))
+    assert np.sum(applied_sums == 0) >= 4  # the zeros and -0.0s were applied (cut 0)
+
+
 def test_kept_entries_out_of_order_are_refused_naming_the_place():
     if kernels.applied() is None:
         pytest.skip("the native kernels are off in this run (SPARSE_HVD_NATIVE=0 or a GPU)")

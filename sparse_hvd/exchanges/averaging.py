@@ -152,14 +152,19 @@ def _owners(counts, rows):
     return tf.repeat(tf.tile(tf.range(columns), [rows]), tf.reshape(counts, [-1]))
 
 
-def applied_at_positions(positions, sums, cuts, sizes, divisor):
-    """The sparse allreduce's averages (its step 6) where the applied sums are, one
-    ``tf.IndexedSlices`` per variable (``cuts``: where each variable's slice of ``positions``
-    starts, and the end), for an optimizer that subtracts them in place
-    (``sparsify="update"``): each position is applied once, so its average is its sum over
-    ``divisor``, with the bits :func:`average_entries` gives it (a sum added to zero first,
-    so -0.0 averages to +0.0)."""
-    averages = tf.where(tf.equal(sums, 0), tf.zeros_like(sums), divided(sums, divisor))
+def applied_averages(sums, divisor) -> tf.Tensor:
+    """The sparse allreduce's averages of its applied ``sums`` (step 6): each position is
+    applied once, so its average is its sum over ``divisor``, with the bits
+    :func:`average_entries` gives it (a sum added to zero first, so -0.0 averages to +0.0).
+    (The native ``SparseHvdApplied`` writes the same bits with its ``divisor``.)"""
+    return tf.where(tf.equal(sums, 0), tf.zeros_like(sums), divided(sums, divisor))
+
+
+def applied_at_positions(positions, averages, cuts, sizes):
+    """The sparse allreduce's ``averages`` (:func:`applied_averages`) where the applied sums
+    are, one ``tf.IndexedSlices`` per variable (``cuts``: where each variable's slice of
+    ``positions`` starts, and the end), for an optimizer that subtracts them in place
+    (``sparsify="update"``)."""
     # one split each: slices per variable traced 104 of the step's 1,431 operations (wide CNN)
     counts = cuts[1:] - cuts[:-1]
     return [tf.IndexedSlices(values, at, tf.constant([n], tf.int64)) for values, at, n in zip(

@@ -84,7 +84,7 @@ import tensorflow as tf
 from .. import kernels
 from ..feedback.payload import Payload
 from ..runtime import collectives, lockstep, startup as runtime
-from .averaging import applied_at_positions, average_entries
+from .averaging import applied_at_positions, applied_averages, average_entries
 from .base import HEADER_FIELDS, Exchange, checked_headers, header, register
 from .compression import NONE
 from .fused_allgather import FusedAllgather
@@ -106,15 +106,16 @@ class Result(NamedTuple):
     sent_words: tf.Tensor  # int32 words of this rank's blocks of its selections (step 2)
 
 
-def applied_entries(kept, sums, magnitudes, cuts, starts):
+def applied_entries(kept, sums, magnitudes, cuts, starts, divisor=0):
     """Step 6's applied entries: of the ascending ``kept`` indices (int32, in the index space)
     and their ``sums`` and ``magnitudes`` (float64), those whose magnitude reaches their
     variable's cut (``cuts[v]`` for the indices from ``starts[v]`` (ascending) to the next
-    start), as ``(indices, indices within their variables, sums, count per variable)``. One
-    native pass on CPU (``kernels.applied``), else searches, a comparison and gathers."""
+    start), as ``(indices, indices within their variables, sums, count per variable)``; with
+    ``divisor`` >= 1 their averages instead of the sums (``averaging.applied_averages``).
+    One native pass on CPU (``kernels.applied``), else searches, a comparison and gathers."""
     native = kernels.applied()
     if native is not None:
-        return native(kept, sums, magnitudes, cuts, starts)
+        return native(kept, sums, magnitudes, cuts, starts, divisor=divisor)
     slices = sorted_search(kept, tf.concat([starts, [tf.int32.max]], 0), "left")
     # each kept entry's variable: how many of the variables' ends it is at or past
     variable_of = sorted_search(slices[1:], tf.range(tf.size(magnitudes)), "right")
@@ -122,7 +123,9 @@ def applied_entries(kept, sums, magnitudes, cuts, starts):
     applied, variable_of = tf.gather(kept, at), tf.gather(variable_of, at)
     counts = tf.math.bincount(variable_of, minlength=tf.size(starts),
                               maxlength=tf.size(starts), dtype=tf.int32)
-    return applied, applied - tf.gather(starts, variable_of), tf.gather(sums, at), counts
+    sums = tf.gather(sums, at)
+    return (applied, applied - tf.gather(starts, variable_of),
+            applied_averages(sums, divisor) if divisor else sums, counts)
 
 
 def unapplied(indices, applied, values, offset):
@@ -253,13 +256,12 @@ class SparseAllreduce:
                 thresholds, forecast, magnitudes,
                 sorted_search(kept, tf.concat([starts, [tf.int32.max]], 0), "left"),
                 level_counts, budget)
-        kept, local, kept_values, counts = applied_entries(kept, kept_values, magnitudes, cut,
-                                                           starts)
+        kept, local, kept_values, counts = applied_entries(  # averages at positions
+            kept, kept_values, magnitudes, cut, starts, divisor=size if at_positions else 0)
         per_variable = tf.reshape(counts, [1, len(keys)])
         cuts = tf.concat([[0], tf.cumsum(counts)], 0)
         if at_positions:
-            in_order = applied_at_positions(local, kept_values, cuts, [sizes[j] for j in order],
-                                            size)
+            in_order = applied_at_positions(local, kept_values, cuts, [sizes[j] for j in order])
         else:
             in_order = average_entries(local, kept_values, per_variable, range(len(keys)),
                                        [sizes[j] for j in order], size)

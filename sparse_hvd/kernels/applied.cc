@@ -7,12 +7,16 @@
 // their variables, sums, and a count per variable. TensorFlow's comparison, where, two
 // gathers, the searches for each variable's slice, the split and the subtraction of each
 // variable's start took about 7 ms of op time a step at 5% density and 4 workers on 2 cores
-// (the 4.35M MLP). Here:
+// (the 4.35M MLP). With ``divisor`` >= 1 the sums come as their averages, each sum over the
+// divisor and a sum of 0 or -0 as +0: the bits of TensorFlow's ``where(sum == 0, 0,
+// divide_no_nan(sum, divisor))``, whose four ops took 6.6-7.0 ms of op time a step there
+// (two profiles). Here:
 //
 //   1. one walk over the kept entries, the variable advancing as the indices pass its end,
 //      counting those that reach the variable's cut (an index below the first start, or kept
 //      indices that do not ascend, are an error that names the place);
-//   2. a second walk writes them, once the outputs' sizes are known.
+//   2. a second walk writes them, once the outputs' sizes are known (an average: the division
+//      in the sum's type, in float for the 16-bit types, as Eigen divides them).
 //
 // SparseHvdUnapplied (step 7): each of ``values`` where its index in ``needles`` plus
 // ``offset`` is absent from ``sorted`` (ascending, distinct), else 0: the entries a rank sent
@@ -57,6 +61,7 @@ REGISTER_OP("SparseHvdApplied")
     .Output("applied_sums: T")
     .Output("counts: int32")
     .Attr("T: {half, bfloat16, float, double}")
+    .Attr("divisor: int >= 0 = 0")
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
       for (int i = 0; i < 3; ++i) c->set_output(i, c->Vector(c->UnknownDim()));
       c->set_output(3, c->input(4));
@@ -77,10 +82,22 @@ REGISTER_OP("SparseHvdUnapplied")
       return tsl::OkStatus();
     });
 
+// The type a value of T is divided in: float for the 16-bit types (Eigen's own division).
+template <typename T>
+struct DivisionType {
+  using type = float;
+};
+template <>
+struct DivisionType<double> {
+  using type = double;
+};
+
 template <typename T>
 class AppliedOp : public OpKernel {
  public:
-  explicit AppliedOp(OpKernelConstruction* context) : OpKernel(context) {}
+  explicit AppliedOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("divisor", &divisor_));
+  }
 
   void Compute(OpKernelContext* context) override {
     const Tensor& kept_tensor = context->input(0);
@@ -140,11 +157,20 @@ class AppliedOp : public OpKernel {
       if (magnitudes[i] >= cuts[v]) {
         applied[j] = kept[i];
         local[j] = kept[i] - starts[v];
-        values[j] = sums[i];
+        values[j] = divisor_ == 0 ? sums[i] : Averaged(sums[i]);
         ++j;
       }
     }
   }
+
+ private:
+  T Averaged(T sum) const {
+    using Wide = typename DivisionType<T>::type;
+    const Wide wide = static_cast<Wide>(sum);
+    return wide == Wide(0) ? T(0) : static_cast<T>(wide / static_cast<Wide>(divisor_));
+  }
+
+  int64_t divisor_ = 0;
 };
 
 template <typename T>
