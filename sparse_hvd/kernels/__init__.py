@@ -28,8 +28,8 @@
 * ``applied()`` and ``unapplied()``: the ``SparseHvdApplied`` and ``SparseHvdUnapplied`` ops
   (applied.cc: the sparse allreduce's kept sums that reach their variable's cut, or their
   averages, with their indices within the variables and a count per variable, in one walk;
-  and the values of the
-  entries a rank sent that were not applied, 0 for the others, by one merge walk);
+  and the values of the entries a rank sent that were not applied, 0 for the others, by one
+  merge walk);
 * ``add_at()``: the ``SparseHvdAddAt`` op (add_at.cc: values added into a flat tensor at
   indices, in its own buffer when nothing else holds it; the sparse allreduce's unapplied
   entries going back into the residuals);
