@@ -164,7 +164,9 @@ def worker(args):
     # the steady step: no re-trial among the timed steps unless asked for
     measured.RECHECK_STEPS = args.auto_recheck or max(measured.RECHECK_STEPS,
                                                       args.rounds * args.steps + 10)
-    if args.auto_recheck or args.auto_settle == "first":
+    # auto's timed steps follow its first re-check, unless asked otherwise
+    settle = args.auto_settle == "recheck" and not args.auto_recheck
+    if not settle:
         measured.FIRST_RECHECK_STEPS = measured.RECHECK_STEPS
     import keras
     import numpy as np
@@ -300,7 +302,7 @@ def worker(args):
             untimed = max(untimed, 2 + measured.first_trial_length(len(sparse._step.plans)))
         for _ in range(untimed):
             float(step(next(stream)))
-        if name in ("auto", "auto_cond") and measured.FIRST_RECHECK_STEPS < measured.RECHECK_STEPS:
+        if name in ("auto", "auto_cond") and settle:
             for _ in range(10 * measured.FIRST_RECHECK_STEPS):  # on to the first re-check
                 if len(sparse.exchange_decisions) >= 2:  # after the same step on every rank
                     break

@@ -23,6 +23,14 @@ DENSE_TURN_SPREAD = 1.75
 FEWEST_BYTES_FIRST = True  # ``turn_order``: False keeps the plans' order after the reference
 
 
+def wire_bytes(plan, density, value_bytes):
+    """Bytes ``plan``'s exchange receives per entry of the model when every rank sends a share
+    ``density`` of the entries as ``value_bytes``-byte values (``Exchange.wire_bytes_per_entry``
+    times the density), or None where that is not known (dense)."""
+    per_entry = plan.exchange.wire_bytes_per_entry(density, value_bytes)
+    return None if per_entry is None else density * per_entry
+
+
 def worth_trying(plans, density, value_bytes, margin) -> List[bool]:
     """Which plans a trial at ``density`` runs: not a sparse exchange whose bytes on the wire
     alone (``Exchange.wire_bytes_per_entry``) are at least dense's over ``1 + margin``. Such
@@ -31,10 +39,8 @@ def worth_trying(plans, density, value_bytes, margin) -> List[bool]:
     above 1/m (and its CPU work only adds). (At 8 workers and 25% density the allgather moved
     2x dense's bytes and ran at 2x dense's step.)"""
     limit = dense_bytes_per_entry(plans[0].exchange.size, value_bytes) / (1 + margin)
-    keep = []
-    for plan in plans:
-        per_entry = plan.exchange.wire_bytes_per_entry(density, value_bytes)  # dense: None
-        keep.append(per_entry is None or density * per_entry < limit)
+    sent = [wire_bytes(plan, density, value_bytes) for plan in plans]
+    keep = [bytes_ is None or bytes_ < limit for bytes_ in sent]
     return keep if any(keep) else [True] * len(plans)
 
 
@@ -78,16 +84,11 @@ def plans_within_reach(plans, bounded, reference, dense, medians, compute, faste
     it sits out); ``reference``, ``dense``: their plans' indices; ``compute``: dense's step
     less its exchange; ``fastest``: the fastest median of the trial so far."""
     dense_bytes = dense_bytes_per_entry(plans[0].exchange.size, value_bytes)
-
-    def sent(plan):  # per entry of the model, at the trial's density
-        per_entry = plan.exchange.wire_bytes_per_entry(density, value_bytes)
-        return None if per_entry is None else density * per_entry
-
-    reference_bytes = sent(plans[reference])
+    reference_bytes = wire_bytes(plans[reference], density, value_bytes)
     return np.array([not bounded[i] or rule(
-        sent(plan), float(medians[reference]), reference_bytes, float(medians[dense]),
-        float(compute), dense_bytes, float(fastest), margin) for i, plan in enumerate(plans)],
-        np.bool_)
+        wire_bytes(plan, density, value_bytes), float(medians[reference]), reference_bytes,
+        float(medians[dense]), float(compute), dense_bytes, float(fastest), margin)
+        for i, plan in enumerate(plans)], np.bool_)
 
 
 def turn_order(plans, first, reference, density, value_bytes) -> List[int]:
@@ -99,8 +100,8 @@ def turn_order(plans, first, reference, density, value_bytes) -> List[int]:
     on the emulated 1 Gbit/s cluster the sparse allreduce's step was the fastest of each
     first trial, 140-146 ms, and the coded allgather's trace and turn cost about 2 s)."""
     def sent(index):
-        per_entry = plans[index].exchange.wire_bytes_per_entry(density, value_bytes)
-        return np.inf if per_entry is None else per_entry
+        bytes_ = wire_bytes(plans[index], density, value_bytes)
+        return np.inf if bytes_ is None else bytes_
 
     leading = [first] + [i for i in [reference] if i not in (None, first)]
     rest = [i for i in range(len(plans)) if i not in leading]
