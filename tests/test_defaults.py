@@ -185,6 +185,34 @@ def test_the_model_wide_cut_of_a_large_model_sends_about_k(share):
         assert abs(sent - sum(budgets)) <= 0.1 * sum(budgets), (sent, sum(budgets))
 
 
+@pytest.mark.parametrize("share", [0.001, 0.01])
+def test_the_model_wide_cut_samples_at_most_an_eighth_of_a_large_model(share):
+    """The sample holds about ABOVE / share entries (those above the cut then number about
+    ABOVE), but at most MOST_SAMPLED of the model: on the 4.35M MLP's variables at 0.1%,
+    ABOVE alone would read 2.05M entries a step (47%), the cap 544k; at 1% (205k) it does
+    not bind. Counted from the strides the cut asks the native sample for, as its blocks
+    (``sampled_blocks``) take them."""
+    from sparse_hvd.selection import model_budget
+
+    sizes = (131_072, 2_048, 4_194_304, 2_048, 20_480, 10)
+    entries = sum(sizes)
+    asked = []
+
+    def drawn(strides):
+        return sum(max(n // int(s), 1) * model_budget.BLOCK for n, s in zip(sizes, strides))
+
+    def sampled_all(strides):
+        asked.append(strides.numpy())
+        return tf.ones([drawn(asked[-1])])
+
+    budgets = [max(1, int(share * n)) for n in sizes]
+    model_budget.model_wide_cut(None, sizes, budgets, sampled_all)
+    wanted = min(model_budget.ABOVE * entries / sum(budgets), model_budget.MOST_SAMPLED * entries)
+    assert (wanted == model_budget.MOST_SAMPLED * entries) == (share == 0.001)
+    # sample_stride rounds each stride down (to no factor 2 or 3), so a little more is read
+    assert wanted <= drawn(asked[0]) <= 1.25 * wanted, (drawn(asked[0]), wanted)
+
+
 @pytest.mark.parametrize("count,n", [(1000, 4_194_304), (65_536, 65_536), (7, 10),
                                      (1, 1), (300, 2_000), (205, 4_194_304), (3, 100)])
 def test_the_sampled_blocks_number_at_least_count_and_cover_every_column(count, n):
