@@ -185,16 +185,23 @@ def test_the_model_wide_cut_of_a_large_model_sends_about_k(share):
         assert abs(sent - sum(budgets)) <= 0.1 * sum(budgets), (sent, sum(budgets))
 
 
-@pytest.mark.parametrize("share", [0.001, 0.01])
-def test_the_model_wide_cut_samples_at_most_an_eighth_of_a_large_model(share):
-    """The sample holds about ABOVE / share entries (those above the cut then number about
-    ABOVE), but at most MOST_SAMPLED of the model: on the 4.35M MLP's variables at 0.1%,
-    ABOVE alone would read 2.05M entries a step (47%), the cap 544k; at 1% (205k) it does
-    not bind. Counted from the strides the cut asks the native sample for, as its blocks
-    (``sampled_blocks``) take them."""
+MLP_SIZES = (131_072, 2_048, 4_194_304, 2_048, 20_480, 10)  # the 4.35M MLP's variables
+
+
+@pytest.mark.parametrize("sizes,share,binds", [
+    (MLP_SIZES, 0.01, "ABOVE"), (MLP_SIZES, 0.001, "MOST_SAMPLED"),
+    ((2_990_000, 10_000), 0.001, "FEWEST_ABOVE")])
+def test_the_model_wide_cut_samples_at_most_an_eighth_where_that_keeps_enough(sizes, share,
+                                                                               binds):
+    """The sample holds about ABOVE / share entries (ABOVE of them then pass the cut), but
+    where that is more than MOST_SAMPLED of the model, only that share, as long as at least
+    FEWEST_ABOVE would pass: on the MLP at 1% 205k entries (ABOVE decides), at 0.1% 544k
+    where ABOVE alone would read 2.05M, 47% (the eighth decides: 544 pass), on a 3M model at
+    0.1% 512k (an eighth would keep 375 above the cut: FEWEST_ABOVE decides). Counted from the
+    strides the cut asks the native sample for, as its blocks (``sampled_blocks``) take them
+    (a sample over about a fifth of a variable reads all of it: its stride is one block)."""
     from sparse_hvd.selection import model_budget
 
-    sizes = (131_072, 2_048, 4_194_304, 2_048, 20_480, 10)
     entries = sum(sizes)
     asked = []
 
@@ -207,8 +214,12 @@ def test_the_model_wide_cut_samples_at_most_an_eighth_of_a_large_model(share):
 
     budgets = [max(1, int(share * n)) for n in sizes]
     model_budget.model_wide_cut(None, sizes, budgets, sampled_all)
-    wanted = min(model_budget.ABOVE * entries / sum(budgets), model_budget.MOST_SAMPLED * entries)
-    assert (wanted == model_budget.MOST_SAMPLED * entries) == (share == 0.001)
+    share = sum(budgets) / entries  # the cut's own share: the budgets' sum over the entries
+    bounds = {"ABOVE": model_budget.ABOVE / share,
+              "MOST_SAMPLED": model_budget.MOST_SAMPLED * entries,
+              "FEWEST_ABOVE": model_budget.FEWEST_ABOVE / share}
+    wanted = min(bounds["ABOVE"], max(bounds["MOST_SAMPLED"], bounds["FEWEST_ABOVE"]))
+    assert wanted == bounds[binds] and wanted < entries
     # sample_stride rounds each stride down (to no factor 2 or 3), so a little more is read
     assert wanted <= drawn(asked[0]) <= 1.25 * wanted, (drawn(asked[0]), wanted)
 

@@ -10,8 +10,8 @@ Here, each step on each rank:
    see), K = the sum of the density policy's per-variable k, estimated from ``c`` at
    blocks of entries evenly spread over each variable (:func:`sample_stride`; each variable
    in proportion to its size; at least :data:`SAMPLES`, and about :data:`ABOVE` of them above
-   the cut, within :data:`MOST_SAMPLED` of the model), exactly when the model has no more
-   entries than the sample;
+   the cut, or as few as :data:`FEWEST_ABOVE` where more would read over :data:`MOST_SAMPLED`
+   of the model), exactly when the model has no more entries than the sample;
 2. each variable sends its entries with ``|c| >= cut`` (ties at the cut included), in one pass
    over the data, through the same error feedback as any sparsifier.
 
@@ -31,10 +31,11 @@ from .sparsifiers import Selection, Sparsifier, _magnitude_cut_step, _partial_so
 
 SAMPLES = 1 << 16  # at least this many magnitudes are sampled each step (all of a smaller model)
 ABOVE = 2048  # and enough that about this many of them are above the cut: K within ~2%
-# but no more than this share of the model (where that is above SAMPLES): at 0.1% of the
-# 4.35M MLP, ABOVE alone asks for 47% of its entries a step; an eighth keeps about 540 above
-# the cut there (K within ~4%) and reads a quarter as much
+# but where that would read more than this share of the model, fewer above the cut, down to
+# FEWEST_ABOVE (K within ~4%): at 0.1% of the 4.35M MLP, ABOVE alone asks for 47% of its
+# entries a step; an eighth keeps about 540 above the cut there and reads a quarter as much
 MOST_SAMPLED = 1 / 8
+FEWEST_ABOVE = 512
 
 
 BLOCK = 16  # sampled entries read together: one 64-byte cache line of float32
@@ -77,15 +78,15 @@ def model_wide_cut(magnitudes_at, sizes, budgets, sampled_all=None) -> tf.Tensor
     ``sampled_all(strides)``, where given, those of every variable at once (the native
     ``SparseHvdSampledMagnitudes``: a stride of 0 takes every entry, S the blocks of
     :func:`sampled_blocks`). The sample is :data:`SAMPLES` entries, or more where K is so
-    small a share of the model that fewer than :data:`ABOVE` samples would pass the cut, but
-    not more than :data:`MOST_SAMPLED` of the model where that is above :data:`SAMPLES`;
-    with no more entries than the sample, every entry is read and the cut is the exact K-th
-    largest."""
+    small a share of the model that fewer than :data:`ABOVE` samples would pass the cut; where
+    that would read more than :data:`MOST_SAMPLED` of the model, as many as pass the cut in
+    that share, but never fewer than :data:`FEWEST_ABOVE`; with no more entries than the
+    sample, every entry is read and the cut is the exact K-th largest."""
     entries = sum(sizes)
     total = tf.minimum(tf.add_n([tf.convert_to_tensor(k, tf.int32) for k in budgets]), entries)
     share = tf.cast(total, tf.float64) / entries
-    samples = tf.maximum(tf.cast(SAMPLES, tf.float64),
-                         tf.minimum(tf.math.ceil(ABOVE / share), MOST_SAMPLED * entries))
+    above = tf.clip_by_value(MOST_SAMPLED * entries * share, FEWEST_ABOVE, ABOVE)
+    samples = tf.maximum(tf.cast(SAMPLES, tf.float64), tf.math.ceil(above / share))
 
     def exact():
         if sampled_all is not None:
