@@ -13,9 +13,12 @@ What it measures
     ``topk@d`` and ``sar_topk@d``, and auto, which cuts the update, was compared with them.)
     Printed and written as ``docs/bench_scale.{json,md,png}`` (``--publish``):
 
-    * per N and method: the received bytes per worker and step, as a multiple of the payload P
+    * per N and method: the received bytes per worker and step (the wire; also the
+      collectives' data alone, counted exactly, ``collective_bytes.py``: the difference is
+      what MPI's and TCP's framing and Horovod's coordination add), as a multiple of the payload P
       (k entries of value + int32 index) and of dense; for the sparse allreduce also against
-      Ok-Topk's lower bound 2 k (N - 1) / N entries and against the allgather's wire and step
+      Ok-Topk's lower bound 2 k (N - 1) / N entries (the wire and the data) and against the
+      allgather's wire and step
       (issue 21's targets: at most 1.2x the bound at N = 4..8, at N = 4 at most 0.6x the
       allgather's wire; its step no slower than the allgather's at N >= 4); for ``auto@d`` (the
       default exchange) its step against the fastest of its candidates in the run (dense and
@@ -125,6 +128,8 @@ def summarise(points):
                    "wire_sent": m["wire_sent_bytes"], "payload": payload,
                    "x_payload": m["wire_received_bytes"] / payload,
                    "vs_dense": m["wire_received_bytes"] / dense,
+                   # the collectives' data alone (a result of an earlier release has none)
+                   "collective_received": m.get("collective_received_bytes"),
                    "step_ms": m["median_step"] * 1e3,
                    "replicas_identical": m.get("replicas_identical")}
             name, _, density = method.partition("@")
@@ -133,6 +138,9 @@ def summarise(points):
             allgather = methods.get(f"{name[len(prefix):]}@{density}")
             if method.startswith(prefix):  # issue 21: against Ok-Topk's bound and the allgather
                 row["x_lower_bound"] = m["wire_received_bytes"] / lower_bound(workers, payload)
+                if row["collective_received"] is not None:
+                    row["data_x_lower_bound"] = (row["collective_received"]
+                                                 / lower_bound(workers, payload))
                 if allgather:
                     row["x_allgather_wire"] = (m["wire_received_bytes"]
                                                / allgather["wire_received_bytes"])
@@ -203,16 +211,21 @@ def markdown(result):
              f"{result['load']}, commit {result['commit']}, after "
              f"{result.get('warmup_steps', 4)} untimed steps per method", "",
              "| N | method | received / worker / step | x payload | vs dense "
-             "| x 2k(N-1)/N (Ok-Topk's bound) | wire x allgather | step ms "
+             "| x 2k(N-1)/N (Ok-Topk's bound) | collectives' data / step | data x bound "
+             "| wire x allgather | step ms "
              "| step x allgather (sar) or x fastest (auto) | replicas identical |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in result["measured"]:
         bound = f"{r['x_lower_bound']:.2f}" if "x_lower_bound" in r else ""
+        data = (f"{r['collective_received'] / 1e3:,.1f} kB"
+                if r.get("collective_received") is not None else "")
+        data_bound = f"{r['data_x_lower_bound']:.2f}" if "data_x_lower_bound" in r else ""
         wire = f"{r['x_allgather_wire']:.2f}" if "x_allgather_wire" in r else ""
         step = (f"{r['x_allgather_step']:.2f}" if "x_allgather_step" in r else
                 f"{r['x_fastest']:.2f} (chose {r['choice']})" if "x_fastest" in r else "")
         lines.append(f"| {r['workers']} | {r['method']} | {r['wire_received'] / 1e3:,.0f} kB "
-                     f"| {r['x_payload']:.2f} | 1/{1 / r['vs_dense']:.1f} | {bound} | {wire} "
+                     f"| {r['x_payload']:.2f} | 1/{1 / r['vs_dense']:.1f} | {bound} | {data} "
+                     f"| {data_bound} | {wire} "
                      f"| {r['step_ms']:.0f} | {step} | {r['replicas_identical']} |")
     lines += ["", f"Sparse allreduce wire = c (N - 1) / N x payload with c = {result['c']:.2f} "
               f"(fitted to the points above). Projection: latency {result['latency_us']:.0f} us "

@@ -46,8 +46,11 @@ Methods (``--methods``, comma-separated):
   (without the non-finite guard's pass over the averages).
 
 For each method: the median step (median over ranks of each rank's median), x floor, x dense,
-bytes this rank handed to the exchange per step, on the emulated cluster (``--rate``) the
-bytes its link received and sent per step (interface counters: the wire), and separately what the density policy sent
+bytes this rank handed to the exchange per step, the bytes its collectives received from the
+other ranks per step (the data alone, counted exactly by ``collective_bytes.py``; an allreduce
+as a ring's 2 (N - 1) / N of its bytes), on the emulated cluster (``--rate``) the
+bytes its link received and sent per step (interface counters: the wire, which adds MPI's and
+TCP's framing and Horovod's coordination), and separately what the density policy sent
 for its own measurements (AdaptiveDensity's probes, per step over the whole run, the probe at
 build included), the optimizer's own spans per step
 (``sparsify``: gradients -> selections; ``exchange``: selections -> averaged gradients, from
@@ -79,6 +82,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # scripts/: launching, emulated_cluster
+import collective_bytes  # noqa: E402  (scripts/benchmarks/: the collectives' data, counted)
 import launching  # noqa: E402  (scripts/launching.py: the launcher command lines)
 
 DEFAULT_METHODS = ("floor,dense,dense_fp16,topk@0.01,approx_topk@0.01,threshold@0.01,"
@@ -176,6 +180,9 @@ def worker(args):
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     rank, size = sparse_hvd.rank(), sparse_hvd.size()
+    # the bytes the collectives carry in (the data alone; the wire columns add the transport)
+    counted = (collective_bytes.CollectiveBytes(tf, size).install(sparse_hvd.runtime.collectives)
+               if size > 1 else None)
     x_all, y_all, make_model = task(args, rank, size)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     rng = np.random.default_rng(1000 + rank)
@@ -255,6 +262,8 @@ def worker(args):
         compression = None
         if allreduce:
             compression = hvd.Compression.fp16 if name == "dense_fp16" else hvd.Compression.none
+            dense_bytes = sum(int(np.prod(v.shape)) for v in variables) * (
+                2 if name == "dense_fp16" else 4)
 
         # Horovod's collectives cannot be XLA-compiled; sparse_hvd.function: auto's step is
         # traced for the exchange it runs (plain tf.function for the other methods)
@@ -271,6 +280,7 @@ def worker(args):
             if allreduce:
                 grads = hvd.grouped_allreduce(grads, op=hvd.Average, compression=compression,
                                               name=f"bench.{name}")
+                counted.add_ring(dense_bytes)
             optimizer.apply_gradients(zip(grads, variables))
             return loss
 
@@ -308,16 +318,19 @@ def worker(args):
                     break
                 float(step(next(stream)))
         runs[method] = {"model": model, "step": step, "sparse": sparse, "times": [], "stats": [],
-                        "link": []}
+                        "link": [], "collectives": []}
     for _ in range(args.rounds):
         for method, run in runs.items():
             before = run["sparse"].communication_stats() if run["sparse"] else None
             link_before = link_bytes()
+            counted_before = counted.read() if counted else None
             for _ in range(args.steps):
                 indices = next(stream)
                 t0 = time.perf_counter()
                 float(run["step"](indices))
                 run["times"].append(time.perf_counter() - t0)
+            if counted:
+                run["collectives"].append((counted.read() - counted_before) / args.steps)
             if link_before is not None:
                 link_after = link_bytes()
                 run["link"].append([(a - b) / args.steps for a, b in zip(link_after, link_before)])
@@ -333,6 +346,8 @@ def worker(args):
                     "capped_selections"):
             if run["stats"]:
                 entry[key] = float(np.median([s[key] for s in run["stats"]]))
+        if run["collectives"]:
+            entry["collective_received_bytes"] = float(np.median(run["collectives"]))
         if run["link"]:
             entry["wire_received_bytes"] = float(np.median([r for r, _ in run["link"]]))
             entry["wire_sent_bytes"] = float(np.median([t for _, t in run["link"]]))
@@ -505,10 +520,10 @@ def table(result):
              f"load {result.get('load')}",
              "",
              "| method | step ms | x floor | x dense | payload kB/step | probes kB/step "
-             "| wire in/out kB/step | sparsify ms | exchange ms | tensors | negotiation ms "
+             "| collectives in kB/step | wire in/out kB/step | sparsify ms | exchange ms | tensors | negotiation ms "
              "| transfer ms | replicas identical |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-             "| --- |"]
+             "| ---: | --- |"]
     for method, m in methods.items():
         step = m["median_step"]
         t = breakdown.get(method, {})
@@ -520,6 +535,8 @@ def table(result):
             f"{step / floor:.2f}" if floor else "", f"{step / dense:.2f}" if dense else "",
             f"{payload / 1e3:,.0f}" if payload is not None else "",
             f"{m['measurement_bytes'] / 1e3:,.1f}" if "measurement_bytes" in m else "",
+            (f"{m['collective_received_bytes'] / 1e3:,.1f}"
+             if "collective_received_bytes" in m else ""),
             (f"{m['wire_received_bytes'] / 1e3:,.0f} / {m['wire_sent_bytes'] / 1e3:,.0f}"
              if "wire_received_bytes" in m else ""),
             f"{m['sparsify_seconds'] * 1e3:.1f}" if "sparsify_seconds" in m else "",
