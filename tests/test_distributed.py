@@ -25,9 +25,12 @@ bounded_by_the_job = pytest.mark.timeout(JOB_TIMEOUT + 60)
 # trials and the option matrix) under Gloo, the rest (among them every exchange's own file, at an
 # odd size) under MPI. Per file the two jobs cost about the same (measured: 2 Gloo ranks 309 s
 # for the whole folder, 3 MPI ranks on 2 cores about as much), and the suite's time has room for
-# each file once. SPARSE_HVD_FULL_SUITE=1 (`scripts/test.sh --full`): every file under both.
+# each file once. The sparse allreduce's file runs in both: at 2 ranks it is one gather, its own
+# code path (in the Gloo job rather than a job of its own, which cost about 30 s more to start).
+# SPARSE_HVD_FULL_SUITE=1 (`scripts/test.sh --full`): every file under both.
 GLOO_ONLY = ("test_replicas.py", "test_logging.py", "test_staleness.py",
              "test_option_matrix.py", "test_auto_exchange.py")
+GLOO_TOO = ("test_sparse_allreduce.py",)
 
 
 def rank_test_targets(launcher):
@@ -35,7 +38,7 @@ def rank_test_targets(launcher):
     if os.environ.get("SPARSE_HVD_FULL_SUITE"):
         return [RANK_TESTS]
     if launcher == "gloo":
-        return [os.path.join(RANK_TESTS, name) for name in GLOO_ONLY]
+        return [os.path.join(RANK_TESTS, name) for name in GLOO_ONLY + GLOO_TOO]
     return [RANK_TESTS] + [f"--ignore={os.path.join(RANK_TESTS, name)}" for name in GLOO_ONLY]
 
 
@@ -62,12 +65,12 @@ def test_rank_tests_pass_on_every_rank(launcher, num_ranks):
     assert not re.search(r"\d+ (failed|errors?)\b", result.output), result.output[-10000:]
 
 
-# the 3-rank job runs the same file (the regions and the alltoall); at 2 ranks (Gloo, about
-# 30 s) the sparse allreduce is one gather, its own code path; at N = 5 in the full suite (56 s)
+# the jobs above run the same file at 3 ranks (the regions and the alltoall) and at 2 (one
+# gather); the full suite also runs it at N = 5 (56 s)
 @pytest.mark.distributed
 @bounded_by_the_job
 @pytest.mark.parametrize("launcher,num_ranks", [
-    ("gloo", 2), pytest.param("mpirun", 5, marks=pytest.mark.extended)])
+    pytest.param("mpirun", 5, marks=pytest.mark.extended)])
 def test_sparse_allreduce_rank_tests_pass_at_other_sizes(launcher, num_ranks):
     reason = launcher_available(launcher)
     if reason:
