@@ -520,8 +520,8 @@ def table(result):
              f"load {result.get('load')}",
              "",
              "| method | step ms | x floor | x dense | payload kB/step | probes kB/step "
-             "| collectives in kB/step | wire in/out kB/step | sparsify ms | exchange ms | tensors | negotiation ms "
-             "| transfer ms | replicas identical |",
+             "| collectives in kB/step | wire in/out kB/step | sparsify ms | exchange ms "
+             "| tensors | negotiation ms | transfer ms | replicas identical |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
              "| ---: | --- |"]
     for method, m in methods.items():

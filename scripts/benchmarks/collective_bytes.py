@@ -30,7 +30,7 @@ import functools
 
 def tensor_bytes(tf, tensor):
     """Bytes of ``tensor`` as an int64 scalar."""
-    return tf.cast(tf.size(tensor, out_type=tf.int64), tf.int64) * tensor.dtype.size
+    return tf.size(tensor, out_type=tf.int64) * tensor.dtype.size
 
 
 class CollectiveBytes:
@@ -80,7 +80,7 @@ class CollectiveBytes:
             @functools.wraps(original)
             def wrapper(tensor, splits, *args, **kwargs):
                 received, received_splits = original(tensor, splits, *args, **kwargs)
-                rows = tf.maximum(tf.cast(tf.shape(tensor, out_type=tf.int64)[0], tf.int64), 1)
+                rows = tf.maximum(tf.shape(tensor, out_type=tf.int64)[0], 1)
                 row_bytes = tensor_bytes(tf, tensor) // rows
                 rank = tf.constant(collectives_rank(), tf.int32)
                 own = tf.cast(tf.gather(received_splits, rank), tf.int64) * row_bytes
