@@ -181,8 +181,8 @@ def worker(args):
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     rank, size = sparse_hvd.rank(), sparse_hvd.size()
     # the bytes the collectives carry in (the data alone; the wire columns add the transport)
-    counted = (collective_bytes.CollectiveBytes(tf, size).install(sparse_hvd.runtime.collectives)
-               if size > 1 else None)
+    counted = (collective_bytes.CollectiveBytes(tf, rank, size).install(
+        sparse_hvd.runtime.collectives) if size > 1 else None)
     x_all, y_all, make_model = task(args, rank, size)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     rng = np.random.default_rng(1000 + rank)

@@ -36,8 +36,9 @@ def tensor_bytes(tf, tensor):
 class CollectiveBytes:
     """One rank's count of the bytes its collectives received from the others."""
 
-    def __init__(self, tf, size):
+    def __init__(self, tf, rank, size):
         self.tf = tf
+        self.rank = rank  # in the process set the collectives use (the benchmarks': the job)
         self.size = size
         self.received = tf.Variable(0, dtype=tf.int64, trainable=False,
                                     name="collective_bytes_received")
@@ -82,8 +83,7 @@ class CollectiveBytes:
                 received, received_splits = original(tensor, splits, *args, **kwargs)
                 rows = tf.maximum(tf.shape(tensor, out_type=tf.int64)[0], 1)
                 row_bytes = tensor_bytes(tf, tensor) // rows
-                rank = tf.constant(collectives_rank(), tf.int32)
-                own = tf.cast(tf.gather(received_splits, rank), tf.int64) * row_bytes
+                own = tf.cast(received_splits[self.rank], tf.int64) * row_bytes
                 self.add(tensor_bytes(tf, received) - own)
                 return received, received_splits
             return wrapper
@@ -103,10 +103,3 @@ class CollectiveBytes:
         collectives.allreduce = reduced(collectives.allreduce, grouped=False)
         collectives.grouped_allreduce = reduced(collectives.grouped_allreduce, grouped=True)
         return self
-
-
-def collectives_rank():
-    """This rank in the job (the benchmarks use the global process set)."""
-    import sparse_hvd
-
-    return sparse_hvd.rank()

@@ -15,15 +15,15 @@ import collective_bytes  # noqa: E402
 WRAPPED = ("allgather", "grouped_allgather", "alltoall", "allreduce", "grouped_allreduce")
 
 
-def _counter(monkeypatch, size):
+def _counter(monkeypatch, rank, size):
     for name in WRAPPED:  # put back after the test, whatever install() replaced
         monkeypatch.setattr(collectives, name, getattr(collectives, name))
-    return collective_bytes.CollectiveBytes(tf, size).install(collectives)
+    return collective_bytes.CollectiveBytes(tf, rank, size).install(collectives)
 
 
 def test_each_collective_counts_what_the_other_ranks_sent(hvd, monkeypatch):
     rank, size = hvd.rank(), hvd.size()
-    counter = _counter(monkeypatch, size)
+    counter = _counter(monkeypatch, rank, size)
     others = [r for r in range(size) if r != rank]
 
     # rank r gathers 3 (r + 1) float32 values: the others' 12 (s + 1) bytes come in
@@ -54,7 +54,7 @@ def test_each_collective_counts_what_the_other_ranks_sent(hvd, monkeypatch):
 
 def test_inside_a_traced_step_only_the_branch_that_runs_counts(hvd, monkeypatch):
     rank, size = hvd.rank(), hvd.size()
-    counter = _counter(monkeypatch, size)
+    counter = _counter(monkeypatch, rank, size)
 
     @tf.function
     def step(gather_more):
