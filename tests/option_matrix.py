@@ -178,6 +178,9 @@ def train(combination, name, rank, size):
     big = keras.Variable(np.zeros(BIG, "float32"))
     small = keras.Variable(np.zeros(SMALL, "float32"))
     scale = LOSS_SCALE if combination["mixed_precision"] else 1.0
+    # built before the first step, as Keras's fit does: a first step that builds the optimizer
+    # makes TensorFlow trace the step twice (about a second more per combination)
+    optimizer.build([big, small])
 
     @tf.function(jit_compile=False)
     def step(g_big, g_small):

@@ -30,11 +30,15 @@ def whole_turns(monkeypatch):
 
 
 def train(name, steps, momentum_correction=0.0, compression="none", density=0.05,
-          per_mode=False, grouping="grouped", inner=None, snapshots=None):
+          per_mode=False, grouping="grouped", inner=None, snapshots=None, build_first=True):
     """``steps`` steps of exchange="auto" on this rank's gradients (tests/option_matrix.py), in
     a ``tf.function`` or (``per_mode``) a ``sparse_hvd.function``, around ``inner`` (default
     ``SGD(1.0)``); returns the optimizer, the weights and the layer statistics after each step.
-    ``snapshots``, a list, gets (weights, residuals, inner state) after each step."""
+    ``snapshots``, a list, gets (weights, residuals, inner state) after each step.
+
+    ``build_first``: the optimizer is built before the first step, as Keras's ``fit`` does, so
+    the step is traced once; otherwise its first call builds it, which makes TensorFlow trace
+    it twice (with every candidate's exchange, 3-4 s a trace on 2 shared cores)."""
     import keras
     import tensorflow as tf
 
@@ -47,6 +51,8 @@ def train(name, steps, momentum_correction=0.0, compression="none", density=0.05
         name=name)
     big = keras.Variable(np.zeros(BIG, "float32"))
     small = keras.Variable(np.zeros(SMALL, "float32"))
+    if build_first:
+        optimizer.build([big, small])
 
     decorate = (sparse_hvd.function(optimizer, jit_compile=False) if per_mode
                 else tf.function(jit_compile=False))
@@ -99,12 +105,14 @@ def _same_everywhere(hvd, weights, name):
 def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd, per_mode):
     """A whole trial, in one function with every candidate a branch or (``per_mode``,
     ``sparse_hvd.function``) in one function per mode: the first plan's, each candidate's, and
-    dense's with clear residuals."""
+    dense's with clear residuals. The first step builds the optimizer inside the function (the
+    other tests build it before, as ``fit`` does)."""
     import keras
 
     import sparse_hvd
 
-    optimizer, weights, stats = train(f"auto_trial_{per_mode}", STEPS, per_mode=per_mode)
+    optimizer, weights, stats = train(f"auto_trial_{per_mode}", STEPS, per_mode=per_mode,
+                                      build_first=False)
     step = optimizer._step
     names = [p.name for p in step.plans]
     assert names[0] == "allgather" and set(names) == NAMES
