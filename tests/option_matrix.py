@@ -173,14 +173,13 @@ def train(combination, name, rank, size):
     import keras
     import numpy as np
     import tensorflow as tf
+    from helpers import built
 
     optimizer = make_optimizer(combination, name)
     big = keras.Variable(np.zeros(BIG, "float32"))
     small = keras.Variable(np.zeros(SMALL, "float32"))
     scale = LOSS_SCALE if combination["mixed_precision"] else 1.0
-    # built before the first step, as Keras's fit does: a first step that builds the optimizer
-    # makes TensorFlow trace the step twice (about a second more per combination)
-    optimizer.build([big, small])
+    built(optimizer, [big, small])
 
     @tf.function(jit_compile=False)
     def step(g_big, g_small):

@@ -36,14 +36,14 @@ def train(name, steps, momentum_correction=0.0, compression="none", density=0.05
     ``SGD(1.0)``); returns the optimizer, the weights and the layer statistics after each step.
     ``snapshots``, a list, gets (weights, residuals, inner state) after each step.
 
-    ``build_first``: the optimizer is built before the first step, as Keras's ``fit`` does, so
-    the step is traced once; otherwise its first call builds it, which makes TensorFlow trace
-    it twice (with every candidate's exchange, 3-4 s a trace on 2 shared cores)."""
+    ``build_first``: the optimizer is built before the first step (``helpers.built``), else by
+    the first step, which makes TensorFlow trace the step twice, with every candidate's
+    exchange (3-4 s a trace on 2 shared cores)."""
     import keras
     import tensorflow as tf
 
     import sparse_hvd
-    from helpers import each_ranks_inner_state
+    from helpers import built, each_ranks_inner_state
 
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         inner or keras.optimizers.SGD(1.0), density=density, warmup_steps=0, exchange="auto",
@@ -52,7 +52,7 @@ def train(name, steps, momentum_correction=0.0, compression="none", density=0.05
     big = keras.Variable(np.zeros(BIG, "float32"))
     small = keras.Variable(np.zeros(SMALL, "float32"))
     if build_first:
-        optimizer.build([big, small])
+        built(optimizer, [big, small])
 
     decorate = (sparse_hvd.function(optimizer, jit_compile=False) if per_mode
                 else tf.function(jit_compile=False))

@@ -151,7 +151,7 @@ def test_layerwise_compact_trains_as_the_layerwise_allgather_does_in_fewer_bytes
     import keras
 
     import sparse_hvd
-    from helpers import classification_data, mlp, weights_of
+    from helpers import built, classification_data, mlp, weights_of
 
     rank = hvd.rank()
     x, y = classification_data(n=160, seed=rank)  # each rank its own data
@@ -159,9 +159,10 @@ def test_layerwise_compact_trains_as_the_layerwise_allgather_does_in_fewer_bytes
     weights, sent = {}, {}
     for exchange in ("allgather", "compact_allgather"):
         model = mlp(seed=3)  # the same initial weights on every rank and for both runs
-        optimizer = sparse_hvd.SparseDistributedOptimizer(
+        optimizer = built(sparse_hvd.SparseDistributedOptimizer(
             keras.optimizers.SGD(0.1, momentum=0.9), density=0.05, grouping="layerwise",
-            exchange=exchange, min_elements=64, name=f"layerwise_{exchange}")
+            exchange=exchange, min_elements=64, name=f"layerwise_{exchange}"),
+            model.trainable_variables)
 
         @tf.function(jit_compile=False)
         def step(xb, yb):

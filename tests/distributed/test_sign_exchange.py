@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import sparse_hvd
 from conftest import digest, gather
-from helpers import NumpyAdam, force_auto_choice
+from helpers import NumpyAdam, built, force_auto_choice
 
 BIG, SMALL = (70, 50), (50,)  # 3500 entries (not a multiple of 32): cut; 50: the dense route
 LR, EPSILON, STEPS = 0.01, 0.5, 5
@@ -100,9 +100,9 @@ def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner, excha
     variables = [keras.Variable(w) for w in start]
     adam = inner.startswith("adam")
     block = 64 if exchange == "sign" else 0
-    optimizer = sparse_hvd.SparseDistributedOptimizer(
+    optimizer = built(sparse_hvd.SparseDistributedOptimizer(
         _inner_optimizer(inner), exchange=exchange, name=f"{exchange}_{inner}",
-        second_moment=inner.split("_", 1)[1] if "_" in inner else None)
+        second_moment=inner.split("_", 1)[1] if "_" in inner else None), variables)
     assert optimizer.sparsify == ("update" if adam else "gradient")
     if inner in ("adam", "adamw"):  # the sign exchange's default with Adam and AdamW
         assert optimizer.second_moment == "noise_estimate"

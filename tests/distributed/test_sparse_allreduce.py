@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import sparse_hvd
 from conftest import digest, gather
-from helpers import (classification_data, coded_value_words, elias_fano_words, mlp,
+from helpers import (built, classification_data, coded_value_words, elias_fano_words, mlp,
                      numpy_topk_indices, raw_bits_of, weights_of)
 
 LEVELS = (1.0, 2 ** -(1 / 1024), 2 ** -(1 / 256), 2 ** -(1 / 64), 2 ** -(1 / 16), 2 ** -0.25,
@@ -141,10 +141,10 @@ def _run(hvd, sparsifier, select, steps, silent_rank, name, compression="none", 
     rank, size = hvd.rank(), hvd.size()
     variables = [keras.Variable(np.zeros(s), dtype="float64") for s in SHAPES]
     bias = keras.Variable(np.zeros(10), dtype="float64")
-    optimizer = sparse_hvd.SparseDistributedOptimizer(
+    optimizer = built(sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(1.0), density=DENSITY, sparsifier=sparsifier,
         exchange="sparse_allreduce", compression=compression, warmup_steps=0, grouping=grouping,
-        budget=budget, name=name)
+        budget=budget, name=name), variables + [bias])
     step = tf.function(lambda a, b, c: optimizer.apply_gradients(
         [(a, variables[0]), (b, variables[1]), (c, bias)]))
     rule = NumpyRule(size, select, rounding, model_wide=budget == "model")
@@ -216,10 +216,10 @@ def test_with_the_update_cut_the_applied_sums_are_subtracted_where_they_are(
     def train(at_positions):
         monkeypatch.setattr(kind, "averages_at_positions", at_positions)
         variables = [keras.Variable(np.zeros(s, "float32")) for s in SHAPES]
-        optimizer = sparse_hvd.SparseDistributedOptimizer(
+        optimizer = built(sparse_hvd.SparseDistributedOptimizer(
             keras.optimizers.SGD(0.1, momentum=0.9), density=DENSITY, warmup_steps=0,
             exchange="sparse_allreduce", sparsify="update", grouping=grouping,
-            name=f"sar_update_{grouping}_{at_positions}")
+            name=f"sar_update_{grouping}_{at_positions}"), variables)
         step = tf.function(lambda a, b: optimizer.apply_gradients(zip([a, b], variables)))
         for t in range(5):
             step(*(tf.constant(g.reshape(s).astype("float32"))
@@ -370,9 +370,10 @@ def test_coded_blocks_apply_the_same_bits_as_plain_ones_for_every_kind_of_value(
         runs = []
         for exchange in ("sparse_allreduce", "plain_sparse_allreduce"):
             variables = [keras.Variable(np.zeros(s, np.float32)) for s in SHAPES]
-            optimizer = sparse_hvd.SparseDistributedOptimizer(
+            optimizer = built(sparse_hvd.SparseDistributedOptimizer(
                 keras.optimizers.SGD(0.5), density=0.05, exchange=exchange,
-                compression=compression, warmup_steps=0, name=f"sar_{exchange}_{compression}")
+                compression=compression, warmup_steps=0, name=f"sar_{exchange}_{compression}"),
+                variables)
             step = tf.function(lambda a, b: optimizer.apply_gradients(
                 [(a, variables[0]), (b, variables[1])]))
             for t in range(6):
@@ -414,8 +415,8 @@ def test_the_statistics_count_the_blocks_as_they_travel(hvd, grouping):
     for exchange, expected in (("sparse_allreduce", 4 * words),
                                ("plain_sparse_allreduce", k * 8)):
         variable = keras.Variable(np.zeros(n, np.float32))
-        optimizer = sparse_hvd.SparseDistributedOptimizer(
+        optimizer = built(sparse_hvd.SparseDistributedOptimizer(
             keras.optimizers.SGD(0.1), density=k / n, exchange=exchange, warmup_steps=0,
-            grouping=grouping, name=f"sar_stats_{exchange}_{grouping}")
+            grouping=grouping, name=f"sar_stats_{exchange}_{grouping}"), [variable])
         tf.function(lambda g: optimizer.apply_gradients([(g, variable)]))(tf.constant(gradient))
         assert optimizer.communication_stats()["bytes_sent"] == expected, exchange

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import sparse_hvd
 from conftest import digest, gather
-from helpers import classification_data, each_ranks_inner_state, mlp, numpy_topk_split
+from helpers import built, classification_data, each_ranks_inner_state, mlp, numpy_topk_split
 
 BIG = (64, 40)  # sparse route
 SMALL = (30,)  # dense route
@@ -38,9 +38,9 @@ def test_the_mean_of_every_ranks_topk_is_applied_tau_steps_later(hvd, tau, bad_s
     name = f"stale_agg_{tau}_{bad_step}_{exchange}"
     big = keras.Variable(np.ones(BIG, "float32"))
     small = keras.Variable(np.full(SMALL, 2.0, "float32"))
-    optimizer = sparse_hvd.SparseDistributedOptimizer(
+    optimizer = built(sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(float(lr)), density=density, staleness=tau, name=name,
-        exchange=exchange)
+        exchange=exchange), [big, small])
     step = tf.function(lambda gb, gs: optimizer.apply_gradients([(gb, big), (gs, small)]))
 
     # The same run in NumPy, every rank's part computed here from the shared weights.

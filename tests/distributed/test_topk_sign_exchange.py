@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import sparse_hvd
 from conftest import digest, gather
-from helpers import force_auto_choice
+from helpers import built, force_auto_choice
 
 BIG, SMALL = (70, 50), (50,)  # 3500 entries (not a multiple of 32): cut; 50: the dense route
 LR, MOMENTUM, DENSITY, STEPS = 0.1, 0.9, 0.05, 5
@@ -58,9 +58,9 @@ def test_every_rank_applies_the_mean_of_the_top_entries_and_the_signs_of_the_res
     variables = [keras.Variable(w) for w in start]
     name = f"{exchange}_{int(momentum * 10)}"
     levels = 2 if exchange == "topk_sign2" else 1
-    optimizer = sparse_hvd.SparseDistributedOptimizer(
+    optimizer = built(sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(LR, momentum=momentum), density=DENSITY, exchange=exchange,
-        name=name)
+        name=name), variables)
     assert optimizer.sparsify == ("update" if momentum else "gradient")
     k = math.ceil(DENSITY * math.prod(BIG))
 
