@@ -57,6 +57,15 @@ vector kept alike on every rank. An exact zero stays zero in both (on a wire of 
 would travel as + or -, or need a mark of its own: an embedding's rows that no batch has
 touched are the exact zeros); ``--one-bit`` sends it as + (what a wire of one bit an entry
 carries).
+``--sign-every m`` and ``--sign-group g`` (``topk_sign``): what the signs of the rest buy,
+asked at a fraction of their bits: the signs only on every m-th step (the rest waits in the
+residual between), or on every step one sign for each run of g entries of a variable (the
+sign of their sum). ``--compressor topk_lowrank --rank r``: the rest of each matrix (a
+variable's last dimension its columns) as its rank-r approximation instead of signs, one
+power iteration a step from the previous step's factors (PowerSGD, Vogels et al. NeurIPS
+2019): each worker sends its share P P^T M_w (P the orthonormal basis of the workers' mean
+of M_w Q), whose mean is the mean's approximation; vectors only in the top K.
+``--compressor lowrank``: the same without the top K, vectors sent whole.
 ``--density 1`` with ``local`` is dense training (every entry sent each step): the probe's own
 dense control, e.g. at another learning rate.
 ``--lr-scale s`` (any mode) and ``--second-moment mean_estimate`` (``local_adam``): each
@@ -131,10 +140,19 @@ def main(argv=None):
                         help="topk_band, topk_sign2: the band is the top band x K entries "
                              "below the top K")
     parser.add_argument("--compressor", choices=("topk", "sign", "sign2", "sign_shared",
-                                                 "topk_sign", "topk_band", "topk_sign2"),
+                                                 "topk_sign", "topk_band", "topk_sign2",
+                                                 "lowrank", "topk_lowrank"),
                         default="topk",
                         help="local, local_adam, local_update: the top-K entries, or every "
                              "entry's scaled sign (see the module doc)")
+    parser.add_argument("--sign-every", type=int, default=1,
+                        help="topk_sign: the signs of the rest only every this many steps "
+                             "(the top-K every step; the rest waits in the residual between)")
+    parser.add_argument("--sign-group", type=int, default=1,
+                        help="topk_sign: one sign for each this many consecutive entries of a "
+                             "variable (the sign of their sum), every entry moved every step")
+    parser.add_argument("--rank", type=int, default=2,
+                        help="lowrank, topk_lowrank: the rank of each matrix's approximation")
     parser.add_argument("--one-bit", action="store_true",
                         help="sign, sign2: an exact zero travels as + (one bit an entry)")
     parser.add_argument("--jsonl", required=True, help="append the run's record here")
@@ -142,6 +160,11 @@ def main(argv=None):
     if args.compressor != "topk" and args.mode not in ("local",) + CUT_UPDATES:
         parser.error(f"--compressor {args.compressor} goes with --mode local, local_adam or "
                      "local_update")
+    for name in ("sign_every", "sign_group"):
+        value = getattr(args, name)
+        if value < 1 or (value > 1 and args.compressor != "topk_sign"):
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, and over 1 only "
+                         "with --compressor topk_sign")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     started = time.perf_counter()
     import sparse_hvd
@@ -238,9 +261,48 @@ def main(argv=None):
             [np.arange(a, b, args.sign_block) for a, b in zip(bounds[:-1], bounds[1:])]))
     segment_of = tf.constant(np.searchsorted(cuts, np.arange(n), side="right") - 1, tf.int32)
     segments = len(cuts) - 1
+    # topk_sign --sign-group: runs of that many entries, none across a variable's bounds
+    starts = np.concatenate([np.arange(a, b, args.sign_group)
+                             for a, b in zip(bounds[:-1], bounds[1:])])
+    group_of = tf.constant(np.searchsorted(starts, np.arange(n), side="right") - 1, tf.int32)
+    groups = len(starts)
     owners_residual = tf.Variable(tf.zeros([n]), trainable=False)  # sign2: every owner's
     magnitude = tf.Variable(tf.zeros([n]), trainable=False)  # sign_shared: this worker's |c|
     shared_scale = tf.Variable(tf.zeros([n]), trainable=False)  # sign_shared: every rank's
+
+    # lowrank, topk_lowrank: each variable of two or more dimensions as a matrix (its last
+    # dimension the columns) and its right factor, warm-started from the previous step and
+    # the same on every rank (PowerSGD, Vogels et al. NeurIPS 2019)
+    matrices = [(int(np.prod(shape[:-1])), int(shape[-1])) if len(shape) >= 2 else None
+                for shape in shapes]
+    factors = []
+    for j, m in enumerate(matrices):
+        rank_j = min(args.rank, *m) if m else 0
+        factors.append(tf.Variable(tf.random.stateless_normal([m[1], rank_j], seed=[args.seed, j]),
+                                   trainable=False) if m else None)
+
+    def low_rank(flat):
+        """This worker's share of the averaged rank-``--rank`` approximation of each matrix of
+        ``flat`` (P P^T M_w, P the orthonormal basis of the mean of M_w Q), whose mean over the
+        workers is the approximation every rank applies; vectors are not approximated (zero).
+        One power iteration a step, two allreduces of the factors."""
+        parts = tf.split(flat, sizes)
+        shares = []
+        for part, m, q in zip(parts, matrices, factors):
+            if m is None:
+                shares.append(tf.zeros_like(part))
+                continue
+            matrix = tf.reshape(part, m)
+            left = hvd.allreduce(matrix @ q, op=hvd.Average, name=f"probe.p{len(shares)}")
+            basis, _ = tf.linalg.qr(left)
+            right = tf.transpose(matrix) @ basis
+            q.assign(hvd.allreduce(right, op=hvd.Average, name=f"probe.q{len(shares)}"))
+            shares.append(tf.reshape(basis @ tf.transpose(right), [-1]))
+        return tf.concat(shares, 0)
+
+    factor_floats = sum((rows + cols) * min(args.rank, rows, cols)
+                        for rows, cols in filter(None, matrices))
+    vector_entries = sum(size for size, m in zip(sizes, matrices) if m is None)
 
     def scaled_signs(flat):
         """``flat``'s signs, each segment's times the segment's mean magnitude."""
@@ -259,7 +321,7 @@ def main(argv=None):
             optimizer.apply_gradients(zip(parts, variables))
 
     @tf.function(jit_compile=False)
-    def train_step(x, y, k, leader, flush, refresh_first):
+    def train_step(x, y, k, leader, flush, refresh_first, signs_due):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
         grads = tape.gradient(loss, variables)
@@ -309,18 +371,45 @@ def main(argv=None):
             apply(update, subtract=mode in CUT_UPDATES)
             bits = 2.0 if args.compressor == "topk_sign2" else 1.0 + args.band * 0.01
             return loss, tf.cast(k, tf.float32) * 2.0 + n * bits / 32.0
+        if args.compressor in ("lowrank", "topk_lowrank"):
+            # the top-K exactly (topk_lowrank), each matrix's rest as its low-rank share,
+            # vectors whole (lowrank) or only in the top-K (topk_lowrank)
+            if args.compressor == "topk_lowrank":
+                mask = top_mask(tf.abs(compensated), k)
+            else:
+                mask = tf.concat([tf.fill([size], 1.0 if m is None else 0.0)
+                                  for size, m in zip(sizes, matrices)], 0)
+            sent = compensated * mask + low_rank(compensated * (1 - mask))
+            residual.assign(compensated - sent)
+            update = hvd.allreduce(sent, op=hvd.Average, name="probe.lowrank")
+            apply(update, subtract=mode in CUT_UPDATES)
+            head = (tf.cast(k, tf.float32) * 2.0 if args.compressor == "topk_lowrank"
+                    else float(vector_entries))
+            return loss, head + float(factor_floats)
         if args.compressor == "topk_sign":
-            # the top-K exactly, the rest as signs times each variable's mean |rest|
+            # the top-K exactly, the rest as signs times each variable's mean |rest|, on the
+            # steps ``--sign-every`` says (between them the rest waits in the residual); with
+            # ``--sign-group g`` each run of g entries by the sign of its sum, the scale the
+            # least-squares one, sum |group sums| / entries
             mask = top_mask(tf.abs(compensated), k)
             rest = compensated * (1 - mask)
             counts = tf.math.unsorted_segment_sum(1 - mask, segment_of, segments)
-            scales = (tf.math.unsorted_segment_sum(tf.abs(rest), segment_of, segments)
+            signs = tf.sign(rest)
+            magnitudes = tf.abs(rest)
+            if args.sign_group > 1:
+                sums = tf.math.unsorted_segment_sum(rest, group_of, groups)
+                signs = tf.gather(tf.sign(sums), group_of) * (1 - mask)
+                magnitudes = tf.gather(tf.abs(sums), group_of) * tf.gather(
+                    1.0 / tf.maximum(tf.math.unsorted_segment_sum(1 - mask, group_of, groups),
+                                     1.0), group_of) * (1 - mask)
+            scales = (tf.math.unsorted_segment_sum(magnitudes, segment_of, segments)
                       / tf.maximum(counts, 1.0))
-            sent = compensated * mask + tf.sign(rest) * tf.gather(scales, segment_of)
+            due = tf.cast(signs_due, tf.float32)
+            sent = compensated * mask + signs * tf.gather(scales, segment_of) * due
             residual.assign(compensated - sent)
             update = hvd.allreduce(sent, op=hvd.Average, name="probe.signs")
             apply(update, subtract=mode in CUT_UPDATES)
-            return loss, tf.cast(k, tf.float32) * 2.0 + n / 32.0
+            return loss, tf.cast(k, tf.float32) * 2.0 + groups / 32.0 * due
         if args.compressor != "topk":
             sent = scaled_signs(compensated)
             residual.assign(compensated - sent)
@@ -372,7 +461,8 @@ def main(argv=None):
                                      (args.flush_every > 0 and step % args.flush_every == 0)
                                      or (args.compressor == "sign_shared"
                                          and (step - 1) % args.scale_every == 0)),
-                                 tf.constant(step == 1))
+                                 tf.constant(step == 1),
+                                 tf.constant(step % args.sign_every == 0))
         moved_total += float(moved)
         if rank == 0 and (step % eval_every == 0 or step == steps):
             val_loss, acc = evaluate(x_val, y_val)
@@ -393,6 +483,9 @@ def main(argv=None):
                   + ("_1bit" if args.one_bit else "")
                   + (f"_every{args.scale_every}" if args.compressor == "sign_shared" else "")
                   + (f"_block{args.sign_block}" if args.sign_block else "")
+                  + (f"_signs{args.sign_every}" if args.sign_every != 1 else "")
+                  + (f"_group{args.sign_group}" if args.sign_group != 1 else "")
+                  + (f"_r{args.rank}" if args.compressor in ("lowrank", "topk_lowrank") else "")
                   + (f"_band{args.band:g}" if args.compressor in ("topk_band", "topk_sign2")
                      and args.band != 10 else ""))
         record = {"workload": args.workload, "method": method, "workers": size,
@@ -407,7 +500,10 @@ def main(argv=None):
                                                "lr_scale": args.lr_scale,
                                                "second_moment": args.second_moment,
                                                "compressor": args.compressor,
-                                               "one_bit": args.one_bit},
+                                               "one_bit": args.one_bit,
+                                               "sign_every": args.sign_every,
+                                               "rank": args.rank,
+                                               "sign_group": args.sign_group},
                   "seconds": time.perf_counter() - started}
         os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
         with open(args.jsonl, "a") as f:
