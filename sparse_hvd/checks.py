@@ -221,7 +221,7 @@ def check_signs_of_rest(exchange, grouping, momentum_correction, dense_fallback)
     from .exchanges import exchange_class
 
     if exchange == "auto" or exchange_class(exchange, grouping).code not in (
-            "entries_and_signs", "entries_and_two_signs"):
+            "entries_and_signs", "entries_and_two_signs", "entries_and_pair_signs"):
         return
     for refused, setting, instead in (
             (bool(momentum_correction), f"momentum_correction={momentum_correction!r}",

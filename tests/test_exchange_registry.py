@@ -22,7 +22,7 @@ from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 def test_every_exchange_is_registered_with_its_groupings():
     assert set(available()) == {"dense", "allgather", "compact_allgather", "sparse_allreduce",
                                 "plain_sparse_allreduce", "sign", "sign_per_variable", "topk_sign",
-                                "topk_sign2"}
+                                "topk_sign2", "topk_sign_pairs"}
     assert groupings_of("sign") == ("grouped",)
     assert exchange_class("sign").chooses_entries
     assert set(groupings_of("allgather")) == {"grouped", "layerwise"}

@@ -173,15 +173,17 @@ def test_training_steps_are_the_unfused_steps_bit_for_bit(inner, sizes):
     assert np.count_nonzero(fused[len(sizes)]) > 0  # residuals kept something
 
 
-@pytest.mark.parametrize("inner", ["momentum", "nesterov_decay_schedule"])
-def test_the_signs_of_the_rest_take_the_fused_remainder_bit_for_bit(inner):
-    """``exchange="topk_sign"``: its signs of the rest come from the fused pass's remainders
-    (``SignsOfTheRest.after_fused_cut``), and four steps leave the same bits as the unfused
-    ops (the local step, the compensate-and-cut, then the signs), the signs taken on both."""
+@pytest.mark.parametrize("inner,exchange", [("momentum", "topk_sign"),
+                                            ("nesterov_decay_schedule", "topk_sign"),
+                                            ("momentum", "topk_sign_pairs")])
+def test_the_signs_of_the_rest_take_the_fused_remainder_bit_for_bit(inner, exchange):
+    """``exchange="topk_sign"`` (and its pairs): its signs of the rest come from the fused
+    pass's remainders (``SignsOfTheRest.after_fused_cut``), and four steps leave the same bits
+    as the unfused ops (the local step, the compensate-and-cut, then the signs), the signs
+    taken on both."""
     native_op(kernels.local_sgd_cut)
-    fused, fused_types = _train(INNERS[inner], True, sparsify="update", exchange="topk_sign")
-    unfused, unfused_types = _train(INNERS[inner], False, sparsify="update",
-                                    exchange="topk_sign")
+    fused, fused_types = _train(INNERS[inner], True, sparsify="update", exchange=exchange)
+    unfused, unfused_types = _train(INNERS[inner], False, sparsify="update", exchange=exchange)
     assert {"SparseHvdLocalSgdCut", "SparseHvdSignsOfRest"} <= fused_types
     assert not {"SparseHvdLocalSgd", "SparseHvdCompensateCut"} & fused_types
     assert {"SparseHvdLocalSgd", "SparseHvdCompensateCut", "SparseHvdSignsOfRest"} <= (

@@ -91,7 +91,7 @@ def test_anything_else_keeps_top_k(inner, arguments, monkeypatch):
     assert "topk_sign" not in optimizer._exchange_candidates
 
 
-@pytest.mark.parametrize("exchange", ["topk_sign", "topk_sign2"])
+@pytest.mark.parametrize("exchange", ["topk_sign", "topk_sign2", "topk_sign_pairs"])
 @pytest.mark.parametrize("arguments,named", [
     ({"momentum_correction": 0.9}, "`momentum_correction=0.9`"),
     ({"dense_fallback": True}, "`dense_fallback=True`"),
@@ -172,6 +172,69 @@ def test_the_rests_signs_native_and_tensorflow_against_numpy(native, monkeypatch
         np.testing.assert_allclose(signs.numpy(), expected, rtol=1e-5)
         np.testing.assert_allclose(residual.numpy(), remainder - expected, rtol=0,
                                    atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_one_sign_per_pair_is_the_sign_of_its_sum_native_and_tensorflow_against_numpy(
+        native, monkeypatch):
+    """``group=2``: both entries of a pair take the sign of the pair's float32 sum (a zero sum
+    as +), a last odd entry its own; the scale is NumPy's float64 sum of |pair sums| over the
+    entries not selected, rounded to float32 (bit for bit natively)."""
+    from sparse_hvd import kernels
+    from sparse_hvd.exchanges import topk_sign
+
+    if native and kernels.signs_of_rest() is None:
+        pytest.skip("no native kernels here")
+    if not native:
+        monkeypatch.setattr(topk_sign.kernels, "signs_of_rest", lambda: None)
+    rng = np.random.RandomState(11)
+    remainder = (rng.randn(100_003) * np.exp(rng.randn(100_003))).astype("float32")
+    remainder[rng.choice(remainder.size, 1000, replace=False)] = 0.0  # the selected entries
+    remainder[[10, 11]] = [0.5, -0.5]  # a pair summing to zero: +
+    (signs,), residual = topk_sign.signs_of_rest(tf.constant(remainder), tf.constant(1000),
+                                                 group=2)
+    sums = np.append(remainder[:-1].reshape(-1, 2).sum(1), remainder[-1])  # float32 sums
+    scale = np.float32(np.abs(sums).astype("float64").sum() / (remainder.size - 1000))
+    expected = np.repeat(np.where(sums < 0, -scale, scale), 2)[:remainder.size]
+    assert expected[10] == expected[11] == scale
+    if native:
+        np.testing.assert_array_equal(signs.numpy(), expected)
+        np.testing.assert_array_equal(residual.numpy(), remainder - expected)
+    else:
+        np.testing.assert_allclose(signs.numpy(), expected, rtol=1e-5)
+        np.testing.assert_allclose(residual.numpy(), remainder - expected, rtol=0,
+                                   atol=1e-5 * scale)
+
+
+def test_one_worker_with_pair_signs_applies_them_and_counts_half_the_bits():
+    """``exchange="topk_sign_pairs"`` on one worker, SGD without momentum at 10% of 501
+    entries (odd: the last entry a pair of its own): the weights move by the learning rate
+    times the top entries and the pairs' signs; a step sends ceil(251 / 32) = 8 words of
+    signs, not ceil(501 / 32) = 16."""
+    rng = np.random.RandomState(5)
+    start = rng.randn(501).astype("float32")
+    variable = keras.Variable(start)
+    lr, k = 0.5, math.ceil(0.1 * 501)
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(lr), density=0.1, exchange="topk_sign_pairs", min_elements=1,
+        name="one_pairs")
+    expected, residual = start.astype("float64"), np.zeros(501, "float32")
+    for step in range(3):
+        grad = (rng.randn(501) * np.exp(rng.randn(501))).astype("float32")
+        optimizer.apply_gradients([(tf.constant(grad), variable)])
+        compensated = grad + residual
+        top = np.argsort(-np.abs(compensated))[:k]
+        rest = compensated.copy()
+        rest[top] = 0
+        sums = np.append(rest[:-1].reshape(-1, 2).sum(1), rest[-1])
+        scale = np.float32(np.abs(sums).astype("float64").sum() / (501 - k))
+        sent = np.repeat(np.where(sums < 0, -scale, scale), 2)[:501].astype("float32")
+        sent[top] += compensated[top]
+        residual = compensated - sent
+        expected = expected - lr * sent.astype("float64")
+        np.testing.assert_allclose(optimizer.residuals[0].numpy(), residual, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(variable.numpy(), expected, rtol=0, atol=1e-5)
+    assert optimizer.communication_stats()["bytes_sent"] == 3 * (k * 8 + 4 * (1 + 8))
 
 
 def test_two_levels_are_the_band_and_the_rest_at_their_own_mean_magnitudes():

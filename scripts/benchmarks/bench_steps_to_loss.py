@@ -204,6 +204,10 @@ METHODS = {
     "topk_sign2": ("exchange='topk_sign2': the top 1% as they are, the next 9% (the band) as "
                    "their signs times their mean magnitude, the rest as theirs (two bits an "
                    "entry)", {"density": 0.01, "exchange": "topk_sign2"}),
+    "topk_sign_pairs": ("exchange='topk_sign_pairs': the top 1% as they are and one sign for "
+                        "each pair of other entries (the sign of their sum) times the "
+                        "least-squares scale (half a bit an entry)",
+                        {"density": 0.01, "exchange": "topk_sign_pairs"}),
     "topk_auto": ("exchange='auto' named: top-k 1% with auto among the top-k exchanges and "
                   "dense (the default with SGD's momentum before topk_sign)",
                   {"density": 0.01, "exchange": "auto"}),

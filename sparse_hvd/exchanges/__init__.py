@@ -21,6 +21,8 @@ registered under the name ``exchange=`` takes and the ``grouping`` it runs:
 ``"topk_sign"``               grouped      ``topk_sign``: the top-k entries and the signs of
                                            the rest, one allgather
 ``"topk_sign2"``              grouped      ``topk_sign``: the same with two levels of signs
+``"topk_sign_pairs"``         grouped      ``topk_sign``: the same with one sign for each
+                                           pair of entries
 ============================  ===========  =========================================
 
 ``sparse_hvd.checks`` reads the classes' capabilities (``per_layer``, ``layer_budgets``,

@@ -44,6 +44,16 @@ model-wide budget, else per variable), at its own mean magnitude, the rest at th
 two layers of signs (:func:`two_level_signs`): two bits an entry. Measured at 4 workers, 3
 seeds (``docs/steps_to_loss_topk_sign2.md``): the LSTM 1.02, the CNN 1.01, finals inside
 dense's spread on average; not timed yet.
+
+``exchange="topk_sign_pairs"`` (also an option) sends half the signs: one for each pair of
+entries (2j, 2j + 1) of a variable, the sign of the pair's sum, at the least-squares scale
+``sum |pair sums| / (n - k)`` (step 2 with ``group=2``); each rank sends ceil(n/2) bits a
+variable and every rank spreads the averaged signs back over both entries of each pair. The
+layer of signs the selection carries still has one per entry (equal within a pair), so the
+residual, the compression of the scale and the one-worker step are topk_sign's. Why pairs:
+the probes found that the signs help the LSTM by moving the rest on every step, not by their
+resolution (``docs/steps_to_loss_ablations.md``, last section: one sign per pair 1.07x dense's
+steps over 3 seeds, as one per entry, at half its sign bits).
 """
 
 import tensorflow as tf
@@ -58,19 +68,34 @@ from .sign import SignAllgather
 BAND = 10  # topk_sign2: the band is the (BAND - 1) x k largest entries below the top k
 
 
-def signs_of_rest(remainder, selected):
+def signs_of_rest(remainder, selected, group=1):
     """Steps 2-3 for one flat ``remainder`` (zero at the ``selected`` count of entries the
     selection took): ``((signs,), residual)``; on CPU in two native passes
-    (``kernels/signs_of_rest.cc``; its scale summed in double)."""
+    (``kernels/signs_of_rest.cc``; its scale summed in double). ``group=2``
+    (``exchange="topk_sign_pairs"``): both entries of each pair (2j, 2j + 1) take the sign of
+    the pair's sum, and the scale is ``sum |pair sums| / (n - selected)`` (the least-squares
+    one over the entries not selected); a last odd entry is a pair of its own."""
     native = kernels.signs_of_rest() if remainder.dtype == tf.float32 else None
     if native is not None:
-        signs, residual = native(remainder, tf.cast(selected, tf.int32))
+        signs, residual = native(remainder, tf.cast(selected, tf.int32), group=group)
         return (signs,), residual
     n = tf.size(remainder)
     rest = tf.maximum(n - tf.cast(selected, n.dtype), 1)
-    scale = tf.reduce_sum(tf.abs(remainder)) / tf.cast(rest, remainder.dtype)
-    signs = tf.where(remainder < 0, -scale, scale)
+    if group == 1:
+        scale = tf.reduce_sum(tf.abs(remainder)) / tf.cast(rest, remainder.dtype)
+        signs = tf.where(remainder < 0, -scale, scale)
+        return (signs,), remainder - signs
+    length = remainder.shape[0]  # static: a variable's size
+    sums = tf.reduce_sum(tf.reshape(tf.pad(remainder, [[0, -length % group]]), [-1, group]), 1)
+    scale = tf.reduce_sum(tf.abs(sums)) / tf.cast(rest, remainder.dtype)
+    signs = spread(tf.where(sums < 0, -scale, scale), group, length)
     return (signs,), remainder - signs
+
+
+def spread(per_group, group, length):
+    """Each of ``per_group``'s values repeated for the ``group`` entries it stands for, the
+    first ``length`` of them."""
+    return tf.reshape(tf.repeat(tf.expand_dims(per_group, 1), group, axis=1), [-1])[:length]
 
 
 def band_cut_of(remainder, selected, band=BAND):
@@ -110,18 +135,22 @@ class SignsOfTheRest(Sparsifier):
     """Steps 1-3 of the module doc around ``inner`` (the sparsifier that selects, or the
     model-wide cut): its selection with ``signs`` set (one layer, or two with ``levels=2``:
     ``exchange="topk_sign2"``), and the residual after both stages. ``band_cut``: the
-    model-wide cut of the band (two levels), else each variable's own (:func:`band_cut_of`)."""
+    model-wide cut of the band (two levels), else each variable's own (:func:`band_cut_of`).
+    ``group=2``: one sign for each pair of entries (``exchange="topk_sign_pairs"``; the layer
+    still holds every entry's, equal within a pair, so the residual and the one-worker sum
+    need nothing else; the exchange sends one in ``group``)."""
 
     name = "signs_of_the_rest"
 
-    def __init__(self, inner, levels=1, band_cut=None):
+    def __init__(self, inner, levels=1, band_cut=None, group=1):
         self.inner = inner
         self.levels = levels
         self.band_cut = band_cut
+        self.group = group
 
     def _signs(self, remainder, selected):
         if self.levels == 1:
-            return signs_of_rest(remainder, selected)
+            return signs_of_rest(remainder, selected, self.group)
         cut = self.band_cut if self.band_cut is not None else band_cut_of(remainder, selected)
         return two_level_signs(remainder, selected, cut)
 
@@ -148,10 +177,11 @@ class SignsOfTheRest(Sparsifier):
         return selection._replace(signs=signs), residual
 
 
-def _layers(selections):
+def _layers(selections, group=1):
     """Every selection's sign layers, in order, as selections of their own (what the sign
-    exchange packs)."""
-    return [Selection(layer, s.indices) for s in selections for layer in s.signs]
+    exchange packs): one entry in ``group`` of each, the first of every group."""
+    return [Selection(layer[::group] if group > 1 else layer, s.indices)
+            for s in selections for layer in s.signs]
 
 
 @register("topk_sign", grouping="grouped")
@@ -163,23 +193,27 @@ class TopkSignAllgather(FusedAllgather):
     staleness = False
     grouping_reason = "its one allgather carries every variable's signs."
     levels = 1  # layers of signs
+    sign_group = 1  # entries per sign
     averages_at_positions = False  # the signs add to every entry (``with_extra``)
 
     def sent_bytes_per_entry(self, density, value_bytes):
         """A selected entry's value and index, and the bits of the 1/density entries per
-        selected one that travel as signs."""
-        return super().sent_bytes_per_entry(density, value_bytes) + 1 / (8 * density)
+        selected one that travel as signs (one per ``sign_group`` of them)."""
+        return (super().sent_bytes_per_entry(density, value_bytes)
+                + 1 / (8 * self.sign_group * density))
 
     def extra_words(self, selections):
-        return [SignAllgather.pack(_layers(selections))]
+        return [SignAllgather.pack(_layers(selections, self.sign_group))]
 
     def with_extra(self, sparse, gathered, selections, sizes):
+        group = self.sign_group
         rows = tf.reshape(gathered[0], [self.size, -1])
-        layers = SignAllgather.unpack(rows, _layers(selections),
-                                      [n for n in sizes for _ in range(self.levels)])
+        layers = SignAllgather.unpack(rows, _layers(selections, group),
+                                      [-(-n // group) for n in sizes for _ in range(self.levels)])
         averages = []
-        for j, entries in enumerate(sparse):
+        for j, (entries, n) in enumerate(zip(sparse, sizes)):
             for layer in layers[j * self.levels:(j + 1) * self.levels]:
+                layer = spread(layer, group, n) if group > 1 else layer
                 entries = entries + tf.cast(layer, entries.dtype)
             averages.append(entries)
         return averages
@@ -196,3 +230,14 @@ class TopkTwoSignsAllgather(TopkSignAllgather):
 
     def sent_bytes_per_entry(self, density, value_bytes):
         return super().sent_bytes_per_entry(density, value_bytes) + 1 / (8 * density)
+
+
+@register("topk_sign_pairs", grouping="grouped")
+class TopkPairSignsAllgather(TopkSignAllgather):
+    """``exchange="topk_sign_pairs"``: the same with one sign for each pair of entries (the
+    sign of their sum, at the least-squares scale; :func:`signs_of_rest` with ``group=2``):
+    half an entry's bit. Every entry still moves every step, which is what the signs buy the
+    LSTM under SGD (the probes: ``docs/steps_to_loss_ablations.md``, last section)."""
+
+    code = "entries_and_pair_signs"
+    sign_group = 2

@@ -97,10 +97,13 @@ class PayloadBuilder:
 
     Args:
         check_finite: record, per gradient, whether it is finite on this rank.
+        sign_group: entries per sign bit of a selection's layers of signs (2 with
+            ``exchange="topk_sign_pairs"``), for the bytes it counts.
     """
 
-    def __init__(self, check_finite: bool):
+    def __init__(self, check_finite: bool, sign_group: int = 1):
         self._check_finite = check_finite
+        self._sign_group = sign_group
         self._parts = {"sparse": ([], [], []), "dense": ([], [], []), "rows": ([], [], [])}
         self._state_updates, self._local_finite, self._gradients, self._sent = [], [], [], []
         self._dense_bytes = 0
@@ -138,8 +141,9 @@ class PayloadBuilder:
         self._budgets.append(budget)
         sent = tf.cast(tf.size(selection.values), tf.int64)
         bytes_sent = sent * (route.itemsize + INDEX_BYTES)
-        for _ in selection.signs or ():  # a bit an entry in int32 words, and the scale
-            bytes_sent += 4 * ((route.num_elements + 31) // 32 + 1)
+        signed = -(-route.num_elements // self._sign_group)
+        for _ in selection.signs or ():  # a bit per sign in int32 words, and the scale
+            bytes_sent += 4 * ((signed + 31) // 32 + 1)
         self._add("sparse", position, key, selection, route, gradient, sent, bytes_sent,
                   finite=selection.finite)
         self._state_updates.extend(state_updates)

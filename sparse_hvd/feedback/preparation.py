@@ -87,7 +87,8 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
     False densifies it, as the delayed pipeline needs). With the layer-wise exchange the
     variables are taken in backprop's order, output layers first.
     """
-    builder = PayloadBuilder(check_finite=opt.nonfinite != "ignore")
+    builder = PayloadBuilder(check_finite=opt.nonfinite != "ignore",
+                             sign_group=getattr(opt._exchange, "sign_group", 1))
     step = opt._policy_step()
     order = range(len(grads_and_vars))
     if opt._exchange.per_layer:
@@ -132,7 +133,8 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
         band_cut = None
         if levels > 1 and opt.budget == "model" and budgets:
             band_cut = model_wide_sparsifier(opt, prepared, budgets, scale=BAND).cut
-        sparsifier = SignsOfTheRest(sparsifier, levels, band_cut)
+        sparsifier = SignsOfTheRest(sparsifier, levels, band_cut,
+                                    group=getattr(opt._exchange, "sign_group", 1))
     for position, index, route, rows, grad in prepared:
         if rows:
             builder.add_rows(position, index, route, grad)

@@ -44,7 +44,7 @@
   variable's average from every rank's bits and scale, summed in rank order, in one pass);
 * ``signs_of_rest()``: the ``SparseHvdSignsOfRest`` op (signs_of_rest.cc,
   ``exchange="topk_sign"``: the signs of what the top-k left, and the residual, in two
-  passes);
+  passes; with ``group=2`` one sign per pair of entries, ``exchange="topk_sign_pairs"``);
 * ``local_adam()`` and ``local_sgd()``: the ``SparseHvdLocalAdam`` and ``SparseHvdLocalSgd``
   ops (local_step.cc, ``sparsify="update"`` with a plain Keras Adam or SGD: this worker's step
   as an update, the optimizer's state written (and Adam's noise estimate applied), in one

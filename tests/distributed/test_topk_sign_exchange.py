@@ -15,7 +15,7 @@ import sparse_hvd
 from conftest import digest, gather
 from helpers import built, force_auto_choice
 
-BIG, SMALL = (70, 50), (50,)  # 3500 entries (not a multiple of 32): cut; 50: the dense route
+BIG, SMALL = (69, 51), (50,)  # 3519 entries (odd, not a multiple of 32): cut; 50: dense
 LR, MOMENTUM, DENSITY, STEPS = 0.1, 0.9, 0.05, 5
 
 
@@ -25,16 +25,22 @@ def _gradients(rank, step):
     return [big.astype("float32"), rng.randn(*SMALL).astype("float32")]
 
 
-def _sent(compensated, k, levels=1):
+def _sent(compensated, k, levels=1, group=1):
     """What one rank sends for a compensated float32 vector: its top-k entries as they are,
     every other entry as the others' mean magnitude, signed (a zero as +); with two levels,
-    the next 9k entries (the band) at their own mean magnitude and the rest at theirs."""
+    the next 9k entries (the band) at their own mean magnitude and the rest at theirs; with
+    ``group=2`` each pair of entries (a last odd one alone) as the sign of its sum times
+    sum |pair sums| / (n - k)."""
     order = np.argsort(-np.abs(compensated), kind="stable")
     top = order[:k]
     rest = compensated.copy()
     rest[top] = 0
     magnitude = np.abs(rest).astype("float64")
-    if levels == 1:
+    if group == 2:
+        sums = np.append(rest, np.float32(0))[:2 * ((rest.size + 1) // 2)].reshape(-1, 2).sum(1)
+        scale = np.float32(np.abs(sums).astype("float64").sum() / (compensated.size - k))
+        signs = np.repeat(np.where(sums < 0, -scale, scale), 2)[:rest.size].astype("float32")
+    elif levels == 1:
         scale = np.float32(magnitude.sum() / (compensated.size - k))
         signs = np.where(rest < 0, -scale, scale).astype("float32")
     else:
@@ -50,7 +56,8 @@ def _sent(compensated, k, levels=1):
 
 
 @pytest.mark.parametrize("momentum,exchange", [(MOMENTUM, "topk_sign"), (0.0, "topk_sign"),
-                                               (MOMENTUM, "topk_sign2")])
+                                               (MOMENTUM, "topk_sign2"),
+                                               (MOMENTUM, "topk_sign_pairs")])
 def test_every_rank_applies_the_mean_of_the_top_entries_and_the_signs_of_the_rest(
         hvd, momentum, exchange):
     rank, size = hvd.rank(), hvd.size()
@@ -58,6 +65,7 @@ def test_every_rank_applies_the_mean_of_the_top_entries_and_the_signs_of_the_res
     variables = [keras.Variable(w) for w in start]
     name = f"{exchange}_{int(momentum * 10)}"
     levels = 2 if exchange == "topk_sign2" else 1
+    group = 2 if exchange == "topk_sign_pairs" else 1
     optimizer = built(sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(LR, momentum=momentum), density=DENSITY, exchange=exchange,
         name=name), variables)
@@ -83,7 +91,7 @@ def test_every_rank_applies_the_mean_of_the_top_entries_and_the_signs_of_the_res
                 cut = velocities[r]
             else:
                 cut = own
-            sent, residuals[r] = _sent(cut.astype("float32") + residuals[r], k, levels)
+            sent, residuals[r] = _sent(cut.astype("float32") + residuals[r], k, levels, group)
             total += sent.astype("float64")
         shared = momentum * shared + LR * sum(g[1].astype("float64") for g in every).ravel() / size
         expected[0] = expected[0] - (total / size if momentum else LR * total / size)
@@ -97,8 +105,9 @@ def test_every_rank_applies_the_mean_of_the_top_entries_and_the_signs_of_the_res
                                rtol=0, atol=1e-5 * np.abs(residuals[rank]).max(),
                                err_msg=f"rank {rank}")
     # what one rank sent per step: the dense route's float32s, k values and indices, then one
-    # scale word and ceil(3500 / 32) = 110 words of signs
-    per_step = 4 * math.prod(SMALL) + 8 * k + levels * 4 * (1 + math.ceil(math.prod(BIG) / 32))
+    # scale word and ceil(3519 / 32) = 110 words of signs (pairs: ceil(1760 / 32) = 55)
+    signed = math.ceil(math.prod(BIG) / group)
+    per_step = 4 * math.prod(SMALL) + 8 * k + levels * 4 * (1 + math.ceil(signed / 32))
     assert optimizer.communication_stats()["bytes_sent"] == STEPS * per_step
     digests = gather(hvd, digest([v.numpy() for v in variables]), name=f"{name}.digests")
     assert all(d == digests[0] for d in digests), digests
