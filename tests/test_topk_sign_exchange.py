@@ -206,6 +206,18 @@ def test_one_sign_per_pair_is_the_sign_of_its_sum_native_and_tensorflow_against_
                                    atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("length", [8, 7])
+def test_the_averaged_pair_signs_are_added_to_both_entries_of_each_pair(length):
+    """The receiving side's addition, by a broadcast where 2 divides the length (no copy of
+    the spread signs), else with it: ``[e0 + s0, e1 + s0, e2 + s1, ...]``."""
+    from sparse_hvd.exchanges.topk_sign import plus_spread
+
+    entries = np.arange(length, dtype="float32") * 10
+    per_pair = np.arange(1, (length + 1) // 2 + 1, dtype="float32")
+    added = plus_spread(tf.constant(entries), tf.constant(per_pair), 2, length)
+    np.testing.assert_array_equal(added.numpy(), entries + np.repeat(per_pair, 2)[:length])
+
+
 def test_one_worker_with_pair_signs_applies_them_and_counts_half_the_bits():
     """``exchange="topk_sign_pairs"`` on one worker, SGD without momentum at 10% of 501
     entries (odd: the last entry a pair of its own): the weights move by the learning rate

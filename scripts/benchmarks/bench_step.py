@@ -19,7 +19,8 @@ Methods (``--methods``, comma-separated):
   values);
   ``compact_<sparsifier>@<d>``: with ``exchange="compact_allgather"`` (coded indices);
   ``topksign_<sparsifier>@<d>``: with ``exchange="topk_sign"`` (the top entries and the
-  signs of the rest);
+  signs of the rest); ``topksignpairs_<sparsifier>@<d>``: with
+  ``exchange="topk_sign_pairs"`` (one sign for each pair of the rest);
   ``sign@<d>``: ``exchange="sign"`` (every entry's sign and a scale per 64 entries; ``d`` is
   not used; with ``--inner adam`` and the update cut, the default second moment, the noise
   estimate); ``sign_own@<d>``: the same with ``second_moment="own"``;
@@ -228,6 +229,9 @@ def worker(args):
                 sparsifier = name
             if name.startswith("topksign_"):  # the top-k entries and the rest's signs
                 exchange, name = "topk_sign", name[len("topksign_"):]
+                sparsifier = name
+            if name.startswith("topksignpairs_"):  # the same, one sign per pair of entries
+                exchange, name = "topk_sign_pairs", name[len("topksignpairs_"):]
                 sparsifier = name
             if name.startswith("sign"):  # every entry's sign (the density is not used)
                 exchange, sparsifier = "sign", "topk"

@@ -98,6 +98,17 @@ def spread(per_group, group, length):
     return tf.reshape(tf.repeat(tf.expand_dims(per_group, 1), group, axis=1), [-1])[:length]
 
 
+def plus_spread(entries, per_group, group, length):
+    """``entries`` (flat, ``length`` of them) plus :func:`spread` of ``per_group``: where
+    ``group`` divides ``length``, one broadcast addition over ``entries`` seen as
+    ``[length / group, group]`` (no spread copy); else with the copy."""
+    if group == 1:
+        return entries + per_group
+    if length % group:
+        return entries + spread(per_group, group, length)
+    return tf.reshape(tf.reshape(entries, [-1, group]) + tf.expand_dims(per_group, 1), [-1])
+
+
 def band_cut_of(remainder, selected, band=BAND):
     """One variable's own band cut (with a budget per layer; the model-wide budget cuts the
     band over the whole model): the ``(band - 1) x selected``-th largest ``|remainder|``,
@@ -213,8 +224,7 @@ class TopkSignAllgather(FusedAllgather):
         averages = []
         for j, (entries, n) in enumerate(zip(sparse, sizes)):
             for layer in layers[j * self.levels:(j + 1) * self.levels]:
-                layer = spread(layer, group, n) if group > 1 else layer
-                entries = entries + tf.cast(layer, entries.dtype)
+                entries = plus_spread(entries, tf.cast(layer, entries.dtype), group, n)
             averages.append(entries)
         return averages
 
