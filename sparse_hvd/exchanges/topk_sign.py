@@ -52,8 +52,13 @@ variable and every rank spreads the averaged signs back over both entries of eac
 layer of signs the selection carries still has one per entry (equal within a pair), so the
 residual, the compression of the scale and the one-worker step are topk_sign's. Why pairs:
 the probes found that the signs help the LSTM by moving the rest on every step, not by their
-resolution (``docs/steps_to_loss_ablations.md``, last section: one sign per pair 1.07x dense's
-steps over 3 seeds, as one per entry, at half its sign bits).
+resolution (``docs/steps_to_loss_ablations.md``, last section). Measured with the library at
+4 workers, 3 seeds (``docs/steps_to_loss_topk_sign_pairs.md``): the LSTM 1.08x dense's steps,
+the CNN 0.99x, at 0.053-0.055 of dense's bytes over the run (``topk_sign``: 1.07 and 1.05 at
+0.068-0.070). Not a default either: its step is nearly ``topk_sign``'s (480 ms against 512
+and top-k's 293 on the 4.35M MLP at 4 workers and 1 Gbit/s), since what costs is the passes
+over every entry (the signs, their addition to every average, a dense update), not the bits
+(README, "``exchange="topk_sign_pairs"``").
 """
 
 import tensorflow as tf
