@@ -92,7 +92,7 @@ def test_pack_then_unpack_averages_every_ranks_scaled_signs_in_rank_order(block,
                 patch.setattr(kernels, "sign_pack", lambda: None)
                 patch.setattr(kernels, "sign_sum", lambda: None)
             rows = tf.stack([SignAllgather.pack(rank, block) for rank in selected])
-            averages = SignAllgather.unpack(rows, selected[0], sizes, block)
+            averages = SignAllgather.unpack(rows, [tf.float32] * 2, sizes, block)
         # the scales (two float32 words; or 4 and 1 bfloat16 scales in 2 and 1 words), then
         # 7 and 1 words of signs
         assert rows.shape == (3, (2 if block == 0 else 3) + 7 + 1)

@@ -14,7 +14,7 @@ import tensorflow as tf
 import sparse_hvd
 from sparse_hvd.exchanges.topk_sign import SignsOfTheRest, signs_of_rest
 from sparse_hvd.feedback.error_feedback import compensate_and_select
-from sparse_hvd.selection.sparsifiers import get_sparsifier
+from sparse_hvd.selection.sparsifiers import Selection, get_sparsifier
 
 
 def test_the_top_entries_travel_as_they_are_and_the_rest_as_signs_of_their_mean_magnitude():
@@ -206,16 +206,55 @@ def test_one_sign_per_pair_is_the_sign_of_its_sum_native_and_tensorflow_against_
                                    atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("length", [8, 7])
-def test_the_averaged_pair_signs_are_added_to_both_entries_of_each_pair(length):
-    """The receiving side's addition, by a broadcast where 2 divides the length (no copy of
-    the spread signs), else with it: ``[e0 + s0, e1 + s0, e2 + s1, ...]``."""
-    from sparse_hvd.exchanges.topk_sign import plus_spread
+@pytest.mark.parametrize("n", [7, 8, 70_001, 131_075])
+def test_pair_signs_packed_one_a_pair_come_back_spread_over_both_entries(n, monkeypatch):
+    """``SignAllgather.pack(stride=2)`` and ``unpack(group=2)``, native (one sign of each pair
+    packed in place, each average written to both entries: shards of 64K signs, an odd last
+    pair) and TensorFlow's path: the same words, and every pair's average over 3 ranks of
+    their signs times their scales, in rank order, on both of its entries."""
+    from sparse_hvd import kernels
+    from sparse_hvd.exchanges.sign import SignAllgather
 
-    entries = np.arange(length, dtype="float32") * 10
-    per_pair = np.arange(1, (length + 1) // 2 + 1, dtype="float32")
-    added = plus_spread(tf.constant(entries), tf.constant(per_pair), 2, length)
-    np.testing.assert_array_equal(added.numpy(), entries + np.repeat(per_pair, 2)[:length])
+    rng = np.random.RandomState(n)
+    pairs = (n + 1) // 2
+    per_pair = [np.where(rng.randn(pairs) < 0, -1.0, 1.0).astype("float32") * scale
+                for scale in np.float32([0.5, 0.25, 2.0])]
+    layers = [np.repeat(signs, 2)[:n] for signs in per_pair]  # equal within each pair
+    expected = np.zeros(pairs, "float32")
+    for signs in per_pair:
+        expected += signs
+    expected = np.repeat(expected / np.float32(3), 2)[:n]
+    results = []
+    for native in (True, False):
+        with monkeypatch.context() as patch:
+            if not native:
+                patch.setattr(kernels, "sign_pack", lambda: None)
+                patch.setattr(kernels, "sign_sum", lambda: None)
+            rows = tf.stack([SignAllgather.pack([Selection(tf.constant(layer), None)],
+                                                stride=2) for layer in layers])
+            assert rows.shape == (3, 1 + -(-pairs // 32))  # the scale, then ceil(n/2) bits
+            average, = SignAllgather.unpack(rows, [tf.float32], [n], group=2)
+        np.testing.assert_array_equal(average.numpy(), expected)
+        results.append(rows.numpy())
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_entries_that_came_at_positions_are_added_into_the_signs_average():
+    """``plus_signs``: entries at positions (the native mean) added in the layer's buffer are
+    the dense entries plus the layer, bit for bit; two dense layers are added in turn."""
+    from sparse_hvd.exchanges.topk_sign import plus_signs
+
+    rng = np.random.RandomState(3)
+    layer, second = (rng.randn(50).astype("float32") for _ in range(2))
+    where, values = np.array([40, 3, 17], "int32"), rng.randn(3).astype("float32")
+    dense = np.zeros(50, "float32")
+    dense[where] = values
+    at_positions = tf.IndexedSlices(tf.constant(values), tf.constant(where), tf.constant([50]))
+    np.testing.assert_array_equal(plus_signs(at_positions, [tf.constant(layer)]).numpy(),
+                                  dense + layer)
+    np.testing.assert_array_equal(
+        plus_signs(tf.constant(dense), [tf.constant(layer), tf.constant(second)]).numpy(),
+        (dense + layer) + second)
 
 
 def test_one_worker_with_pair_signs_applies_them_and_counts_half_the_bits():

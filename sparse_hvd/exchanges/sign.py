@@ -149,6 +149,14 @@ def unpack_signs(words, n) -> tf.Tensor:
     return 1.0 - 2.0 * tf.cast(bits, tf.float32)
 
 
+def spread(per_group, group, length) -> tf.Tensor:
+    """Each of ``per_group``'s values repeated for the ``group`` entries it stands for, the
+    first ``length`` of them."""
+    if group == 1:
+        return per_group
+    return tf.reshape(tf.repeat(tf.expand_dims(per_group, 1), group, axis=1), [-1])[:length]
+
+
 def bfloat16_words(scales) -> tf.Tensor:
     """float32 ``scales`` (bfloat16 values: exact) as bfloat16 bits, two to an int32 word (the
     first in the low half on a little-endian machine); a last odd one is paired with 0."""
@@ -207,15 +215,18 @@ class SignAllgather(FusedAllgather):
             name=f"{self.name}.fused", process_set=self.process_set, step=step)
         gathered, finite, _ = checked_headers(gathered, size)  # step 3
         rows = tf.reshape(gathered[1], [size, words.shape[0]])
-        sparse = self.unpack(rows, payload.sparse.items, sizes, self.block)
+        sparse = self.unpack(rows, [s.values.dtype for s in payload.sparse.items], sizes,
+                             self.block)
         averaged_dense = self.unpack_dense(dense, dense_groups, gathered[2:],
                                            payload.dense.keys, step)
         return sparse, averaged_dense, finite, ()
 
     @staticmethod
-    def pack(selections, block=0) -> tf.Tensor:
+    def pack(selections, block=0, stride=1) -> tf.Tensor:
         """One rank's words: each selection's scales (``block`` 0: one, float32 bits; else one
-        per block, bfloat16 bits two to a word), then each one's signs."""
+        per block, bfloat16 bits two to a word), then each one's signs: of values 0,
+        ``stride``, 2 x ``stride``, ... only (``exchange="topk_sign_pairs"``: one of each
+        pair, both equal)."""
         if not selections:
             return tf.zeros([0], tf.int32)
         native = kernels.sign_pack()
@@ -223,8 +234,9 @@ class SignAllgather(FusedAllgather):
         for selection in selections:
             values = tf.cast(tf.reshape(selection.values, [-1]), tf.float32)
             if native is not None:  # the same words and scales in one pass (sign_sum.cc)
-                own, largest = native(values, block=block)
+                own, largest = native(values, block=block, stride=stride)
             else:
+                values = values[::stride] if stride > 1 else values
                 own = pack_signs(values)
                 largest = tf.reduce_max(in_blocks(tf.abs(values), block)[0], 1)
             words.append(own)
@@ -233,27 +245,30 @@ class SignAllgather(FusedAllgather):
         return tf.concat(scales + words, 0)
 
     @staticmethod
-    def unpack(rows, selections, sizes, block=0):
-        """Each selection's average from every rank's words (``rows``: [ranks, words])."""
+    def unpack(rows, dtypes, sizes, block=0, group=1):
+        """Each variable's average (of ``sizes``' entries, as ``dtypes``) from every rank's
+        words (``rows``: [ranks, words]), as :meth:`pack` packed them with ``stride=group``:
+        each averaged sign written to the ``group`` entries it stands for."""
         size = rows.shape[0]
+        signs = [-(-n // group) for n in sizes]
         start, scales = 0, []
-        for n in sizes:  # every selection's scales first, [ranks, blocks] float32
-            width = scale_words(n, block)
+        for m in signs:  # every selection's scales first, [ranks, blocks] float32
+            width = scale_words(m, block)
             own = rows[:, start:start + width]
             scales.append(tf.bitcast(own, tf.float32) if block == 0
-                          else bfloat16_scales(own, blocks_of(n, block)))
+                          else bfloat16_scales(own, blocks_of(m, block)))
             start += width
         averages = []
         native = kernels.sign_sum()
-        for selection, n, scale in zip(selections, sizes, scales):
-            width = words_for(n)
+        for dtype, n, m, scale in zip(dtypes, sizes, signs, scales):
+            width = words_for(m)
             own = rows[:, start:start + width]
             if native is not None:  # the same bits in one pass (kernels/sign_sum.cc)
-                average = native(own, scale, num_elements=n, block=block)
+                average = native(own, scale, num_elements=n, block=block, group=group)
             else:
-                total = sum_rows_in_order(unpack_signs(own, n) * per_entry(scale, n, block))
-                average = divided(total, size)
-            averages.append(tf.cast(average, selection.values.dtype))
+                total = sum_rows_in_order(unpack_signs(own, m) * per_entry(scale, m, block))
+                average = spread(divided(total, size), group, n)
+            averages.append(tf.cast(average, dtype))
             start += width
         return averages
 

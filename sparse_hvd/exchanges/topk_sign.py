@@ -66,9 +66,11 @@ import tensorflow as tf
 from .. import kernels
 from ..selection.order_statistics import kth_largest
 from ..selection.sparsifiers import Selection, Sparsifier
+from ..feedback.error_feedback import scatter_add
+from .averaging import average_at_positions, average_entries
 from .base import register
 from .fused_allgather import FusedAllgather
-from .sign import SignAllgather
+from .sign import SignAllgather, spread
 
 BAND = 10  # topk_sign2: the band is the (BAND - 1) x k largest entries below the top k
 
@@ -95,23 +97,6 @@ def signs_of_rest(remainder, selected, group=1):
     scale = tf.reduce_sum(tf.abs(sums)) / tf.cast(rest, remainder.dtype)
     signs = spread(tf.where(sums < 0, -scale, scale), group, length)
     return (signs,), remainder - signs
-
-
-def spread(per_group, group, length):
-    """Each of ``per_group``'s values repeated for the ``group`` entries it stands for, the
-    first ``length`` of them."""
-    return tf.reshape(tf.repeat(tf.expand_dims(per_group, 1), group, axis=1), [-1])[:length]
-
-
-def plus_spread(entries, per_group, group, length):
-    """``entries`` (flat, ``length`` of them) plus :func:`spread` of ``per_group``: where
-    ``group`` divides ``length``, one broadcast addition over ``entries`` seen as
-    ``[length / group, group]`` (no spread copy); else with the copy."""
-    if group == 1:
-        return entries + per_group
-    if length % group:
-        return entries + spread(per_group, group, length)
-    return tf.reshape(tf.reshape(entries, [-1, group]) + tf.expand_dims(per_group, 1), [-1])
 
 
 def band_cut_of(remainder, selected, band=BAND):
@@ -193,11 +178,23 @@ class SignsOfTheRest(Sparsifier):
         return selection._replace(signs=signs), residual
 
 
-def _layers(selections, group=1):
+def _layers(selections):
     """Every selection's sign layers, in order, as selections of their own (what the sign
-    exchange packs): one entry in ``group`` of each, the first of every group."""
-    return [Selection(layer[::group] if group > 1 else layer, s.indices)
-            for s in selections for layer in s.signs]
+    exchange packs)."""
+    return [Selection(layer, s.indices) for s in selections for layer in s.signs]
+
+
+def plus_signs(entries, layers):
+    """Step 4's sum for one variable: its averaged entries plus its averaged ``layers`` of
+    signs (dense, every entry). Entries that came where they arrived (``tf.IndexedSlices``,
+    with one layer) are added into the layer at their positions, in its buffer (no dense
+    pass of their own); dense entries have each layer added in turn."""
+    if isinstance(entries, tf.IndexedSlices):
+        (layer,) = layers
+        return scatter_add(layer, entries.values, entries.indices)
+    for layer in layers:
+        entries = entries + tf.cast(layer, entries.dtype)
+    return entries
 
 
 @register("topk_sign", grouping="grouped")
@@ -219,19 +216,26 @@ class TopkSignAllgather(FusedAllgather):
                 + 1 / (8 * self.sign_group * density))
 
     def extra_words(self, selections):
-        return [SignAllgather.pack(_layers(selections, self.sign_group))]
+        return [SignAllgather.pack(_layers(selections), stride=self.sign_group)]
+
+    def _average(self, indices, values, counts, positions, sizes, size):
+        """Step 4's entries where they arrived whatever ``sparsify`` is (with one layer of
+        signs and the native kernel), for :func:`plus_signs` to add into the signs' average;
+        else dense (two layers keep their order of additions: entries, then each layer)."""
+        if self.levels == 1:
+            averages = average_at_positions(indices, values, counts, positions, sizes, size)
+            if averages is not None:
+                return averages
+        return average_entries(indices, values, counts, positions, sizes, size)
 
     def with_extra(self, sparse, gathered, selections, sizes):
-        group = self.sign_group
+        levels = self.levels
         rows = tf.reshape(gathered[0], [self.size, -1])
-        layers = SignAllgather.unpack(rows, _layers(selections, group),
-                                      [-(-n // group) for n in sizes for _ in range(self.levels)])
-        averages = []
-        for j, (entries, n) in enumerate(zip(sparse, sizes)):
-            for layer in layers[j * self.levels:(j + 1) * self.levels]:
-                entries = plus_spread(entries, tf.cast(layer, entries.dtype), group, n)
-            averages.append(entries)
-        return averages
+        layers = SignAllgather.unpack(rows, [s.values.dtype for s in _layers(selections)],
+                                      [n for n in sizes for _ in range(levels)],
+                                      group=self.sign_group)
+        return [plus_signs(entries, layers[j * levels:(j + 1) * levels])
+                for j, entries in enumerate(sparse)]
 
 
 @register("topk_sign2", grouping="grouped")

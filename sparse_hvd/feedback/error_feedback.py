@@ -83,7 +83,7 @@ def velocity_after_sending(velocity_value, selection: Selection) -> tf.Tensor:
     return zeroed_at(tf.reshape(velocity_value, [-1]), selection.indices)
 
 
-def _scatter_add(flat, values, indices):
+def scatter_add(flat, values, indices):
     """``flat`` with ``values`` added at the flat ``indices``: on CPU in ``flat``'s own buffer
     when nothing else holds it (``kernels.add_at``; TensorFlow's scatter copies all of
     ``flat`` first), else a new tensor."""
@@ -174,7 +174,7 @@ class ErrorFeedback:
             sent, error = compression.round(selection.values)
             selection = selection._replace(values=sent)
             if remainder is not None:  # zero at the selected positions: now their error
-                remainder = _scatter_add(remainder, error, selection.indices)
+                remainder = scatter_add(remainder, error, selection.indices)
             if selection.signs is not None:  # the scales of the signs too, their error kept
                 rounded = [compression.round(layer) for layer in selection.signs]
                 selection = selection._replace(signs=tuple(sent for sent, _ in rounded))
@@ -265,7 +265,7 @@ class ErrorFeedback:
         residuals: for a step that is not applied, so that no gradient is lost."""
         for index, (values, indices) in sent.items():
             residual = self.residuals[index]
-            flat = _scatter_add(tf.reshape(tf.convert_to_tensor(residual), [-1]), values, indices)
+            flat = scatter_add(tf.reshape(tf.convert_to_tensor(residual), [-1]), values, indices)
             self.writer.assign(residual, tf.reshape(flat, residual.shape))
 
     def add_back(self, keys, returned, state_updates):
@@ -285,7 +285,7 @@ class ErrorFeedback:
         for variable, value in state_updates:
             item = owed.pop(id(variable), None)
             if item is not None:
-                value = _scatter_add(tf.reshape(value, [-1]), *item)
+                value = scatter_add(tf.reshape(value, [-1]), *item)
             updated.append((variable, value))
         if owed:  # select() writes every sparse-route residual: nothing may be dropped
             raise RuntimeError("sparse_hvd internal error: returned entries for a residual "

@@ -18,7 +18,12 @@
 // maximum, in any order). The TensorFlow path takes several passes.
 //
 // SparseHvdSignSum: one variable's average from every rank's sign bits and scales (step 3),
-// in one pass over the output.
+// in one pass over the output. Its attribute ``group`` (``exchange="topk_sign_pairs"``: 2) is
+// the number of entries each sign stands for: the words hold ceil(n / group) signs and every
+// average is written to its ``group`` entries (the last group cut at n), so that no copy
+// spreads them afterwards; SparseHvdSignPack's ``stride`` is its other side: it packs entries
+// 0, stride, 2 x stride, ... only (one of each group, all equal), so that no strided copy is
+// made to be packed.
 //
 // The TensorFlow path unpacks every rank's bits into a [ranks, n] tensor of +-1, multiplies
 // each row by its rank's scales and adds the rows: several passes over ranks x n entries.
@@ -57,6 +62,7 @@ using tensorflow::TensorShape;
 REGISTER_OP("SparseHvdSignSum")
     .Attr("num_elements: int >= 0")
     .Attr("block: int = 0")
+    .Attr("group: int >= 1 = 1")
     .Input("words: int32")   // [ranks, words]: each rank's sign bits
     .Input("scales: float")  // [ranks, blocks]: each rank's scales
     .Output("average: float")
@@ -97,12 +103,13 @@ inline tsl::Status CheckedBlock(int64_t block) {
   return tsl::OkStatus();
 }
 
-// Steps 1-3 for the ``count`` (at most 32) entries of one word: ``bits`` is rank 0's word,
+// Steps 1-3 for the ``count`` (at most 32) signs of one word: ``bits`` is rank 0's word,
 // rank r's is ``width`` words further on; ``scale`` is rank 0's scale of the word's block,
-// rank r's is ``blocks`` further on. Each entry is added up in a register and written once.
+// rank r's is ``blocks`` further on. Each average is added up in a register and written once
+// to each of the ``group`` entries its sign stands for, the first ``entries`` of ``out``.
 SPARSE_HVD_INLINE void SumWord(const uint32_t* bits, int64_t width, int64_t ranks,
                                const float* scale, int64_t blocks, float divisor, float* out,
-                               int64_t count) {
+                               int64_t count, int64_t group, int64_t entries) {
   alignas(64) float sums[32] = {0.0f};  // step 1
   alignas(64) uint32_t lanes[32];
   for (int64_t r = 0; r < ranks; ++r) {  // step 2, rank by rank
@@ -113,18 +120,30 @@ SPARSE_HVD_INLINE void SumWord(const uint32_t* bits, int64_t width, int64_t rank
     for (int b = 0; b < 32; ++b) lanes[b] = word & (1u << b);
     for (int b = 0; b < 32; ++b) sums[b] += lanes[b] ? minus : plus;
   }
-  for (int64_t b = 0; b < count; ++b) out[b] = sums[b] / divisor;  // step 3
+  if (group == 1) {
+    for (int64_t b = 0; b < count; ++b) out[b] = sums[b] / divisor;  // step 3
+    return;
+  }
+  if (group == 2 && count == 32 && entries >= 64) {  // a whole word of pairs: interleaved
+    for (int64_t b = 0; b < 32; ++b) out[2 * b] = out[2 * b + 1] = sums[b] / divisor;
+    return;
+  }
+  for (int64_t b = 0; b < count; ++b) {
+    const float average = sums[b] / divisor;
+    for (int64_t at = b * group; at < std::min(entries, (b + 1) * group); ++at) out[at] = average;
+  }
 }
 
-// Steps 1-3 for the entries of words [first, last) of a variable of ``n`` entries.
+// Steps 1-3 for the signs of words [first, last) of a variable of ``n`` entries, ``signs``
+// of them (ceil(n / group)).
 SPARSE_HVD_VECTORISED
 void SumWords(const uint32_t* bits, int64_t width, int64_t ranks, const float* scale,
               int64_t blocks, int64_t block, float divisor, float* out, int64_t n,
-              int64_t first, int64_t last) {
+              int64_t signs, int64_t group, int64_t first, int64_t last) {
   for (int64_t word = first; word < last; ++word) {
     const int64_t at = block == 0 ? 0 : word * 32 / block;
-    SumWord(bits + word, width, ranks, scale + at, blocks, divisor, out + word * 32,
-            std::min<int64_t>(32, n - word * 32));
+    SumWord(bits + word, width, ranks, scale + at, blocks, divisor, out + word * 32 * group,
+            std::min<int64_t>(32, signs - word * 32), group, n - word * 32 * group);
   }
 }
 
@@ -134,22 +153,24 @@ class SignSumOp : public OpKernel {
     OP_REQUIRES_OK(context, context->GetAttr("num_elements", &num_elements_));
     OP_REQUIRES_OK(context, context->GetAttr("block", &block_));
     OP_REQUIRES_OK(context, CheckedBlock(block_));
+    OP_REQUIRES_OK(context, context->GetAttr("group", &group_));
   }
 
   void Compute(OpKernelContext* context) override {
     const Tensor& words = context->input(0);
     const Tensor& scales = context->input(1);
-    const int64_t n = num_elements_, blocks = BlocksOf(n, block_);
+    const int64_t n = num_elements_, signs = (n + group_ - 1) / group_;
+    const int64_t blocks = BlocksOf(signs, block_);
     OP_REQUIRES(context, words.dims() == 2 && scales.dims() == 2 &&
                              scales.dim_size(0) == words.dim_size(0) &&
                              scales.dim_size(1) == blocks,
                 InvalidArgumentError(absl::StrCat("words must be [ranks, words] and scales [",
                                                   "ranks, ", blocks, "]")));
     const int64_t ranks = words.dim_size(0), width = words.dim_size(1);
-    OP_REQUIRES(context, width == (n + 31) / 32,
-                InvalidArgumentError(absl::StrCat("expected ", (n + 31) / 32,
-                                                  " words a rank for ", n,
-                                                  " entries, got ", width)));
+    OP_REQUIRES(context, width == (signs + 31) / 32,
+                InvalidArgumentError(absl::StrCat("expected ", (signs + 31) / 32,
+                                                  " words a rank for ", signs,
+                                                  " signs, got ", width)));
     OP_REQUIRES(context, ranks >= 1, InvalidArgumentError("no ranks"));
     Tensor* average = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({n}), &average));
@@ -158,17 +179,19 @@ class SignSumOp : public OpKernel {
     float* out = average->flat<float>().data();
     const float divisor = static_cast<float>(ranks);
     auto* pool = context->device()->tensorflow_cpu_worker_threads();
-    const int64_t shards = (n + kShard - 1) / kShard;
-    tensorflow::Shard(pool->num_threads, pool->workers, shards, kShard * ranks,
+    const int64_t shards = (signs + kShard - 1) / kShard;
+    tensorflow::Shard(pool->num_threads, pool->workers, shards, kShard * (ranks + group_),
                       [&](int64_t first, int64_t last) {
                         SumWords(bits, width, ranks, scale, blocks, block_, divisor, out, n,
-                                 first * kShard / 32, std::min(width, last * kShard / 32));
+                                 signs, group_, first * kShard / 32,
+                                 std::min(width, last * kShard / 32));
                       });
   }
 
  private:
   int64_t num_elements_ = 0;
   int64_t block_ = 0;
+  int64_t group_ = 1;
 };
 
 REGISTER_KERNEL_BUILDER(Name("SparseHvdSignSum").Device(tensorflow::DEVICE_CPU), SignSumOp);
@@ -266,16 +289,19 @@ REGISTER_KERNEL_BUILDER(Name("SparseHvdCompensateSign").Device(tensorflow::DEVIC
 
 REGISTER_OP("SparseHvdSignPack")
     .Attr("block: int = 0")
+    .Attr("stride: int >= 1 = 1")
     .Input("values: float")   // [n]: one rank's scaled signs of a variable
-    .Output("words: int32")   // [(n + 31) / 32]
-    .Output("scales: float")  // [blocks]: each block's largest |value|
+    .Output("words: int32")   // [(m + 31) / 32], m = ceil(n / stride) values packed
+    .Output("scales: float")  // [blocks of m]: each block's largest |value|
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
-      int64_t block = 0;
+      int64_t block = 0, stride = 1;
       TF_RETURN_IF_ERROR(c->GetAttr("block", &block));
+      TF_RETURN_IF_ERROR(c->GetAttr("stride", &stride));
       tensorflow::shape_inference::DimensionHandle n = c->Dim(c->input(0), 0);
       if (c->ValueKnown(n)) {
-        c->set_output(0, c->Vector((c->Value(n) + 31) / 32));
-        c->set_output(1, c->Vector(BlocksOf(c->Value(n), block)));
+        const int64_t packed = (c->Value(n) + stride - 1) / stride;
+        c->set_output(0, c->Vector((packed + 31) / 32));
+        c->set_output(1, c->Vector(BlocksOf(packed, block)));
       } else {
         c->set_output(0, c->Vector(c->UnknownDim()));
         c->set_output(1, c->Vector(block == 0 ? c->MakeDim(1) : c->UnknownDim()));
@@ -315,29 +341,58 @@ void PackSigns(const float* __restrict in, int64_t n, int64_t block, uint32_t* _
   }
 }
 
+// PackSigns for values 0, stride, 2 x stride, ... of ``in`` (``n`` entries): ``packed`` =
+// ceil(n / stride) of them (a last word's missing values count as +0: no bit, no magnitude).
+SPARSE_HVD_VECTORISED
+void PackStridedSigns(const float* __restrict in, int64_t n, int64_t stride, int64_t block,
+                      uint32_t* __restrict out, float* __restrict largest) {
+  const int64_t packed = (n + stride - 1) / stride, width = (packed + 31) / 32;
+  std::fill(largest, largest + BlocksOf(packed, block), 0.0f);
+  for (int64_t word = 0; word < width; ++word) {
+    const int64_t begin = word * 32, count = std::min<int64_t>(32, packed - begin);
+    float& scale = largest[block == 0 ? 0 : begin / block];
+    alignas(64) float picked[32] = {0.0f};  // the word's values, gathered so that the
+    for (int64_t b = 0; b < count; ++b) picked[b] = in[(begin + b) * stride];  // rest vectorises
+    uint32_t bits = 0;
+    float lanes[8] = {scale, scale, scale, scale, scale, scale, scale, scale};
+    for (int64_t b = 0; b < 32; ++b) bits |= static_cast<uint32_t>(picked[b] < 0.0f) << b;
+    for (int64_t b = 0; b < 32; b += 8) {
+      for (int l = 0; l < 8; ++l) lanes[l] = std::max(lanes[l], std::fabs(picked[b + l]));
+    }
+    for (int l = 0; l < 8; ++l) scale = std::max(scale, lanes[l]);
+    out[word] = bits;
+  }
+}
+
 class SignPackOp : public OpKernel {
  public:
   explicit SignPackOp(OpKernelConstruction* context) : OpKernel(context) {
     OP_REQUIRES_OK(context, context->GetAttr("block", &block_));
     OP_REQUIRES_OK(context, CheckedBlock(block_));
+    OP_REQUIRES_OK(context, context->GetAttr("stride", &stride_));
   }
 
   void Compute(OpKernelContext* context) override {
     const Tensor& values = context->input(0);
     OP_REQUIRES(context, values.dims() == 1, InvalidArgumentError("values must be 1-D"));
-    const int64_t n = values.dim_size(0), width = (n + 31) / 32;
-    const int64_t blocks = BlocksOf(n, block_);
+    const int64_t n = values.dim_size(0), packed = (n + stride_ - 1) / stride_;
+    const int64_t width = (packed + 31) / 32, blocks = BlocksOf(packed, block_);
     Tensor* words = nullptr;
     Tensor* scales = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({width}), &words));
     OP_REQUIRES_OK(context, context->allocate_output(1, TensorShape({blocks}), &scales));
-    PackSigns(values.flat<float>().data(), n, block_,
-              reinterpret_cast<uint32_t*>(words->flat<int32_t>().data()),
-              scales->flat<float>().data());
+    uint32_t* out = reinterpret_cast<uint32_t*>(words->flat<int32_t>().data());
+    if (stride_ == 1) {
+      PackSigns(values.flat<float>().data(), n, block_, out, scales->flat<float>().data());
+    } else {
+      PackStridedSigns(values.flat<float>().data(), n, stride_, block_, out,
+                       scales->flat<float>().data());
+    }
   }
 
  private:
   int64_t block_ = 0;
+  int64_t stride_ = 1;
 };
 
 REGISTER_KERNEL_BUILDER(Name("SparseHvdSignPack").Device(tensorflow::DEVICE_CPU), SignPackOp);
