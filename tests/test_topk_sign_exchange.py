@@ -106,40 +106,46 @@ def test_settings_topk_sign_cannot_take_are_refused_by_name(exchange, arguments,
                                               **arguments)
 
 
-@pytest.mark.parametrize("compression", ["none", "float16"])
-def test_one_worker_applies_both_stages_and_keeps_the_rest(compression):
-    """SGD without momentum (the gradient cut) at 10% of 500 entries: the weights move by the
-    learning rate times the top 50 entries and the signs of the others; the residual holds
-    what neither carried, and sent + residual is the compensated gradient. (Two levels, every
-    rank: tests/distributed/test_topk_sign_exchange.py.)"""
+@pytest.mark.parametrize("exchange,n,compression", [
+    ("topk_sign", 500, "none"), ("topk_sign", 500, "float16"), ("topk_sign_pairs", 501, "none"),
+])
+def test_one_worker_applies_both_stages_and_keeps_the_rest(exchange, n, compression):
+    """SGD without momentum (the gradient cut) at 10% of n entries: the weights move by the
+    learning rate times the top entries and the signs of the others (with pairs, one sign for
+    each pair (2j, 2j + 1), the sign of its sum, on both entries; 501 entries: the last a pair
+    of its own); the residual holds what neither carried, and sent + residual is the
+    compensated gradient. A step sends the entries, a scale and ceil(n / 32) words of signs,
+    with pairs ceil(251 / 32) = 8, not 16. (Two levels, every rank:
+    tests/distributed/test_topk_sign_exchange.py.)"""
+    group = 2 if exchange == "topk_sign_pairs" else 1
     rng = np.random.RandomState(3)
-    start = rng.randn(500).astype("float32")
+    start = rng.randn(n).astype("float32")
     variable = keras.Variable(start)
-    lr, k = 0.5, 50
+    lr, k = 0.5, math.ceil(0.1 * n)
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(lr), density=0.1, exchange="topk_sign", compression=compression,
-        min_elements=1,
-        name=f"one_{compression}")
-    expected, residual = start.astype("float64"), np.zeros(500, "float32")
+        keras.optimizers.SGD(lr), density=0.1, exchange=exchange, compression=compression,
+        min_elements=1, name=f"one_{exchange}_{compression}")
+    expected, residual = start.astype("float64"), np.zeros(n, "float32")
     for step in range(3):
-        grad = (rng.randn(500) * np.exp(rng.randn(500))).astype("float32")
+        grad = (rng.randn(n) * np.exp(rng.randn(n))).astype("float32")
         optimizer.apply_gradients([(tf.constant(grad), variable)])
         compensated = grad + residual
         top = np.argsort(-np.abs(compensated))[:k]
         rest = compensated.copy()
         rest[top] = 0
-        scale = np.float32(np.abs(rest).astype("float64").sum() / (500 - k))
+        sums = np.add.reduceat(rest, np.arange(0, n, group))  # each group's float32 sum
+        scale = np.float32(np.abs(sums).astype("float64").sum() / (n - k))
         values = compensated[top]
         if compression == "float16":
             scale, values = np.float32(np.float16(scale)), values.astype(np.float16)
-        sent = np.where(rest < 0, -scale, scale).astype("float32")
+        sent = np.repeat(np.where(sums < 0, -scale, scale), group)[:n].astype("float32")
         sent[top] += values
         residual = compensated - sent
         expected = expected - lr * sent.astype("float64")
         np.testing.assert_allclose(optimizer.residuals[0].numpy(), residual, rtol=0, atol=1e-6)
     np.testing.assert_allclose(variable.numpy(), expected, rtol=0, atol=1e-5)
     value_bytes = 2 if compression == "float16" else 4
-    per_step = k * (value_bytes + 4) + 4 * (1 + math.ceil(500 / 32))
+    per_step = k * (value_bytes + 4) + 4 * (1 + math.ceil(math.ceil(n / group) / 32))
     assert optimizer.communication_stats()["bytes_sent"] == 3 * per_step
 
 
@@ -255,37 +261,6 @@ def test_entries_that_came_at_positions_are_added_into_the_signs_average():
     np.testing.assert_array_equal(
         plus_signs(tf.constant(dense), [tf.constant(layer), tf.constant(second)]).numpy(),
         (dense + layer) + second)
-
-
-def test_one_worker_with_pair_signs_applies_them_and_counts_half_the_bits():
-    """``exchange="topk_sign_pairs"`` on one worker, SGD without momentum at 10% of 501
-    entries (odd: the last entry a pair of its own): the weights move by the learning rate
-    times the top entries and the pairs' signs; a step sends ceil(251 / 32) = 8 words of
-    signs, not ceil(501 / 32) = 16."""
-    rng = np.random.RandomState(5)
-    start = rng.randn(501).astype("float32")
-    variable = keras.Variable(start)
-    lr, k = 0.5, math.ceil(0.1 * 501)
-    optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(lr), density=0.1, exchange="topk_sign_pairs", min_elements=1,
-        name="one_pairs")
-    expected, residual = start.astype("float64"), np.zeros(501, "float32")
-    for step in range(3):
-        grad = (rng.randn(501) * np.exp(rng.randn(501))).astype("float32")
-        optimizer.apply_gradients([(tf.constant(grad), variable)])
-        compensated = grad + residual
-        top = np.argsort(-np.abs(compensated))[:k]
-        rest = compensated.copy()
-        rest[top] = 0
-        sums = np.append(rest[:-1].reshape(-1, 2).sum(1), rest[-1])
-        scale = np.float32(np.abs(sums).astype("float64").sum() / (501 - k))
-        sent = np.repeat(np.where(sums < 0, -scale, scale), 2)[:501].astype("float32")
-        sent[top] += compensated[top]
-        residual = compensated - sent
-        expected = expected - lr * sent.astype("float64")
-        np.testing.assert_allclose(optimizer.residuals[0].numpy(), residual, rtol=0, atol=1e-6)
-    np.testing.assert_allclose(variable.numpy(), expected, rtol=0, atol=1e-5)
-    assert optimizer.communication_stats()["bytes_sent"] == 3 * (k * 8 + 4 * (1 + 8))
 
 
 def test_two_levels_are_the_band_and_the_rest_at_their_own_mean_magnitudes():
