@@ -14,7 +14,9 @@ dense's loss). This exchange sends both, in two stages of one compressor:
 3. remember: the residual is ``rest - signs``, so ``selection + signs + residual == c``;
 4. exchange: one ``grouped_allgather`` carries the fused allgather's header, indices and values
    (``FusedAllgather``) and each rank's sign words and scales (``exchanges.sign``); every rank
-   averages the selections and the signs in rank order, and adds the two averages.
+   averages the selections and the signs in rank order, and adds the two averages (natively:
+   the selections' averages where they arrived, added into the signs' average in its buffer,
+   :func:`plus_signs`).
 
 The large entries travel exactly and at once (top-k's strength, which SGD's heavy-tailed
 update needs), the rest move every step by their sign (the sign's strength: nothing waits a
@@ -50,23 +52,24 @@ entries (2j, 2j + 1) of a variable, the sign of the pair's sum, at the least-squ
 ``sum |pair sums| / (n - k)`` (step 2 with ``group=2``); each rank sends ceil(n/2) bits a
 variable and every rank spreads the averaged signs back over both entries of each pair. The
 layer of signs the selection carries still has one per entry (equal within a pair), so the
-residual, the compression of the scale and the one-worker step are topk_sign's. Why pairs:
-the probes found that the signs help the LSTM by moving the rest on every step, not by their
-resolution (``docs/steps_to_loss_ablations.md``, last section). Measured with the library at
-4 workers, 3 seeds (``docs/steps_to_loss_topk_sign_pairs.md``): the LSTM 1.08x dense's steps,
-the CNN 0.99x, at 0.053-0.055 of dense's bytes over the run (``topk_sign``: 1.07 and 1.05 at
-0.068-0.070). Not a default either: its step is nearly ``topk_sign``'s (480 ms against 512
-and top-k's 293 on the 4.35M MLP at 4 workers and 1 Gbit/s), since what costs is the passes
-over every entry (the signs, their addition to every average, a dense update), not the bits
-(README, "``exchange="topk_sign_pairs"``").
+residual, the compression of the scale and the one-worker step are topk_sign's. Why pairs: the
+probes found that the signs help the LSTM by moving the rest on every step, not by their
+resolution (``docs/steps_to_loss_ablations.md``, last section). Measured with the library at 4
+workers, 3 seeds (``docs/steps_to_loss_topk_sign_pairs.md``): the LSTM 1.08x dense's steps, the
+CNN 0.99x, at 0.053-0.055 of dense's bytes over the run (``topk_sign``: 1.07 and 1.05 at
+0.068-0.070); at 8 workers 1.07x and 0.83x (``topk_sign`` 1.11 and 0.89). Not a default either:
+its step is dearer than top-k's (on the 4.35M MLP, 2 workers with one thread each, 228 ms
+against 213 since the addition and the packing were fused; at 4 workers of the emulated 1
+Gbit/s cluster 560 against 346), since what costs is the passes over every entry (the signs,
+their sum, a dense update), not the bits (README, "``exchange="topk_sign_pairs"``").
 """
 
 import tensorflow as tf
 
 from .. import kernels
+from ..feedback.error_feedback import scatter_add
 from ..selection.order_statistics import kth_largest
 from ..selection.sparsifiers import Selection, Sparsifier
-from ..feedback.error_feedback import scatter_add
 from .averaging import average_at_positions, average_entries
 from .base import register
 from .fused_allgather import FusedAllgather

@@ -32,7 +32,8 @@
   merge walk);
 * ``add_at()``: the ``SparseHvdAddAt`` op (add_at.cc: values added into a flat tensor at
   indices, in its own buffer when nothing else holds it; the sparse allreduce's unapplied
-  entries going back into the residuals);
+  entries going back into the residuals, and the ``topk_sign`` exchanges' averaged entries
+  added into the averaged signs);
 * ``kth_largest()``: the ``SparseHvdKthLargest`` op (kth_largest.cc: the k-th largest value
   of each segment of a flat tensor, by selection; the sparse allreduce's cut per variable);
 * ``sampled_magnitudes()``: the ``SparseHvdSampledMagnitudes`` op (sampled_magnitudes.cc:
@@ -41,7 +42,9 @@
 * ``compensate_sign()``, ``sign_pack()`` and ``sign_sum()``: the ``SparseHvdCompensateSign``,
   ``SparseHvdSignPack`` and ``SparseHvdSignSum`` ops (sign_sum.cc, ``exchange="sign"``: error
   feedback's scaled signs in two passes; one rank's sign bits and scale in one pass; one
-  variable's average from every rank's bits and scale, summed in rank order, in one pass);
+  variable's average from every rank's bits and scale, summed in rank order, in one pass;
+  with ``stride=2`` and ``group=2``, ``exchange="topk_sign_pairs"``: one entry of each pair
+  packed where it lies, and each pair's average written to both of its entries);
 * ``signs_of_rest()``: the ``SparseHvdSignsOfRest`` op (signs_of_rest.cc,
   ``exchange="topk_sign"``: the signs of what the top-k left, and the residual, in two
   passes; with ``group=2`` one sign per pair of entries, ``exchange="topk_sign_pairs"``);
