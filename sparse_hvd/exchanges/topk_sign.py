@@ -67,7 +67,7 @@ their sum, a dense update), not the bits (README, "``exchange="topk_sign_pairs"`
 import tensorflow as tf
 
 from .. import kernels
-from ..feedback.error_feedback import scatter_add
+from ..feedback.error_feedback import compensate_and_select, scatter_add, zeroed_at
 from ..selection.order_statistics import kth_largest
 from ..selection.sparsifiers import Selection, Sparsifier
 from .averaging import average_at_positions, average_entries
@@ -159,8 +159,6 @@ class SignsOfTheRest(Sparsifier):
         return two_level_signs(remainder, selected, cut)
 
     def __call__(self, flat, k):
-        from ..feedback.error_feedback import zeroed_at
-
         selection = self.inner(flat, k)
         signs, _ = self._signs(zeroed_at(flat, selection.indices), tf.size(selection.indices))
         return selection._replace(signs=signs)
@@ -174,8 +172,6 @@ class SignsOfTheRest(Sparsifier):
         return selection._replace(signs=signs), ((residual_variable, residual),)
 
     def fused_compensate_select(self, flat_grad, flat_residual, k):
-        from ..feedback.error_feedback import compensate_and_select
-
         selection, remainder = compensate_and_select(flat_grad, flat_residual, self.inner, k)
         signs, residual = self._signs(remainder, tf.size(selection.indices))
         return selection._replace(signs=signs), residual

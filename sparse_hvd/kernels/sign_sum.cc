@@ -309,9 +309,21 @@ REGISTER_OP("SparseHvdSignPack")
       return tsl::OkStatus();
     });
 
+// The sign bits of 32 values, and ``scale`` raised to their largest |value| (in eight lanes
+// the compiler can compare at once; a maximum is exact in any order).
+SPARSE_HVD_INLINE uint32_t PackWord(const float* __restrict values, float& scale) {
+  uint32_t bits = 0;
+  float lanes[8] = {scale, scale, scale, scale, scale, scale, scale, scale};
+  for (int64_t b = 0; b < 32; ++b) bits |= static_cast<uint32_t>(values[b] < 0.0f) << b;
+  for (int64_t b = 0; b < 32; b += 8) {
+    for (int l = 0; l < 8; ++l) lanes[l] = std::max(lanes[l], std::fabs(values[b + l]));
+  }
+  for (int l = 0; l < 8; ++l) scale = std::max(scale, lanes[l]);
+  return bits;
+}
+
 // Step 2 for a variable of ``n`` entries: the sign bits of each word, and each block's
-// largest |value| (in eight lanes the compiler can compare at once; a maximum is exact in any
-// order).
+// largest |value|.
 SPARSE_HVD_VECTORISED
 void PackSigns(const float* __restrict in, int64_t n, int64_t block, uint32_t* __restrict out,
                float* __restrict largest) {
@@ -320,22 +332,15 @@ void PackSigns(const float* __restrict in, int64_t n, int64_t block, uint32_t* _
   for (int64_t word = 0; word < width; ++word) {
     const int64_t begin = word * 32, count = std::min<int64_t>(32, n - begin);
     float& scale = largest[block == 0 ? 0 : begin / block];  // a word is in one block
-    uint32_t bits = 0;
     if (count == 32) {
-      float lanes[8] = {scale, scale, scale, scale, scale, scale, scale, scale};
-      for (int64_t b = 0; b < 32; ++b) {
-        bits |= static_cast<uint32_t>(in[begin + b] < 0.0f) << b;
-      }
-      for (int64_t b = 0; b < 32; b += 8) {
-        for (int l = 0; l < 8; ++l) lanes[l] = std::max(lanes[l], std::fabs(in[begin + b + l]));
-      }
-      for (int l = 0; l < 8; ++l) scale = std::max(scale, lanes[l]);
-    } else {
-      for (int64_t b = 0; b < count; ++b) {
-        const float value = in[begin + b];
-        bits |= static_cast<uint32_t>(value < 0.0f) << b;
-        scale = std::max(scale, std::fabs(value));
-      }
+      out[word] = PackWord(in + begin, scale);
+      continue;
+    }
+    uint32_t bits = 0;
+    for (int64_t b = 0; b < count; ++b) {
+      const float value = in[begin + b];
+      bits |= static_cast<uint32_t>(value < 0.0f) << b;
+      scale = std::max(scale, std::fabs(value));
     }
     out[word] = bits;
   }
@@ -353,14 +358,7 @@ void PackStridedSigns(const float* __restrict in, int64_t n, int64_t stride, int
     float& scale = largest[block == 0 ? 0 : begin / block];
     alignas(64) float picked[32] = {0.0f};  // the word's values, gathered so that the
     for (int64_t b = 0; b < count; ++b) picked[b] = in[(begin + b) * stride];  // rest vectorises
-    uint32_t bits = 0;
-    float lanes[8] = {scale, scale, scale, scale, scale, scale, scale, scale};
-    for (int64_t b = 0; b < 32; ++b) bits |= static_cast<uint32_t>(picked[b] < 0.0f) << b;
-    for (int64_t b = 0; b < 32; b += 8) {
-      for (int l = 0; l < 8; ++l) lanes[l] = std::max(lanes[l], std::fabs(picked[b + l]));
-    }
-    for (int l = 0; l < 8; ++l) scale = std::max(scale, lanes[l]);
-    out[word] = bits;
+    out[word] = PackWord(picked, scale);
   }
 }
 
