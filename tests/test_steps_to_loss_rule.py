@@ -68,3 +68,26 @@ def test_timed_and_loopback_runs_are_separate_groups_and_a_loaded_one_is_not_pub
     with pytest.raises(SystemExit, match="loaded machine"):
         bench.report(str(out), str(tmp_path / "published"))
     assert not (tmp_path / "published").exists()
+
+
+def test_where_the_time_to_the_target_went_follows_the_step_times():
+    # "slow" reaches dense's half-run loss at step 500 (as above); its rank 0 kept 600 step
+    # times: a 2.0 s trace at step 1, a 0.5 s step at step 30 (over 4 x the steady 0.1 s), one
+    # of 0.3 s at step 40 (under it), the rest 0.1 s. Its time to step 500: 2.0 + 0.5 + 0.3 +
+    # 497 x 0.1 = 52.5 s; at the steady step 50 s; the first 20 steps 2.0 + 19 x 0.1 = 3.9 s;
+    # the slow steps' excess (2.0 - 0.1) + (0.5 - 0.1) = 2.3 s.
+    times = [0.1] * 600
+    times[0], times[29], times[39] = 2.0, 0.5, 0.3
+    slow = run("slow", 0, 1 / 1000, 0.1)
+    slow["first_step_seconds"] = times
+    short = run("short", 0, 1 / 1000, 0.1)
+    short["first_step_seconds"] = times[:60]  # not kept to the target: no breakdown
+    (group,) = bench.summarise([run("dense", 0, 1 / 800, 0.5), slow, short])
+    rows = {r["method"]: r for r in group["rows"]}
+    (spent,) = rows["slow"]["time_spent"]
+    assert spent == pytest.approx({"sum": 52.5, "at_steady": 50.0, "first_20": 3.9,
+                                   "slow_excess": 2.3})
+    assert rows["short"]["time_spent"] == [None] and rows["dense"]["time_spent"] == [None]
+    text = bench.markdown([group])
+    assert "| slow | 52.5 s | 50.0 s | 3.9 s | 2.3 s |" in text
+    assert "| short |" not in text.split("Where the time")[1]

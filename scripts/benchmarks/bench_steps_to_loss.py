@@ -454,16 +454,37 @@ def seconds_at(curve, step):
     return points[-1][1]
 
 
+SLOW_STEP = 4  # time_spent: a step over this many steady steps is a trace or a dense turn
+
+
+def time_spent(run, step):
+    """Where a run's time to ``step`` went, from rank 0's step times (None where the run did
+    not keep that many): the steps' sum, what they would cost at the run's steady step, the
+    first 20 steps' time and the excess of its steps over ``SLOW_STEP`` steady ones (traces
+    and the trials' dense turns; the rest of the excess is the warm-up's higher density and
+    the trials' other turns)."""
+    times, steady = run.get("first_step_seconds") or [], run["median_step_seconds"]
+    count = int(round(step))
+    if count > len(times):
+        return None
+    spent = times[:count]
+    return {"sum": sum(spent), "at_steady": steady * count, "first_20": sum(spent[:20]),
+            "slow_excess": sum(t - steady for t in spent if t > SLOW_STEP * steady)}
+
+
 def timing_row(mine, target):
     """A timed method's seconds to ``target`` per seed (a run that never reaches it: its whole
-    training time), its steady-state step and the loads its runs started at."""
-    seconds = []
+    training time), its steady-state step, where its time went (:func:`time_spent`) and the
+    loads its runs started at."""
+    seconds, spent = [], []
     for r in mine:
         s = steps_to(r["curve"], target)
         seconds.append(seconds_at(r["curve"], r["steps"] if s is None else s))
+        spent.append(time_spent(r, r["steps"] if s is None else s))
     return {"seconds_to_target": seconds,
             "seconds_to_target_mean": statistics.mean(seconds),
             "median_step_seconds": statistics.mean(r["median_step_seconds"] for r in mine),
+            "time_spent": spent,
             "loads_before": [r.get("load_before") for r in mine],
             "decisions": [r.get("exchange_decisions") for r in mine]}
 
@@ -584,11 +605,32 @@ def markdown(summary):
                 f"{'-' if row['dense_step_at_final_loss'] is None else format(row['dense_step_at_final_loss'], '.0f')} | "
                 f"{row['final_accuracy_mean']:.4f} | "
                 f"{row['bytes_fraction']:.4f} | {row['replicas_identical']} |")
+        lines += time_spent_table(group["rows"]) if link else []
         lines.append("")
     lines += ["Methods:", ""]
     seen = dict.fromkeys(r["method"] for g in summary for r in g["rows"])
     lines += [f"- `{m}`: {METHODS.get(m, ('?', None))[0]}" for m in seen]
     return "\n".join(lines) + "\n"
+
+
+def time_spent_table(rows):
+    """The timed runs' :func:`time_spent`, mean of the seeds (only methods whose every run
+    kept its step times to the target)."""
+    kept = [(row, row["time_spent"]) for row in rows
+            if row.get("time_spent") and None not in row["time_spent"]]
+    if not kept:
+        return []
+    lines = ["", "Where the time to the target went (rank 0's step times, mean of the seeds): "
+             "the steps' sum, the same steps at the run's steady step, the first 20 steps, and "
+             f"the excess of the steps over {SLOW_STEP}x the steady one (traces, the trials' "
+             "dense turns).", "",
+             "| method | steps' sum | at the steady step | first 20 steps | slow steps' excess |",
+             "| --- | --- | --- | --- | --- |"]
+    for row, spent in kept:
+        mean = {key: statistics.mean(s[key] for s in spent) for key in spent[0]}
+        lines.append(f"| {row['method']} | {mean['sum']:.1f} s | {mean['at_steady']:.1f} s | "
+                     f"{mean['first_20']:.1f} s | {mean['slow_excess']:.1f} s |")
+    return lines
 
 
 def chosen_exchanges(decisions):
