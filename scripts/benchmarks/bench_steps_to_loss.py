@@ -208,6 +208,9 @@ METHODS = {
                         "each pair of other entries (the sign of their sum) times the "
                         "least-squares scale (half a bit an entry)",
                         {"density": 0.01, "exchange": "topk_sign_pairs"}),
+    "topk_sign_pairs_0.001": ("exchange='topk_sign_pairs' at density=0.001: the top 0.1% as "
+                              "they are and one sign for each pair of other entries",
+                              {"density": 0.001, "exchange": "topk_sign_pairs"}),
     "topk_auto": ("exchange='auto' named: top-k 1% with auto among the top-k exchanges and "
                   "dense (the default with SGD's momentum before topk_sign)",
                   {"density": 0.01, "exchange": "auto"}),

@@ -336,13 +336,9 @@ void PackSigns(const float* __restrict in, int64_t n, int64_t block, uint32_t* _
       out[word] = PackWord(in + begin, scale);
       continue;
     }
-    uint32_t bits = 0;
-    for (int64_t b = 0; b < count; ++b) {
-      const float value = in[begin + b];
-      bits |= static_cast<uint32_t>(value < 0.0f) << b;
-      scale = std::max(scale, std::fabs(value));
-    }
-    out[word] = bits;
+    alignas(64) float last[32] = {0.0f};  // the last word, its missing values +0 (no bit,
+    std::copy(in + begin, in + n, last);   // no magnitude), like the strided pack's
+    out[word] = PackWord(last, scale);
   }
 }
 

@@ -97,8 +97,10 @@ ONE_BIT = True  # exchange=None sends every entry's sign with Adam (one_bit_by_d
 # takes the LSTM from 1.21x dense's steps to 1.07x, but on the emulated 1 Gbit/s cluster the
 # wide CNN reached dense's loss later than with top-k alone (66 s against 43 s; its step 96 ms
 # against 64, and no fewer steps there): docs/time_to_loss_topk_sign.md. One sign per pair of
-# entries (exchange="topk_sign_pairs": the LSTM 1.08, half the sign bits) left the step nearly
-# as dear (480 ms against topk_sign's 512 and top-k's 293 on the MLP at 4 workers, 1 Gbit/s).
+# entries (exchange="topk_sign_pairs": the LSTM 1.08, half the sign bits) finished later too,
+# timed at 4 workers on that cluster, 3 seeds: the wide CNN 54 s against the default's 44
+# (dense 151; docs/time_to_loss_topk_sign_pairs_faster_day.md), the LSTM 100 s against the
+# default's 86, which ran dense there (dense 91; docs/time_to_loss_charlm_pairs.md).
 SIGNS_OF_REST = False
 
 
