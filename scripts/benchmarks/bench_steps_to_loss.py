@@ -481,9 +481,10 @@ def timing_row(mine, target):
     loads its runs started at."""
     seconds, spent = [], []
     for r in mine:
-        s = steps_to(r["curve"], target)
-        seconds.append(seconds_at(r["curve"], r["steps"] if s is None else s))
-        spent.append(time_spent(r, r["steps"] if s is None else s))
+        reached = steps_to(r["curve"], target)
+        step = r["steps"] if reached is None else reached
+        seconds.append(seconds_at(r["curve"], step))
+        spent.append(time_spent(r, step))
     return {"seconds_to_target": seconds,
             "seconds_to_target_mean": statistics.mean(seconds),
             "median_step_seconds": statistics.mean(r["median_step_seconds"] for r in mine),
