@@ -245,6 +245,66 @@ def test_pair_signs_packed_one_a_pair_come_back_spread_over_both_entries(n, monk
     np.testing.assert_array_equal(results[0], results[1])
 
 
+def _numpy_sign_words(signs):
+    """Little-endian int32 words of ``signs < 0``, computed bit by bit in NumPy."""
+    bits = np.zeros(-(-signs.size // 32) * 32, np.uint64)
+    bits[:signs.size] = signs < 0
+    return (bits.reshape(-1, 32) << np.arange(32, dtype=np.uint64)).sum(1).astype(
+        np.uint32).view(np.int32)
+
+
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("n,selected", [(1, 0), (2, 1), (31, 3), (32, 0), (33, 4), (63, 6),
+                                        (64, 64), (65, 6), (127, 12), (100_003, 1000)])
+def test_signs_packed_in_their_pass_are_the_layers_packed(group, n, selected):
+    """``signs_of_rest(packed=True)`` (a rank that sends its signs): the words, the scale and
+    the residual, against NumPy (a sign bit where the layer's value is negative: none when the
+    scale is 0) and bit for bit against the float layer packed by ``SignAllgather.pack``,
+    which is what went on the wire before; sizes around a word's 32 signs, an odd last
+    entry, every entry selected."""
+    from sparse_hvd import kernels
+    from sparse_hvd.exchanges import topk_sign
+    from sparse_hvd.exchanges.sign import SignAllgather
+
+    if kernels.packed_signs_of_rest() is None:
+        pytest.skip("no native kernels here")
+    rng = np.random.RandomState(n + group)
+    remainder = (rng.randn(n) * np.exp(rng.randn(n))).astype("float32")
+    remainder[rng.choice(n, selected, replace=False)] = 0.0  # the selected entries
+    (packed,), residual = topk_sign.signs_of_rest(tf.constant(remainder), tf.constant(selected),
+                                                  group=group, packed=True)
+    assert isinstance(packed, topk_sign.PackedSigns)
+    per_sign = np.append(remainder, np.float32(0))[:group * -(-n // group)].reshape(
+        -1, group).sum(1) if group == 2 else remainder
+    scale = np.float32(np.abs(per_sign).astype("float64").sum() / max(n - selected, 1))
+    signs = np.where(per_sign < 0, -scale, scale).astype("float32")
+    np.testing.assert_array_equal(packed.words.numpy(), _numpy_sign_words(signs))
+    np.testing.assert_array_equal(packed.scale.numpy(), [scale])
+    np.testing.assert_array_equal(residual.numpy(),
+                                  remainder - np.repeat(signs, group)[:n])
+    (layer,), layer_residual = topk_sign.signs_of_rest(tf.constant(remainder),
+                                                       tf.constant(selected), group=group)
+    wire = SignAllgather.pack([Selection(layer, None)], stride=group)
+    np.testing.assert_array_equal(topk_sign.pack_layers([packed], group).numpy(), wire.numpy())
+    np.testing.assert_array_equal(residual.numpy(), layer_residual.numpy())
+
+
+def test_packed_and_float_layers_are_laid_out_as_the_sign_exchange_lays_them_out():
+    """``pack_layers``: every layer's scale, then every layer's sign words, in order, whether
+    a layer came packed or as floats (a variable that is not float32 keeps its layer)."""
+    from sparse_hvd.exchanges import topk_sign
+    from sparse_hvd.exchanges.sign import SignAllgather
+
+    rng = np.random.RandomState(5)
+    layers = [np.where(rng.randn(n) < 0, -s, s).astype("float32")
+              for n, s in ((40, 0.5), (70, 0.25))]
+    packed = topk_sign.PackedSigns(tf.constant(_numpy_sign_words(layers[0])),
+                                   tf.constant([np.float32(0.5)]))
+    expected = SignAllgather.pack([Selection(tf.constant(layer), None) for layer in layers])
+    mixed = topk_sign.pack_layers([packed, tf.constant(layers[1])], 1)
+    np.testing.assert_array_equal(mixed.numpy(), expected.numpy())
+
+
 def test_entries_that_came_at_positions_are_added_into_the_signs_average():
     """``plus_signs``: entries at positions (the native mean) added in the layer's buffer are
     the dense entries plus the layer, bit for bit; two dense layers are added in turn."""

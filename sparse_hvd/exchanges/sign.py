@@ -229,20 +229,22 @@ class SignAllgather(FusedAllgather):
         pair, both equal)."""
         if not selections:
             return tf.zeros([0], tf.int32)
+        parts = [SignAllgather.pack_one(s.values, block, stride) for s in selections]
+        return tf.concat([scales for scales, _ in parts] + [words for _, words in parts], 0)
+
+    @staticmethod
+    def pack_one(values, block=0, stride=1):
+        """:meth:`pack`'s two parts for one selection's ``values``: ``(scale words, sign
+        words)``."""
+        values = tf.cast(tf.reshape(values, [-1]), tf.float32)
         native = kernels.sign_pack()
-        scales, words = [], []
-        for selection in selections:
-            values = tf.cast(tf.reshape(selection.values, [-1]), tf.float32)
-            if native is not None:  # the same words and scales in one pass (sign_sum.cc)
-                own, largest = native(values, block=block, stride=stride)
-            else:
-                values = values[::stride] if stride > 1 else values
-                own = pack_signs(values)
-                largest = tf.reduce_max(in_blocks(tf.abs(values), block)[0], 1)
-            words.append(own)
-            scales.append(tf.bitcast(largest, tf.int32) if block == 0
-                          else bfloat16_words(largest))
-        return tf.concat(scales + words, 0)
+        if native is not None:  # the same words and scales in one pass (sign_sum.cc)
+            words, largest = native(values, block=block, stride=stride)
+        else:
+            values = values[::stride] if stride > 1 else values
+            words = pack_signs(values)
+            largest = tf.reduce_max(in_blocks(tf.abs(values), block)[0], 1)
+        return (tf.bitcast(largest, tf.int32) if block == 0 else bfloat16_words(largest)), words
 
     @staticmethod
     def unpack(rows, dtypes, sizes, block=0, group=1):

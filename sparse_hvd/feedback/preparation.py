@@ -133,8 +133,11 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
         band_cut = None
         if levels > 1 and opt.budget == "model" and budgets:
             band_cut = model_wide_sparsifier(opt, prepared, budgets, scale=BAND).cut
+        # a rank that sends its signs unrounded takes them packed as they travel
+        packed = workers > 1 and opt._compression.wire_dtype(tf.float32) is None
         sparsifier = SignsOfTheRest(sparsifier, levels, band_cut,
-                                    group=getattr(opt._exchange, "sign_group", 1))
+                                    group=getattr(opt._exchange, "sign_group", 1),
+                                    packed=packed)
     for position, index, route, rows, grad in prepared:
         if rows:
             builder.add_rows(position, index, route, grad)

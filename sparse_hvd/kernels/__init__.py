@@ -48,6 +48,8 @@
 * ``signs_of_rest()``: the ``SparseHvdSignsOfRest`` op (signs_of_rest.cc,
   ``exchange="topk_sign"``: the signs of what the top-k left, and the residual, in two
   passes; with ``group=2`` one sign per pair of entries, ``exchange="topk_sign_pairs"``);
+  ``packed_signs_of_rest()``: the ``SparseHvdPackedSignsOfRest`` op (the same passes writing
+  the sign bits as they travel and the scale, where a rank sends its signs);
 * ``local_adam()`` and ``local_sgd()``: the ``SparseHvdLocalAdam`` and ``SparseHvdLocalSgd``
   ops (local_step.cc, ``sparsify="update"`` with a plain Keras Adam or SGD: this worker's step
   as an update, the optimizer's state written (and Adam's noise estimate applied), in one
@@ -254,6 +256,12 @@ def sign_pack():
 def signs_of_rest():
     """The native second stage of ``exchange="topk_sign"`` (the rest's signs), or None."""
     return _op("sparse_hvd_signs_of_rest")
+
+
+def packed_signs_of_rest():
+    """The native second stage of ``exchange="topk_sign"`` writing the sign bits as they
+    travel (``SignAllgather.pack``'s words and scale), or None."""
+    return _op("sparse_hvd_packed_signs_of_rest")
 
 
 def noise_estimate():

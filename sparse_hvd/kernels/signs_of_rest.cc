@@ -12,6 +12,12 @@
 //      temporary: a fresh buffer of the variable's size costs more than this pass, in page
 //      faults, under TensorFlow's default CPU allocator).
 //
+// SparseHvdPackedSignsOfRest: the same two passes for a rank that sends its signs (more than
+// one worker, no compression), its pass 2 writing the sign bits as they travel (one per
+// entry, or one per pair with ``group`` 2; little-endian in int32 words, 1: negative) and the
+// scale, instead of a float layer of signs that a third pass would read back to pack
+// (SparseHvdSignPack, sign_sum.cc): the same words, scale and residual, the layer never made.
+//
 // The TensorFlow path takes about four passes and sums in float32, which may differ in the
 // last bit of the scale: each rank sends its own scale, so replicas stay identical either way.
 // Both compiled versions of the passes give the same bits (``vectorised.h``).
@@ -32,6 +38,7 @@ using tensorflow::OpKernel;
 using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
 using tensorflow::Tensor;
+using tensorflow::TensorShape;
 
 REGISTER_OP("SparseHvdSignsOfRest")
     .Input("remainder: float")  // [n]: the compensated tensor, the selected entries zeroed
@@ -106,6 +113,66 @@ void PairSigned(const float* r, float scale, int64_t n, float* __restrict s, flo
   }
 }
 
+// Pass 2, packed: the word of sign bits from sign ``begin`` (a multiple of 32) of ``count``
+// signs, one per ``G`` entries (a last odd entry a pair of its own), each sign's entries'
+// residual written. A bit is set where the float layer's value would be negative, so the
+// words are SignPack's of that layer. ``out`` may be ``r`` (each entry is read first).
+template <int G>
+SPARSE_HVD_INLINE uint32_t SignedWord(const float* r, float scale, int64_t n, int64_t begin,
+                                      int64_t count, float* out) {
+  uint32_t bits = 0;
+  for (int64_t b = 0; b < count; ++b) {
+    const int64_t i = (begin + b) * G;
+    const bool pair = G == 2 && i + 1 < n;
+    const float first = r[i], second = pair ? r[i + 1] : 0.0f;
+    const float sign = (pair ? first + second : first) < 0.0f ? -scale : scale;
+    bits |= static_cast<uint32_t>(sign < 0.0f) << b;
+    out[i] = first - sign;
+    if (pair) out[i + 1] = second - sign;
+  }
+  return bits;
+}
+
+// The same for a whole word inside the tensor: no bounds to check, so it vectorises.
+template <int G>
+SPARSE_HVD_INLINE uint32_t WholeWord(const float* r, float scale, int64_t begin, float* out) {
+  uint32_t bits = 0;
+  for (int64_t b = 0; b < 32; ++b) {
+    const int64_t i = (begin + b) * G;
+    const float first = r[i], second = G == 2 ? r[i + 1] : 0.0f;
+    const float sign = (G == 2 ? first + second : first) < 0.0f ? -scale : scale;
+    bits |= static_cast<uint32_t>(sign < 0.0f) << b;
+    out[i] = first - sign;
+    if (G == 2) out[i + 1] = second - sign;
+  }
+  return bits;
+}
+
+template <int G>
+SPARSE_HVD_INLINE void PackedSigned(const float* r, float scale, int64_t n,
+                                    uint32_t* __restrict words, float* out) {
+  const int64_t signs = (n + G - 1) / G, width = (signs + 31) / 32;
+  const int64_t whole = n / (32 * G);  // words whose every sign has all G entries
+  for (int64_t word = 0; word < whole; ++word) words[word] = WholeWord<G>(r, scale, word * 32, out);
+  for (int64_t word = whole; word < width; ++word) {
+    const int64_t begin = word * 32;
+    words[word] = SignedWord<G>(r, scale, n, begin, std::min<int64_t>(32, signs - begin), out);
+  }
+}
+
+// The two instances, each compiled in both versions (``vectorised.h``).
+SPARSE_HVD_VECTORISED
+void PackedEntrySigns(const float* r, float scale, int64_t n, uint32_t* __restrict words,
+                      float* out) {
+  PackedSigned<1>(r, scale, n, words, out);
+}
+
+SPARSE_HVD_VECTORISED
+void PackedPairSigns(const float* r, float scale, int64_t n, uint32_t* __restrict words,
+                     float* out) {
+  PackedSigned<2>(r, scale, n, words, out);
+}
+
 }  // namespace
 
 class SignsOfRestOp : public OpKernel {
@@ -145,5 +212,66 @@ class SignsOfRestOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("SparseHvdSignsOfRest").Device(tensorflow::DEVICE_CPU),
                         SignsOfRestOp);
+
+REGISTER_OP("SparseHvdPackedSignsOfRest")
+    .Input("remainder: float")  // [n]: the compensated tensor, the selected entries zeroed
+    .Input("selected: int32")   // the number of selected entries
+    .Attr("group: int = 1")     // 1: each entry's own sign; 2: the sign of its pair's sum
+    .Output("words: int32")     // [(m + 31) / 32], m = ceil(n / group) sign bits
+    .Output("scale: float")     // [1]
+    .Output("residual: float")  // [n]: remainder - the signs
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      int64_t group = 1;
+      TF_RETURN_IF_ERROR(c->GetAttr("group", &group));
+      tensorflow::shape_inference::DimensionHandle n = c->Dim(c->input(0), 0);
+      c->set_output(0, c->ValueKnown(n)
+                           ? c->Vector(((c->Value(n) + group - 1) / group + 31) / 32)
+                           : c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Vector(1));
+      c->set_output(2, c->input(0));
+      return tsl::OkStatus();
+    });
+
+class PackedSignsOfRestOp : public OpKernel {
+ public:
+  explicit PackedSignsOfRestOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("group", &group_));
+    OP_REQUIRES(context, group_ == 1 || group_ == 2, InvalidArgumentError("group must be 1 or 2"));
+  }
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& remainder = context->input(0);
+    const Tensor& selected = context->input(1);
+    OP_REQUIRES(context, remainder.dims() == 1, InvalidArgumentError("remainder must be 1-D"));
+    OP_REQUIRES(context, selected.dims() == 0, InvalidArgumentError("selected must be a scalar"));
+    const int64_t n = remainder.dim_size(0);
+    const int64_t width = ((n + group_ - 1) / group_ + 31) / 32;
+    Tensor* words = nullptr;
+    Tensor* scale_out = nullptr;
+    Tensor* residual = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({width}), &words));
+    OP_REQUIRES_OK(context, context->allocate_output(1, TensorShape({1}), &scale_out));
+    OP_REQUIRES_OK(context, context->forward_input_or_allocate_output({0}, 2, remainder.shape(),
+                                                                      &residual));
+    const float* r = remainder.flat<float>().data();
+    const int64_t rest = std::max<int64_t>(n - selected.scalar<int32_t>()(), 1);
+    const double total = group_ == 1 ? AbsoluteSum(r, n) : PairSumsAbsoluteSum(r, n);
+    const float scale = static_cast<float>(total / static_cast<double>(rest));
+    scale_out->flat<float>()(0) = scale;
+    uint32_t* packed = reinterpret_cast<uint32_t*>(words->flat<int32_t>().data());
+    float* out = residual->flat<float>().data();
+    if (group_ == 1) {
+      PackedEntrySigns(r, scale, n, packed, out);
+    } else {
+      PackedPairSigns(r, scale, n, packed, out);
+    }
+  }
+
+ private:
+  int group_ = 1;
+};
+
+REGISTER_KERNEL_BUILDER(Name("SparseHvdPackedSignsOfRest").Device(tensorflow::DEVICE_CPU),
+                        PackedSignsOfRestOp);
 
 }  // namespace sparse_hvd
