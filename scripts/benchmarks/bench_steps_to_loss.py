@@ -148,6 +148,13 @@ METHODS = {
     "default_whole_margin": ("the defaults with auto's previous rule: the warm-up's trials "
                              "ask the whole 1.5x margin too (NOISE_WITHIN = DENSE_WITHIN)",
                              {"density": 0.01, "noise_within": 0.5}),
+    "default_dense_first": ("the defaults with auto's first decision forced to dense (what a "
+                            "noisy first trial or a fast link does): held until the next trial",
+                            {"density": 0.01, "first_decision": "dense"}),
+    "default_dense_first_flush": ("the same with the previous rule: a dense choice inside the "
+                                  "warm-up flushes the residuals (HOLD_IN_WARMUP = False)",
+                                  {"density": 0.01, "first_decision": "dense",
+                                   "hold_in_warmup": False}),
     "per_layer": ("the warm-up with a budget per layer (budget='layer': the previous default)",
                   {"density": 0.01, "budget": "layer"}),
     "per_layer_0.001": ("the previous default at 0.1%", {"density": 0.001, "budget": "layer"}),
@@ -270,6 +277,10 @@ def resolve_steps(value, steps):
     return value
 
 
+# exchange="auto"'s settings a method may set (steps_worker applies them before the build)
+AUTO_SETTINGS = ("dense_within", "noise_within", "hold_in_warmup", "first_decision")
+
+
 def options_for(workload, method, steps):
     """The worker's ``--options``: the inner optimizer and the wrapper's kwargs."""
     inner = dict(SETTINGS[workload]["inner"])
@@ -278,8 +289,7 @@ def options_for(workload, method, steps):
         return {"inner": inner, "wrapper": None}
     wrapper = json.loads(json.dumps(wrapper))
     inner.update(wrapper.pop("inner", {}))
-    margins = {key: wrapper.pop(key) for key in ("dense_within", "noise_within")
-               if key in wrapper}
+    margins = {key: wrapper.pop(key) for key in AUTO_SETTINGS if key in wrapper}
     density = wrapper.get("density")
     if isinstance(density, dict):
         config = density["config"]
@@ -287,7 +297,7 @@ def options_for(workload, method, steps):
             if key in config:
                 config[key] = resolve_steps(config[key], steps)
     options = {"inner": inner, "wrapper": {"name": f"sparse_{method.replace('.', '_')}", **wrapper}}
-    # auto's margins (steps.measured.DENSE_WITHIN, NOISE_WITHIN)
+    # auto's settings (steps.measured.DENSE_WITHIN, NOISE_WITHIN, HOLD_IN_WARMUP; steps_worker)
     options.update(margins)
     return options
 

@@ -56,6 +56,19 @@ FIRST_STEPS_KEPT = 600  # the JSON keeps rank 0's time of each of the first step
 # reaches the target in its first half: where its time to the target goes, trials included)
 
 
+def force_first_decision_dense(measured):
+    """``exchange="auto"``'s first decision made dense whatever the trial timed (the same on
+    every rank), its later ones by the rule: the switch a noisy first trial, or a fast link,
+    makes inside the warm-up."""
+    rule, made = measured.decide, []
+
+    def decide(seconds, names, margin):
+        made.append(names)
+        return names.index("dense") if len(made) == 1 else rule(seconds, names, margin)
+
+    measured.decide = decide
+
+
 def learning_rate(keras, peak, steps):
     """Linear warm-up over the first 5% of the steps, then cosine decay to 0."""
     warmup = max(1, steps // 20)
@@ -128,6 +141,10 @@ def main(argv=None):
         sparse_hvd.steps.measured.DENSE_WITHIN = options["dense_within"]
     if "noise_within" in options:  # the smallest margin a warm-up's trial asks
         sparse_hvd.steps.measured.NOISE_WITHIN = options["noise_within"]
+    if "hold_in_warmup" in options:  # dense chosen inside the warm-up: held, or flushed
+        sparse_hvd.steps.measured.HOLD_IN_WARMUP = options["hold_in_warmup"]
+    if options.get("first_decision") == "dense":
+        force_first_decision_dense(sparse_hvd.steps.measured)
     workload = WORKLOADS[args.workload]
     data = workload.load(rank, size)
 
