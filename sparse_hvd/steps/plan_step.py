@@ -14,8 +14,9 @@ on every rank (so every rank runs the same branch and its collectives):
    the sparse steps after it. A flush costs a transformer's convergence that the next 100
    steps only partly repair (``docs/steps_to_loss_ablations.md``), and a trial that dense
    loses should leave training where it was; a warm-up's next trial may choose a sparse
-   exchange again, and holding needs no function of three ways (its trace and first run took
-   3.8-6.5 s at 4 workers on 2 cores, the held step's function, way 1's, 0.7 s);
+   exchange again, and holding needs no function of three ways (the step that traced and
+   first ran it took 3.8-6.5 s at 4 workers on 2 cores; a held step runs way 1's function,
+   traced before the first trial: 0.7 s);
 3. **flushed**, when dense was chosen with no warm-up trial to follow (``Route.flushed``):
    each compensated gradient (with the update cut: each rank's step plus its residual)
    travels and the residuals are cleared, so nothing owed is lost; then ``clear``.
@@ -32,11 +33,12 @@ outside a trial) starts the noise estimate's q anew from Adam's v
 Traced for one plan at a time (``traced_choice``), dense's step is traced for the way its next
 step takes, which the host reads before the call (:func:`traced_mode`): way 1 alone while the
 residuals are clear (from a fresh build until the first sparse step), and for a trial's turn
-or a held phase after sparse steps where way 2 sends what way 1 does (no compression: it differs only in
-keeping a rounding error), the inner state shared first if due; way 2 alone for such a turn
-with compression; else the three ways. A call that runs several steps stays in its way:
-dense's steps keep the residuals as they were (a held step outside a trial leaves them to the
-sparse steps after it, and does not call them clear). With the three ways in one function,
+or a held phase after sparse steps where way 2 sends what way 1 does (no compression: it
+differs only in keeping a rounding error), the inner state shared first if due; way 2 alone
+for such a step with compression; else the three ways. A call that runs several steps stays
+in its way: dense's steps keep the residuals as they were (a held step outside a trial leaves
+them to the sparse steps after it, and does not call them clear). With the three ways in one
+function,
 dense's trace and first call took 3.6 s a rank at 4 workers on 2 cores (the wide CNN), way 1
 alone 1.4 s: the first steps of every job that starts on dense (way 2 traced apart for the
 trial's turn after sparse steps took another 1.1 s, hence way 1 there where it can).
