@@ -148,11 +148,13 @@ METHODS = {
     "default_whole_margin": ("the defaults with auto's previous rule: the warm-up's trials "
                              "ask the whole 1.5x margin too (NOISE_WITHIN = DENSE_WITHIN)",
                              {"density": 0.01, "noise_within": 0.5}),
-    "default_dense_first": ("the defaults with auto's first decision forced to dense (what a "
-                            "noisy first trial or a fast link does): held until the next trial",
-                            {"density": 0.01, "first_decision": "dense"}),
-    "default_dense_first_flush": ("the same with the previous rule: a dense choice inside the "
-                                  "warm-up flushes the residuals (HOLD_IN_WARMUP = False)",
+    "default_dense_first_hold": ("the defaults with auto's first decision forced to dense (what "
+                                 "a noisy first trial or a fast link does), the residuals held "
+                                 "until the next trial (HOLD_IN_WARMUP = True)",
+                                 {"density": 0.01, "first_decision": "dense",
+                                  "hold_in_warmup": True}),
+    "default_dense_first_flush": ("the same with the default rule: a dense choice flushes the "
+                                  "residuals (HOLD_IN_WARMUP = False)",
                                   {"density": 0.01, "first_decision": "dense",
                                    "hold_in_warmup": False}),
     "per_layer": ("the warm-up with a budget per layer (budget='layer': the previous default)",

@@ -91,11 +91,10 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    trial chose dense, whose step was 3.1x the fastest candidate's).
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
-exact (``plan_step``): chosen by the warm-up's last trial or a re-check, dense sends the
-residuals whole once and clears them (with ``sparsify="update"`` it also makes the inner
-state the mean over the ranks), then runs Horovod's plain step; a trial's dense turn, and
-dense chosen by a warm-up trial that another follows (``HOLD_IN_WARMUP``), keep the residuals
-for the sparse steps after them.
+exact (``plan_step``): chosen, dense sends the residuals whole once and clears them (with
+``sparsify="update"`` it also makes the inner state the mean over the ranks), then runs
+Horovod's plain step; a trial's dense turn keeps the residuals for the sparse steps after it,
+and so does dense chosen by a warm-up trial that another follows, with ``HOLD_IN_WARMUP``.
 The state of candidates other than the default exchange (the sparse allreduce's thresholds) is
 not checkpointed: the format does not depend on the candidates, and a restored job measures
 again.
@@ -126,7 +125,11 @@ PRUNE_AFTER = 2.0  # a warm-up re-trial skips candidates slower than this x the 
 ABORT_AFTER = 2.0  # a turn ends at two timed steps in a row slower than this x the best so far
 BEATEN_TRIALS = 2  # dense sits out the warm-up's later trials after losing this many in a row
 NOISE_WITHIN = 0.15  # the smallest margin: a trial's medians on shared cores vary about this much
-HOLD_IN_WARMUP = True  # dense chosen by a warm-up trial that another follows keeps the residuals
+# True: dense chosen by a warm-up trial that another follows keeps the residuals until it (no
+# flush, no function of three ways traced); off: on the wide CNN (4 workers, 1 Gbit/s, first
+# decision forced to dense, 6 seeds) it saved 2.5 s of slow steps but reached dense's loss in
+# 62 s against 58 s flushed (steps ratio 1.02 against 0.95; README, "Changed in this release")
+HOLD_IN_WARMUP = False
 
 
 def first_turn_length() -> int:

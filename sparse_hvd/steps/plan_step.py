@@ -8,18 +8,20 @@ on every rank (so every rank runs the same branch and its collectives):
 1. **clear** (the variable ``clear``: a dense step already sent the residuals and no sparse
    step ran since): plain dense routes, Horovod's step (one condition around dense's
    allreduce; measured, it costs nothing there);
-2. **held**, in a trial's dense turn while the residuals are not clear (``Route.held``), and
-   while dense, chosen by a warm-up trial that another follows (the variable ``holding``),
-   runs until that trial: each variable's gradient travels alone and its residual waits for
-   the sparse steps after it. A flush costs a transformer's convergence that the next 100
-   steps only partly repair (``docs/steps_to_loss_ablations.md``), and a trial that dense
-   loses should leave training where it was; a warm-up's next trial may choose a sparse
-   exchange again, and holding needs no function of three ways (the step that traced and
-   first ran it took 3.8-6.5 s at 4 workers on 2 cores; a held step runs way 1's function,
-   traced before the first trial: 0.7 s);
-3. **flushed**, when dense was chosen with no warm-up trial to follow (``Route.flushed``):
-   each compensated gradient (with the update cut: each rank's step plus its residual)
-   travels and the residuals are cleared, so nothing owed is lost; then ``clear``.
+2. **held**, in a trial's dense turn while the residuals are not clear (``Route.held``), and,
+   with ``measured.HOLD_IN_WARMUP``, while dense, chosen by a warm-up trial that another
+   follows (the variable ``holding``), runs until that trial: each variable's gradient
+   travels alone and its residual waits for the sparse steps after it. A flush costs a
+   transformer's convergence that the next 100 steps only partly repair
+   (``docs/steps_to_loss_ablations.md``), and a trial that dense loses should leave training
+   where it was; a held phase needs no function of three ways (the step that traced and first
+   ran it took 3.8-6.5 s at 4 workers on 2 cores; a held step runs way 1's function, traced
+   before the first trial: 0.7 s), but on the wide CNN its residuals, kept for about 50 steps,
+   cost more steps than the flush (``HOLD_IN_WARMUP``'s comment);
+3. **flushed**, when dense was chosen (without ``HOLD_IN_WARMUP``, or with no warm-up trial to
+   follow; ``Route.flushed``): each compensated gradient (with the update cut: each rank's
+   step plus its residual) travels and the residuals are cleared, so nothing owed is lost;
+   then ``clear``.
 
 With ``sparsify="update"`` the inner optimizer's state is each rank's own after sparse steps;
 before a held turn's first step, and after a flush, it is made the mean over the ranks

@@ -346,8 +346,9 @@ def test_beaten_dense_sits_out_the_warmup_until_the_recheck(hvd, monkeypatch, by
 
 
 def test_dense_chosen_in_the_warmup_holds_the_residuals_until_its_last_trial(hvd, monkeypatch):
-    """Dense chosen by every trial of a warm-up (16% -> 1% over 80 steps: trials at 1, 33 and
-    80), under SGD's momentum (the update cut). Between the warm-up's trials its steps keep
+    """``HOLD_IN_WARMUP`` (off by default) and dense chosen by every trial of a warm-up (16% ->
+    1% over 80 steps: trials at 1, 33 and 80), under SGD's momentum (the update cut). Between
+    the warm-up's trials its steps keep
     each rank's residuals as they were, as a trial's dense turn does: the first shares the
     inner state (the mean of the ranks' velocities), then each is Keras' SGD on the averaged
     gradient from that one velocity (Horovod's step), and their function is dense's way 1,
@@ -358,6 +359,7 @@ def test_dense_chosen_in_the_warmup_holds_the_residuals_until_its_last_trial(hvd
 
     import sparse_hvd
 
+    monkeypatch.setattr(measured, "HOLD_IN_WARMUP", True)
     monkeypatch.setattr(measured, "PRUNE_AFTER", np.inf)
     monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index("dense"))
     lr, momentum, size, turn = 0.1, 0.9, hvd.size(), measured.TRIAL_STEPS
