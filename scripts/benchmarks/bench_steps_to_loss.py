@@ -148,15 +148,9 @@ METHODS = {
     "default_whole_margin": ("the defaults with auto's previous rule: the warm-up's trials "
                              "ask the whole 1.5x margin too (NOISE_WITHIN = DENSE_WITHIN)",
                              {"density": 0.01, "noise_within": 0.5}),
-    "default_dense_first_hold": ("the defaults with auto's first decision forced to dense (what "
-                                 "a noisy first trial or a fast link does), the residuals held "
-                                 "until the next trial (HOLD_IN_WARMUP = True)",
-                                 {"density": 0.01, "first_decision": "dense",
-                                  "hold_in_warmup": True}),
-    "default_dense_first_flush": ("the same with the default rule: a dense choice flushes the "
-                                  "residuals (HOLD_IN_WARMUP = False)",
-                                  {"density": 0.01, "first_decision": "dense",
-                                   "hold_in_warmup": False}),
+    "default_dense_first": ("the defaults with auto's first decision forced to dense (what a "
+                            "noisy first trial or a fast link does inside the warm-up)",
+                            {"density": 0.01, "first_decision": "dense"}),
     "per_layer": ("the warm-up with a budget per layer (budget='layer': the previous default)",
                   {"density": 0.01, "budget": "layer"}),
     "per_layer_0.001": ("the previous default at 0.1%", {"density": 0.001, "budget": "layer"}),
@@ -280,7 +274,7 @@ def resolve_steps(value, steps):
 
 
 # exchange="auto"'s settings a method may set (steps_worker applies them before the build)
-AUTO_SETTINGS = ("dense_within", "noise_within", "hold_in_warmup", "first_decision")
+AUTO_SETTINGS = ("dense_within", "noise_within", "first_decision")
 
 
 def options_for(workload, method, steps):
@@ -299,7 +293,7 @@ def options_for(workload, method, steps):
             if key in config:
                 config[key] = resolve_steps(config[key], steps)
     options = {"inner": inner, "wrapper": {"name": f"sparse_{method.replace('.', '_')}", **wrapper}}
-    # auto's settings (steps.measured.DENSE_WITHIN, NOISE_WITHIN, HOLD_IN_WARMUP; steps_worker)
+    # auto's settings (steps.measured.DENSE_WITHIN, NOISE_WITHIN, the first decision; steps_worker)
     options.update(margins)
     return options
 

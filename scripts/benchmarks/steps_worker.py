@@ -141,8 +141,6 @@ def main(argv=None):
         sparse_hvd.steps.measured.DENSE_WITHIN = options["dense_within"]
     if "noise_within" in options:  # the smallest margin a warm-up's trial asks
         sparse_hvd.steps.measured.NOISE_WITHIN = options["noise_within"]
-    if "hold_in_warmup" in options:  # dense chosen inside the warm-up: held, or flushed
-        sparse_hvd.steps.measured.HOLD_IN_WARMUP = options["hold_in_warmup"]
     if options.get("first_decision") == "dense":
         force_first_decision_dense(sparse_hvd.steps.measured)
     workload = WORKLOADS[args.workload]

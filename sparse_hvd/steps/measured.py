@@ -93,8 +93,7 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
 exact (``plan_step``): chosen, dense sends the residuals whole once and clears them (with
 ``sparsify="update"`` it also makes the inner state the mean over the ranks), then runs
-Horovod's plain step; a trial's dense turn keeps the residuals for the sparse steps after it,
-and so does dense chosen by a warm-up trial that another follows, with ``HOLD_IN_WARMUP``.
+Horovod's plain step; a trial's dense turn keeps the residuals for the sparse steps after it.
 The state of candidates other than the default exchange (the sparse allreduce's thresholds) is
 not checkpointed: the format does not depend on the candidates, and a restored job measures
 again.
@@ -125,11 +124,6 @@ PRUNE_AFTER = 2.0  # a warm-up re-trial skips candidates slower than this x the 
 ABORT_AFTER = 2.0  # a turn ends at two timed steps in a row slower than this x the best so far
 BEATEN_TRIALS = 2  # dense sits out the warm-up's later trials after losing this many in a row
 NOISE_WITHIN = 0.15  # the smallest margin: a trial's medians on shared cores vary about this much
-# True: dense chosen by a warm-up trial that another follows keeps the residuals until it (no
-# flush, no function of three ways traced); off: on the wide CNN (4 workers, 1 Gbit/s, first
-# decision forced to dense, 6 seeds) it saved 2.5 s of slow steps but reached dense's loss in
-# 62 s against 58 s flushed (steps ratio 1.02 against 0.95; README, "Changed in this release")
-HOLD_IN_WARMUP = False
 
 
 def first_turn_length() -> int:
@@ -225,7 +219,6 @@ class MeasuredChoiceStep(SynchronousStep):
         self.best = np.inf  # the fastest median so far in a trial
         self.pruned = np.zeros([count], np.bool_)  # over PRUNE_AFTER x the fastest: out
         self.dense_losses = 0  # warm-up trials in a row that dense lost (``_dense_beaten``)
-        self.holds = False  # the last decision: dense, with a warm-up trial to follow
         first = self.first_mode()
         # each candidate: has run its first steps (dense's ran before the trial; a sparse
         # first plan's steps after its trace are still slow, step 1)
@@ -252,11 +245,6 @@ class MeasuredChoiceStep(SynchronousStep):
             self.next_branch = tf.Variable(first, dtype=tf.int32, trainable=False,
                                            name="auto_next_branch")
             self.next_in_trial = tf.Variable(False, trainable=False, name="auto_next_in_trial")
-            # dense chosen by a warm-up trial that another follows: its steps keep the
-            # residuals, as a trial's dense turn does (``plan_step``); True from such a dense
-            # step until the next sparse one, which then starts the noise estimate anew
-            self.holding = tf.Variable(False, trainable=False, name="auto_dense_holds")
-            self.held_phase = tf.Variable(False, trainable=False, name="auto_held_phase")
             # no residual is owed: none yet, or a dense step that went ahead sent them whole
             # and no sparse step came after it (False after a restore: they count)
             self.clear = tf.Variable(True, trainable=False, name="auto_residuals_clear")
@@ -345,13 +333,11 @@ class MeasuredChoiceStep(SynchronousStep):
         times = collectives.allgather(tf.reshape(tf.stack([elapsed, exchanged]), [1, 2]),
                                       name=f"{opt._prefix}.auto.step",
                                       process_set=opt.process_set, step=self.steps)
-        start, choice, trying, turn_steps, holds = tf.numpy_function(
+        start, choice, trying, turn_steps = tf.numpy_function(
             self._record, [times, phase, candidate, self.steps, self.trial_start, self.choice,
-                           self.trying], [tf.int64, tf.int32, tf.bool, tf.int64, tf.bool],
-            stateful=True)
+                           self.trying], [tf.int64, tf.int32, tf.bool, tf.int64], stateful=True)
         self.trial_start.assign(tf.reshape(start, []))
         self.choice.assign(tf.reshape(choice, []))
-        self.holding.assign(tf.reshape(holds, []))
         self.trying.assign(tf.reshape(trying, [len(self.plans)]))
         self.turn_steps.assign(tf.reshape(turn_steps, [len(self.plans)]))
 
@@ -370,7 +356,7 @@ class MeasuredChoiceStep(SynchronousStep):
         slot = int(phase) - turn_start - (turn_length - TRIAL_STEPS + 1)
         last_slot = TRIAL_STEPS - 2
         if slot < 0:  # the turn's first steps: not timed
-            return self._answer(start, choice, trying)
+            return np.int64(start), np.int32(choice), trying, self.turn_lengths
         self.warmed[candidate] = True
         self.samples[candidate, slot] = elapsed
         over = slot >= 1 and min(self.samples[candidate, slot - 1:slot + 1]) > (
@@ -403,13 +389,7 @@ class MeasuredChoiceStep(SynchronousStep):
         if (turn_done and int(phase) + skipped == length - 1) or hopeless:
             start, choice, trying = self._decide(hopeless, int(step), trying)
             self.turn_lengths = self._next_turn_lengths()
-        return self._answer(start, choice, trying)
-
-    def _answer(self, start, choice, trying):
-        """What :meth:`_time` writes: the next trial's start, the choice, the candidates it
-        runs, their turns' lengths and whether dense's steps hold the residuals."""
-        return (np.int64(start), np.int32(choice), trying, self.turn_lengths,
-                np.bool_(self.holds))
+        return np.int64(start), np.int32(choice), trying, self.turn_lengths
 
     def _next_turn_lengths(self):
         """The next trial's turns: those who have run their first steps are timed sooner."""
@@ -458,7 +438,6 @@ class MeasuredChoiceStep(SynchronousStep):
                                             DENSE_WITHIN if hopeless else margin))
         upcoming = [start for start in self.warmup_trials if start > step]
         following = upcoming[0] if upcoming else step + self._recheck_after()
-        self.holds = HOLD_IN_WARMUP and choice == self.dense_index and bool(upcoming)
         # within the warm-up only those that can still win: halving the density at most
         # halves a sparse step's exchange, so one over ``PRUNE_AFTER`` x the fastest cannot
         # win the next trial; the warm-up's last trial and later ones forget the pruning

@@ -8,39 +8,31 @@ on every rank (so every rank runs the same branch and its collectives):
 1. **clear** (the variable ``clear``: a dense step already sent the residuals and no sparse
    step ran since): plain dense routes, Horovod's step (one condition around dense's
    allreduce; measured, it costs nothing there);
-2. **held**, in a trial's dense turn while the residuals are not clear (``Route.held``), and,
-   with ``measured.HOLD_IN_WARMUP``, while dense, chosen by a warm-up trial that another
-   follows (the variable ``holding``), runs until that trial: each variable's gradient
-   travels alone and its residual waits for the sparse steps after it. A flush costs a
-   transformer's convergence that the next 100 steps only partly repair
-   (``docs/steps_to_loss_ablations.md``), and a trial that dense loses should leave training
-   where it was; a held phase needs no function of three ways (the step that traced and first
-   ran it took 3.8-6.5 s at 4 workers on 2 cores; a held step runs way 1's function, traced
-   before the first trial: 0.7 s), but on the wide CNN its residuals, kept for about 50 steps,
-   cost more steps than the flush (``HOLD_IN_WARMUP``'s comment);
-3. **flushed**, when dense was chosen (without ``HOLD_IN_WARMUP``, or with no warm-up trial to
-   follow; ``Route.flushed``): each compensated gradient (with the update cut: each rank's
-   step plus its residual) travels and the residuals are cleared, so nothing owed is lost;
-   then ``clear``.
+2. **held**, in a trial's dense turn while the residuals are not clear (``Route.held``): each
+   variable's gradient travels alone and its residual waits for the sparse steps after the
+   trial. A flush costs a transformer's convergence that the next 100 steps only partly
+   repair (``docs/steps_to_loss_ablations.md``), and a trial that dense loses should leave
+   training where it was;
+3. **flushed**, when dense was chosen (``Route.flushed``): each compensated gradient (with the
+   update cut: each rank's step plus its residual) travels and the residuals are cleared, so
+   nothing owed is lost; then ``clear``.
 
 With ``sparsify="update"`` the inner optimizer's state is each rank's own after sparse steps;
 before a held turn's first step, and after a flush, it is made the mean over the ranks
 (``local_update.share_own_state``), so that the dense steps after it hand the averaged
 gradient to one state, as Horovod's step does: no local step, no weight copies. The variable
 ``own_state`` says whether that is due (a sparse step or a restore since the last time). The
-first sparse step after a chosen dense phase (``clear``, or ``held_phase`` after held steps
-outside a trial) starts the noise estimate's q anew from Adam's v
-(``SecondMoment.restarted_if``): it stood still while dense ran.
+first sparse step after a chosen dense phase (``clear``) starts the noise estimate's q anew
+from Adam's v (``SecondMoment.restarted_if``): it stood still while dense ran.
 
 Traced for one plan at a time (``traced_choice``), dense's step is traced for the way its next
 step takes, which the host reads before the call (:func:`traced_mode`): way 1 alone while the
 residuals are clear (from a fresh build until the first sparse step), and for a trial's turn
-or a held phase after sparse steps where way 2 sends what way 1 does (no compression: it
-differs only in keeping a rounding error), the inner state shared first if due; way 2 alone
-for such a step with compression; else the three ways. A call that runs several steps stays
-in its way: dense's steps keep the residuals as they were (a held step outside a trial leaves
-them to the sparse steps after it, and does not call them clear). With the three ways in one
-function,
+after sparse steps where way 2 sends what way 1 does (no compression: it differs only in
+keeping a rounding error), the inner state shared first if due; way 2 alone for such a turn
+with compression; else the three ways. A call that runs several steps stays in its way:
+dense's steps keep the residuals as they were (a held step outside a trial leaves them to the
+sparse steps after it, and does not call them clear). With the three ways in one function,
 dense's trace and first call took 3.6 s a rank at 4 workers on 2 cores (the wide CNN), way 1
 alone 1.4 s: the first steps of every job that starts on dense (way 2 traced apart for the
 trial's turn after sparse steps took another 1.1 s, hence way 1 there where it can).
@@ -63,7 +55,7 @@ def traced_mode(step, branch) -> int:
         return branch
     if bool(step.clear.numpy()):
         return DENSE_PLAIN
-    if bool(step.next_in_trial.numpy()) or bool(step.holding.numpy()):
+    if bool(step.next_in_trial.numpy()):
         # way 2 sends what way 1 does unless values are rounded: it keeps each value's rounding
         # error in its residual (``preparation``)
         return DENSE_HELD if step.optimizer._compression.enabled else DENSE_PLAIN
@@ -134,20 +126,14 @@ def plan_step(step, plan, grads_and_vars, trial_step, way=None):
             return run_with(routes)
 
     def run_plan():
-        # a dense step that keeps the residuals: a trial's turn, or dense chosen by a warm-up
-        # trial that another follows
-        holding = tf.logical_or(trial_step, step.holding)
         if plan.clear_routes is None:
             # the first sparse step after a chosen dense phase: the noise estimate's q anew
-            restart = [opt._second_moment.restarted_if(
-                opt._loss_scaling.base_optimizer,
-                tf.logical_or(step.clear, step.held_phase))] if update_cut else []
+            restart = [opt._second_moment.restarted_if(opt._loss_scaling.base_optimizer,
+                                                       step.clear)] if update_cut else []
             with tf.control_dependencies(restart):
                 went_ahead, exchanged = run_with(plan.routes)
             selected = plan.exchange.sends_selections
-            written = [step.clear.assign(tf.logical_and(went_ahead, not selected)),
-                       step.held_phase.assign(tf.logical_and(step.held_phase,
-                                                             tf.logical_not(went_ahead)))]
+            written = [step.clear.assign(tf.logical_and(went_ahead, not selected))]
             if selected and update_cut:
                 written.append(step.own_state.assign(True))
         elif way is not None:  # the residuals stay as they were: clear, or held
@@ -156,13 +142,10 @@ def plan_step(step, plan, grads_and_vars, trial_step, way=None):
         else:
             went_ahead, exchanged = tf.cond(
                 step.clear, lambda: run_with(plan.clear_routes),
-                lambda: tf.cond(holding, lambda: hold(plan.held_routes),
+                lambda: tf.cond(trial_step, lambda: hold(plan.held_routes),
                                 lambda: flush(plan.routes)))
             written = [step.clear.assign(tf.logical_or(
-                step.clear, tf.logical_and(went_ahead, tf.logical_not(holding))))]
-        if plan.clear_routes is not None:  # a chosen dense phase that keeps the residuals
-            written.append(step.held_phase.assign(tf.logical_or(step.held_phase, tf.logical_and(
-                went_ahead, tf.logical_and(step.holding, tf.logical_not(trial_step))))))
+                step.clear, tf.logical_and(went_ahead, tf.logical_not(trial_step))))]
         # an explicit edge: after lowering, nothing else orders the step's end after its
         # writes (``went_ahead`` exists only once they are done)
         with tf.control_dependencies(written):

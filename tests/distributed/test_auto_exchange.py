@@ -30,13 +30,11 @@ def whole_turns(monkeypatch):
 
 
 def train(name, steps, momentum_correction=0.0, compression="none", density=0.05,
-          per_mode=False, grouping="grouped", inner=None, snapshots=None, build_first=True,
-          modes=None):
+          per_mode=False, grouping="grouped", inner=None, snapshots=None, build_first=True):
     """``steps`` steps of exchange="auto" on this rank's gradients (tests/option_matrix.py), in
     a ``tf.function`` or (``per_mode``) a ``sparse_hvd.function``, around ``inner`` (default
     ``SGD(1.0)``); returns the optimizer, the weights and the layer statistics after each step.
-    ``snapshots``, a list, gets (weights, residuals, inner state) after each step; ``modes``,
-    a list, what the next step's function is traced for after each step.
+    ``snapshots``, a list, gets (weights, residuals, inner state) after each step.
 
     ``build_first``: the optimizer is built before the first step (``helpers.built``), else by
     the first step, which makes TensorFlow trace the step twice, with every candidate's
@@ -74,8 +72,6 @@ def train(name, steps, momentum_correction=0.0, compression="none", density=0.05
             snapshots.append(tuple([v.numpy().astype("float64") for v in variables]
                                    for variables in ((big, small), optimizer.residuals,
                                                      each_ranks_inner_state(optimizer))))
-        if modes is not None:
-            modes.append(optimizer._step.wanted_mode())
     optimizer.functions = step._modes.functions if per_mode else None
     return optimizer, [big.numpy(), small.numpy()], stats
 
@@ -343,64 +339,6 @@ def test_beaten_dense_sits_out_the_warmup_until_the_recheck(hvd, monkeypatch, by
     assert all(e == everyone[0] for e in everyone), everyone
     _same_everywhere(hvd, weights, name)
     _conservation(hvd, optimizer, weights, steps, "none")
-
-
-def test_dense_chosen_in_the_warmup_holds_the_residuals_until_its_last_trial(hvd, monkeypatch):
-    """``HOLD_IN_WARMUP`` (off by default) and dense chosen by every trial of a warm-up (16% ->
-    1% over 80 steps: trials at 1, 33 and 80), under SGD's momentum (the update cut). Between
-    the warm-up's trials its steps keep
-    each rank's residuals as they were, as a trial's dense turn does: the first shares the
-    inner state (the mean of the ranks' velocities), then each is Keras' SGD on the averaged
-    gradient from that one velocity (Horovod's step), and their function is dense's way 1,
-    traced before the first trial; no flush, no function of three ways. Chosen by the last
-    trial, dense sends the residuals whole once and clears them (the function of three ways,
-    then way 1). Computed in NumPy from every rank's state, checked on every rank."""
-    import keras
-
-    import sparse_hvd
-
-    monkeypatch.setattr(measured, "HOLD_IN_WARMUP", True)
-    monkeypatch.setattr(measured, "PRUNE_AFTER", np.inf)
-    monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index("dense"))
-    lr, momentum, size, turn = 0.1, 0.9, hvd.size(), measured.TRIAL_STEPS
-    decided = [CANDIDATES * turn, 33 + CANDIDATES * turn - 1, 80 + CANDIDATES * turn - 1]
-    steps = decided[-1] + 4
-    name = "auto_warmup_dense_holds"
-    snapshots, modes = [], []
-    optimizer, weights, _ = train(name, steps, inner=keras.optimizers.SGD(lr, momentum),
-                                  density=sparse_hvd.WarmupDensity(0.01, 0.16, 80),
-                                  per_mode=True, snapshots=snapshots, modes=modes)
-    assert [(d[0], d[2]) for d in optimizer.exchange_decisions] == [
-        (step, "dense") for step in decided]
-    dense = optimizer._step.dense_index
-    everyone = gather(hvd, snapshots, name=f"{name}.snapshots")
-    for first, trial in ((decided[0], 33), (decided[1], 80)):
-        assert any(np.any(r) for r in everyone[0][first][1])  # the trial's sparse turns owe
-        for passed in range(first + 1, trial):
-            before = [ranks[passed - 1] for ranks in everyone]
-            grads = [gradients(r, passed) for r in range(size)]
-            mean_grad = [np.mean([g[i].astype("float64") for g in grads], 0) for i in (0, 1)]
-            shared = [np.mean([b[2][i] for b in before], 0) for i in (0, 1)]
-            velocity = [momentum * shared[i] - lr * mean_grad[i] for i in (0, 1)]
-            weight = [before[0][0][i] + velocity[i] for i in (0, 1)]
-            for rank, rank_snapshots in enumerate(everyone):
-                got = rank_snapshots[passed]
-                for i in (0, 1):
-                    np.testing.assert_allclose(got[2][i], velocity[i], rtol=0, atol=1e-5,
-                                               err_msg=f"step {passed}: velocity {i}")
-                    np.testing.assert_allclose(got[0][i], weight[i], rtol=0, atol=1e-5,
-                                               err_msg=f"step {passed}: weight {i}")
-                    np.testing.assert_array_equal(got[1][i], before[rank][1][i],
-                                                  err_msg=f"step {passed}: residual {i}")
-            assert modes[passed - 1] == measured.DENSE_PLAIN, (passed, modes[passed - 1])
-    # chosen by the last trial: one flush (the function of three ways), then clear residuals
-    assert modes[decided[-1]] == dense and modes[decided[-1] + 1] == measured.DENSE_PLAIN
-    assert dense not in [m for m in modes[:decided[-1]]], modes
-    for rank_snapshots in everyone:
-        assert not any(np.any(r) for r in rank_snapshots[decided[-1] + 1][1])
-    assert sorted(optimizer.functions) == sorted(
-        [measured.DENSE_PLAIN, dense] + [i for i in range(CANDIDATES) if i != dense])
-    _same_everywhere(hvd, weights, name)
 
 
 def test_a_fresh_build_owes_no_residual_and_a_restore_does(hvd):
