@@ -84,6 +84,13 @@ double PairSumsAbsoluteSum(const float* __restrict r, int64_t n) {
   return SumOfEightLanes(lanes);
 }
 
+// Step 2's scale: pass 1's sum over the n - selected entries not selected (at least one).
+float ScaleOfRest(const float* r, int64_t n, int64_t selected, int group) {
+  const int64_t rest = std::max<int64_t>(n - selected, 1);
+  const double total = group == 1 ? AbsoluteSum(r, n) : PairSumsAbsoluteSum(r, n);
+  return static_cast<float>(total / static_cast<double>(rest));
+}
+
 // Pass 2; ``out`` may be ``r`` itself (the remainder's buffer forwarded).
 SPARSE_HVD_VECTORISED
 void Signed(const float* r, float scale, int64_t n, float* __restrict s, float* out) {
@@ -194,9 +201,7 @@ class SignsOfRestOp : public OpKernel {
     OP_REQUIRES_OK(context, context->forward_input_or_allocate_output({0}, 1, remainder.shape(),
                                                                       &residual));
     const float* r = remainder.flat<float>().data();
-    const int64_t rest = std::max<int64_t>(n - selected.scalar<int32_t>()(), 1);
-    const double total = group_ == 1 ? AbsoluteSum(r, n) : PairSumsAbsoluteSum(r, n);
-    const float scale = static_cast<float>(total / static_cast<double>(rest));
+    const float scale = ScaleOfRest(r, n, selected.scalar<int32_t>()(), group_);
     float* s = signs->flat<float>().data();
     float* out = residual->flat<float>().data();
     if (group_ == 1) {
@@ -254,9 +259,7 @@ class PackedSignsOfRestOp : public OpKernel {
     OP_REQUIRES_OK(context, context->forward_input_or_allocate_output({0}, 2, remainder.shape(),
                                                                       &residual));
     const float* r = remainder.flat<float>().data();
-    const int64_t rest = std::max<int64_t>(n - selected.scalar<int32_t>()(), 1);
-    const double total = group_ == 1 ? AbsoluteSum(r, n) : PairSumsAbsoluteSum(r, n);
-    const float scale = static_cast<float>(total / static_cast<double>(rest));
+    const float scale = ScaleOfRest(r, n, selected.scalar<int32_t>()(), group_);
     scale_out->flat<float>()(0) = scale;
     uint32_t* packed = reinterpret_cast<uint32_t*>(words->flat<int32_t>().data());
     float* out = residual->flat<float>().data();
