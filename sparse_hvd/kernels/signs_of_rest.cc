@@ -182,18 +182,32 @@ void PackedPairSigns(const float* r, float scale, int64_t n, uint32_t* __restric
 
 }  // namespace
 
-class SignsOfRestOp : public OpKernel {
+// What both ops share: the attribute ``group`` and the inputs' checks.
+class RestOpBase : public OpKernel {
  public:
-  explicit SignsOfRestOp(OpKernelConstruction* context) : OpKernel(context) {
+  explicit RestOpBase(OpKernelConstruction* context) : OpKernel(context) {
     OP_REQUIRES_OK(context, context->GetAttr("group", &group_));
     OP_REQUIRES(context, group_ == 1 || group_ == 2, InvalidArgumentError("group must be 1 or 2"));
   }
 
+ protected:
+  static absl::Status CheckedInputs(const Tensor& remainder, const Tensor& selected) {
+    if (remainder.dims() != 1) return InvalidArgumentError("remainder must be 1-D");
+    if (selected.dims() != 0) return InvalidArgumentError("selected must be a scalar");
+    return tsl::OkStatus();
+  }
+
+  int group_ = 1;
+};
+
+class SignsOfRestOp : public RestOpBase {
+ public:
+  using RestOpBase::RestOpBase;
+
   void Compute(OpKernelContext* context) override {
     const Tensor& remainder = context->input(0);
     const Tensor& selected = context->input(1);
-    OP_REQUIRES(context, remainder.dims() == 1, InvalidArgumentError("remainder must be 1-D"));
-    OP_REQUIRES(context, selected.dims() == 0, InvalidArgumentError("selected must be a scalar"));
+    OP_REQUIRES_OK(context, CheckedInputs(remainder, selected));
     const int64_t n = remainder.dim_size(0);
     Tensor* signs = nullptr;
     Tensor* residual = nullptr;
@@ -210,9 +224,6 @@ class SignsOfRestOp : public OpKernel {
       PairSigned(r, scale, n, s, out);
     }
   }
-
- private:
-  int group_ = 1;
 };
 
 REGISTER_KERNEL_BUILDER(Name("SparseHvdSignsOfRest").Device(tensorflow::DEVICE_CPU),
@@ -237,18 +248,14 @@ REGISTER_OP("SparseHvdPackedSignsOfRest")
       return tsl::OkStatus();
     });
 
-class PackedSignsOfRestOp : public OpKernel {
+class PackedSignsOfRestOp : public RestOpBase {
  public:
-  explicit PackedSignsOfRestOp(OpKernelConstruction* context) : OpKernel(context) {
-    OP_REQUIRES_OK(context, context->GetAttr("group", &group_));
-    OP_REQUIRES(context, group_ == 1 || group_ == 2, InvalidArgumentError("group must be 1 or 2"));
-  }
+  using RestOpBase::RestOpBase;
 
   void Compute(OpKernelContext* context) override {
     const Tensor& remainder = context->input(0);
     const Tensor& selected = context->input(1);
-    OP_REQUIRES(context, remainder.dims() == 1, InvalidArgumentError("remainder must be 1-D"));
-    OP_REQUIRES(context, selected.dims() == 0, InvalidArgumentError("selected must be a scalar"));
+    OP_REQUIRES_OK(context, CheckedInputs(remainder, selected));
     const int64_t n = remainder.dim_size(0);
     const int64_t width = ((n + group_ - 1) / group_ + 31) / 32;
     Tensor* words = nullptr;
@@ -269,9 +276,6 @@ class PackedSignsOfRestOp : public OpKernel {
       PackedPairSigns(r, scale, n, packed, out);
     }
   }
-
- private:
-  int group_ = 1;
 };
 
 REGISTER_KERNEL_BUILDER(Name("SparseHvdPackedSignsOfRest").Device(tensorflow::DEVICE_CPU),
