@@ -108,7 +108,7 @@ import tensorflow as tf
 from ..feedback.preparation import tensor_parts
 from ..runtime import collectives, log, startup as runtime
 from .candidates import Plan, dense_bytes_per_entry, plans_for, warmup_trials  # noqa: F401
-from .plan_step import (DENSE_HELD, DENSE_PLAIN, FIRST, plan_step,  # noqa: F401
+from .plan_step import (DENSE_FLUSH, DENSE_HELD, DENSE_PLAIN, FIRST, plan_step,  # noqa: F401
                         traced_mode, traced_plan)
 from .strategies import SynchronousStep
 from .trial_rules import (decide, decision_message, decisive_loss, median_of_samples,

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import sparse_hvd.steps.measured as measured
+import sparse_hvd.steps.trial_rules as trial_rules
 from conftest import digest, gather
 from option_matrix import BIG, SMALL, gradients
 
@@ -130,8 +131,8 @@ def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd, per_mo
     if per_mode:  # one function per candidate; dense's first for clear residuals alone
         dense = names.index("dense")
         expected = {measured.DENSE_PLAIN} | set(range(CANDIDATES)) - {dense}
-        if choice == "dense":  # chosen after sparse steps: the function of its three ways
-            expected.add(dense)
+        if choice == "dense":  # chosen after sparse steps: the flush's function (ways 3, 1)
+            expected.add(measured.DENSE_FLUSH)
         assert sorted(optimizer.functions) == sorted(expected)
     _same_everywhere(hvd, weights, "auto_trial")
     _conservation(hvd, optimizer, weights, STEPS, "none")
@@ -345,8 +346,8 @@ def test_a_fresh_build_owes_no_residual_and_a_restore_does(hvd):
     """Built afresh, the residuals are zero and the inner state the same on every rank: the
     steps before the trial run dense's way 1 alone, traced for it. After a restore
     (``tf.train.Checkpoint``'s, said by ``rescale_residuals_after_restore``), the next dense
-    step sends the restored residuals and shares the inner state: its function has all three
-    ways. Every rank alike."""
+    step sends the restored residuals and shares the inner state: its function is the flush's
+    (ways 3 and 1). Every rank alike."""
     import keras
 
     import sparse_hvd
@@ -357,12 +358,11 @@ def test_a_fresh_build_owes_no_residual_and_a_restore_does(hvd):
     optimizer.build([keras.Variable(np.zeros(BIG, "float32")),
                      keras.Variable(np.zeros(SMALL, "float32"))])
     step = optimizer._step
-    dense = [p.name for p in step.plans].index("dense")
     fresh = (bool(step.clear.numpy()), bool(step.own_state.numpy()), step.wanted_mode())
     assert fresh == (True, False, measured.DENSE_PLAIN)
     optimizer.rescale_residuals_after_restore()
     restored = (bool(step.clear.numpy()), bool(step.own_state.numpy()), step.wanted_mode())
-    assert restored == (False, True, dense)
+    assert restored == (False, True, measured.DENSE_FLUSH)
     everyone = gather(hvd, (fresh, restored), name="auto_fresh_build.states")
     assert all(e == everyone[0] for e in everyone), everyone
 
@@ -439,26 +439,33 @@ def test_the_chosen_exchange_runs_after_the_trial(hvd, monkeypatch, forced, comp
         _conservation(hvd, optimizer, weights, STEPS, compression)
 
 
-@pytest.mark.parametrize("compression", ["none", "float16"])
+@pytest.mark.parametrize("compression,per_mode", [
+    ("none", False), ("float16", False), ("none", True), ("float16", True)])
 def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod(
-        hvd, monkeypatch, compression):
+        hvd, monkeypatch, compression, per_mode):
     """SGD's momentum (the update cut: each rank's velocity its own), dense forced. The first
     dense step after the trial's sparse steps sends each rank's step plus residual whole,
     clears the residuals and makes every rank's velocity the mean of the ranks' own; each
     dense step after it is Keras' SGD on the averaged gradient from that shared velocity
     (Horovod's dense step). Computed in NumPy from every rank's state, checked on every
     rank; with 16-bit values, to their rounding (the velocities' mean is taken in float32,
-    and the residuals hold only rounding errors)."""
+    and the residuals hold only rounding errors). In one function with every candidate a
+    branch (dense's three ways), or (``per_mode``) one per mode: the flush in the function of
+    ways 3 and 1, then way 1's own."""
     import keras
 
-    if hvd.gloo_enabled() and not os.environ.get("SPARSE_HVD_FULL_SUITE"):
-        pytest.skip("the MPI job runs these (the suite's time budget)")
+    # the default tier runs the flush's own function (the way a fit or sparse_hvd.function
+    # takes) without rounding; the full suite every case
+    if (hvd.gloo_enabled() and not os.environ.get("SPARSE_HVD_FULL_SUITE")
+            and not (per_mode and compression == "none")):
+        pytest.skip("the full suite runs these (the suite's time budget)")
     monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index("dense"))
     lr, momentum, size = 0.1, 0.9, hvd.size()
-    name = f"auto_update_cut_dense_{compression}"
+    name = f"auto_update_cut_dense_{compression}_{per_mode}"
     snapshots = []
     optimizer, weights, stats = train(name, STEPS, inner=keras.optimizers.SGD(lr, momentum),
-                                      compression=compression, snapshots=snapshots)
+                                      compression=compression, snapshots=snapshots,
+                                      per_mode=per_mode)
     rounding = 0.0 if compression == "none" else 2.0 ** -11  # float16's relative rounding
     assert optimizer.sparsify == "update"
     assert optimizer.exchange_decisions[0][2] == "dense"
@@ -495,6 +502,11 @@ def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod
                        for r in got[1]), f"step {passed}: residuals not clear"
             if passed > decided + 1:  # the dense steps keep one velocity on every rank
                 assert all(np.array_equal(got[2][i], everyone[0][passed][2][i]) for i in (0, 1))
+    if per_mode:  # never the function of dense's three ways
+        names = [p.name for p in optimizer._step.plans]
+        assert sorted(optimizer.functions) == sorted(
+            [measured.DENSE_PLAIN, measured.DENSE_FLUSH]
+            + [i for i, n in enumerate(names) if n != "dense"])
     _same_everywhere(hvd, weights, name)
 
 
@@ -612,8 +624,11 @@ def test_one_slow_step_does_not_end_a_turn_two_in_a_row_do(hvd, monkeypatch):
     """``ABORT_AFTER`` 2 and scripted step times (the same on every rank): dense's steps take
     1 s; the allgather's first timed step 3 s (a spike), its others 1 s, so its turn runs whole
     and its median is 1 s; the coded allgather's first two timed steps 3 s, so its turn ends
-    there (3 steps) with 3 s for the one skipped; the sparse allreduce's 0.5 s, the choice."""
+    there (3 steps) with 3 s for the one skipped; the sparse allreduce's 0.5 s, the choice.
+    The turns in the plans' order at any size (fewest bytes first puts the sparse allreduce
+    before the coded allgather from 3 ranks on)."""
     monkeypatch.setattr(measured, "ABORT_AFTER", 2.0)
+    monkeypatch.setattr(trial_rules, "FEWEST_BYTES_FIRST", False)
     # the auto step counter of each timed step: dense 2-4, the allgather 6-8, the coded
     # allgather 10-11 (12 skipped), the sparse allreduce 13-15 (turns of 4, one untimed)
     scripted = {6: 3.0, 10: 3.0, 11: 3.0, 13: 0.5, 14: 0.5, 15: 0.5}
@@ -726,10 +741,10 @@ def test_what_cannot_beat_the_allgather_by_its_bytes_is_not_tried(hvd, monkeypat
                                              measured.DENSE_WITHIN))
     assert all(s[next(iter(s))]["exchange"] == choice for s in stats[decided_at:])
     if per_mode:  # dense's for clear residuals and the allgather's alone (and, chosen after
-        # the allgather's steps, dense's with its three ways)
+        # the allgather's steps, the flush's)
         assert sorted(optimizer.functions) == sorted(
             [measured.DENSE_PLAIN, names.index("allgather")]
-            + ([names.index("dense")] if choice == "dense" else []))
+            + ([measured.DENSE_FLUSH] if choice == "dense" else []))
     everyone = gather(hvd, (optimizer.exchange_decisions, asked), name=f"{name}.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
     _same_everywhere(hvd, weights, name)
@@ -811,15 +826,18 @@ def _fit_data(rank, steps):
             np.ones((steps * FIT_BATCH, 1), "float32"))
 
 
-@pytest.mark.parametrize("per_call", [1, 3])
-def test_fit_with_the_callback_runs_each_step_traced_for_its_exchange(hvd, monkeypatch,
+@pytest.mark.parametrize("forced,per_call", [
+    ("sparse_allreduce", 1), ("sparse_allreduce", 3), ("dense", 3)])
+def test_fit_with_the_callback_runs_each_step_traced_for_its_exchange(hvd, monkeypatch, forced,
                                                                      per_call):
     """``model.fit`` with ``ExchangeChoiceCallback``: before each call the step is traced for
     the candidate that runs (one function per mode, made once), in the schedule's order (the
     default exchange, the trial with dense first, dense's later steps with clear residuals,
     then the forced choice); with ``steps_per_execution`` 3 a trial step due for another
-    candidate waits for the next call. The loss is linear in the weights, so the gradients are
-    known in closed form: nothing is lost, and the replicas are identical."""
+    candidate waits for the next call, and dense chosen runs the flush's function for a call
+    (its first step flushes, the others take way 1), then way 1's. The loss is linear in the
+    weights, so the gradients are known in closed form: nothing is lost, and the replicas are
+    identical."""
     if hvd.gloo_enabled() and not os.environ.get("SPARSE_HVD_FULL_SUITE"):
         pytest.skip("the MPI job runs these (the suite's time budget)")
     import keras
@@ -827,10 +845,11 @@ def test_fit_with_the_callback_runs_each_step_traced_for_its_exchange(hvd, monke
 
     import sparse_hvd
 
-    forced = "sparse_allreduce"
     monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index(forced))
+    # the turns in the plans' order at any size (the order below)
+    monkeypatch.setattr(trial_rules, "FEWEST_BYTES_FIRST", False)
     steps = 1 + CANDIDATES * measured.TRIAL_STEPS + 3 * per_call + 3
-    name = f"auto_fit_{per_call}"
+    name = f"auto_fit_{forced}_{per_call}"
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(1.0), density=0.05, warmup_steps=0, exchange="auto", name=name)
     model = keras.Sequential([keras.Input((FIT_FEATURES,)),
@@ -865,9 +884,14 @@ def test_fit_with_the_callback_runs_each_step_traced_for_its_exchange(hvd, monke
         expected += [names.index(forced)] * (steps - len(expected))
         # the first call's function is traced before the optimizer is built
         assert [mode for _, mode in seen] == [measured.FIRST] + expected[1:]
-    else:
-        assert {"dense" if i == measured.DENSE_PLAIN else names[i]
-                for i in modes if i != measured.FIRST} == NAMES
+    else:  # a negative mode is one of dense's ways
+        assert {"dense" if i < 0 else names[i] for i in modes if i != measured.FIRST} == NAMES
+    if forced == "dense":  # the flush's function for one call after the decision, then way 1
+        after = [mode for steps_before, mode in seen
+                 if steps_before > optimizer.exchange_decisions[0][0]]
+        assert after[0] == measured.DENSE_FLUSH and len(after) > 1
+        assert set(after[1:]) == {measured.DENSE_PLAIN}
+        assert not any(np.any(r.numpy()) for r in optimizer.residuals)
     everyone = gather(hvd, seen, name=f"{name}.modes")
     assert all(e == everyone[0] for e in everyone), everyone
     weights = [v.numpy() for v in model.trainable_variables]
