@@ -108,8 +108,8 @@ import tensorflow as tf
 from ..feedback.preparation import tensor_parts
 from ..runtime import collectives, log, startup as runtime
 from .candidates import Plan, dense_bytes_per_entry, plans_for, warmup_trials  # noqa: F401
-from .plan_step import (DENSE_FLUSH, DENSE_FLUSH_ALONE, DENSE_HELD, DENSE_PLAIN,  # noqa: F401
-                        FIRST, plan_step, traced_mode, traced_plan)
+from .plan_step import (DENSE_FLUSH, DENSE_HELD, DENSE_PLAIN, FIRST, plan_step,  # noqa: F401
+                        traced_mode, traced_plan)
 from .strategies import SynchronousStep
 from .trial_rules import (decide, decision_message, decisive_loss, median_of_samples,
                           plans_within_reach, sparse_can_win, turn_order, within_reach,
@@ -168,9 +168,6 @@ class MeasuredChoiceStep(SynchronousStep):
         # is traced with that plan alone (``traced_choice``); FIRST: the plan steps run
         # before the first trial (the index is known once the optimizer is built)
         self.traced = None
-        # traced_choice's count: every call of the train function so far ran at most one
-        # step (dense's flush may then be traced alone, ``plan_step``)
-        self.one_step_a_call = False
         self.dense_index = None  # dense's plan, when it is a candidate
         self.reference_index = None  # the plan others build on (``Exchange.builds_on``)
         self.bounded = []  # per plan: whether it builds on the reference

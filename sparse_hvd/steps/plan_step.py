@@ -30,15 +30,12 @@ step takes, which the host reads before the call (:func:`traced_mode`): way 1 al
 residuals are clear (from a fresh build until the first sparse step), and for a trial's turn
 after sparse steps where way 2 sends what way 1 does (no compression: it differs only in
 keeping a rounding error), the inner state shared first if due; way 2 alone for such a turn
-with compression; and for the flush (the step after dense is chosen), way 3 alone where
-every call of the train function so far ran at most one step (the host counts them:
-``one_step_a_call``), else way 3 with way 1 for the steps after it in the same call (Keras'
-``steps_per_execution`` > 1, a loop in a custom step). A call that runs several steps stays
-in its way: dense's steps keep the residuals as they were (a held step outside a trial
-leaves them to the sparse steps after it, and does not call them clear); in the flush's
-function of two ways a step of a trial whose residuals are not clear (only after a flush
-that did not go ahead, in the same call) flushes them instead of holding them: nothing is
-lost, and every rank does the same.
+with compression; and for the flush, way 3 with way 1 for the steps after it (the flush's
+function: the step after dense is chosen). A call that runs several steps stays in its way:
+dense's steps keep the residuals as they were (a held step outside a trial leaves them to the
+sparse steps after it, and does not call them clear); in the flush's function a step of a
+trial whose residuals are not clear (only after a flush that did not go ahead, in the same
+call) flushes them instead of holding them: nothing is lost, and every rank does the same.
 With the three ways in one function, dense's trace and first call took 3.6 s a rank at 4
 workers on 2 cores (the wide CNN), way 1 alone 1.4 s: the first steps of every job that starts
 on dense (way 2 traced apart for the trial's turn after sparse steps took another 1.1 s, hence
@@ -55,7 +52,6 @@ FIRST = -1  # traced for the plan steps run before the first trial (``first_mode
 DENSE_PLAIN = -2  # dense's plan, way 1 alone (the residuals clear, or held as way 1 sends)
 DENSE_HELD = -3  # dense's plan, way 2 alone (a trial's turn after sparse steps, compressed)
 DENSE_FLUSH = -4  # dense's plan, way 3 then way 1 (the step after dense is chosen)
-DENSE_FLUSH_ALONE = -5  # the same, way 3 alone (every call so far ran at most one step)
 
 
 def traced_mode(step, branch) -> int:
@@ -69,7 +65,7 @@ def traced_mode(step, branch) -> int:
         # way 2 sends what way 1 does unless values are rounded: it keeps each value's rounding
         # error in its residual (``preparation``)
         return DENSE_HELD if step.optimizer._compression.enabled else DENSE_PLAIN
-    return DENSE_FLUSH_ALONE if step.one_step_a_call else DENSE_FLUSH
+    return DENSE_FLUSH
 
 
 def first_traced(step) -> int:
@@ -83,8 +79,7 @@ def traced_plan(step):
     """``(the plan's index, its way: "plain", "held", "flush" or None for all)`` of a step
     traced for ``step.traced``."""
     traced = first_traced(step) if step.traced == FIRST else step.traced
-    ways = {DENSE_PLAIN: "plain", DENSE_HELD: "held", DENSE_FLUSH: "flush",
-            DENSE_FLUSH_ALONE: "flush alone"}
+    ways = {DENSE_PLAIN: "plain", DENSE_HELD: "held", DENSE_FLUSH: "flush"}
     if traced in ways:
         return step.dense_index, ways[traced]
     return traced, None
@@ -95,8 +90,7 @@ def plan_step(step, plan, grads_and_vars, trial_step, way=None):
     ``tf.switch_case`` branch: ``(its end's timestamp, its exchange's seconds)``.
     ``trial_step``: a boolean tensor, whether this step is a trial's step of this plan;
     ``way``: dense's plan traced for way 1 ("plain": sharing the inner state first if due,
-    as way 2 does) or way 2 ("held") alone, or for way 3 then way 1 ("flush") or way 3
-    alone ("flush alone": the host saw the residuals owed, and the call runs one step)."""
+    as way 2 does) or way 2 ("held") alone, or for way 3 then way 1 ("flush")."""
     opt = step.optimizer
     update_cut = opt.sparsify == "update"
 
@@ -149,9 +143,6 @@ def plan_step(step, plan, grads_and_vars, trial_step, way=None):
             written = [step.clear.assign(tf.logical_and(went_ahead, not selected))]
             if selected and update_cut:
                 written.append(step.own_state.assign(True))
-        elif way == "flush alone":
-            went_ahead, exchanged = flush(plan.routes)
-            written = [step.clear.assign(went_ahead)]
         elif way == "flush":  # the flush, then way 1 for any step after it in the call
             went_ahead, exchanged = tf.cond(step.clear, lambda: run_with(plan.clear_routes),
                                             lambda: flush(plan.routes))

@@ -44,31 +44,16 @@ class _PerMode:
         self.optimizer = optimizer
         self.make = make
         self.functions = {}
-        self._steps_before = None  # the step counter at the previous call (None: not known)
-        self._one_step_a_call = True  # every call so far ran at most one step
 
     def current(self):
         self._settle()
-        step = getattr(self.optimizer, "_step", None)
-        self._count_steps(step)
         mode = _mode(self.optimizer)
+        step = getattr(self.optimizer, "_step", None)
         if hasattr(step, "traced"):
             step.traced = mode  # what a trace (the first, or one for new shapes) sees
         if mode not in self.functions:
             self.functions[mode] = self.make()
         return self.functions[mode]
-
-    def _count_steps(self, step):
-        """Tell ``step`` whether every call so far ran at most one step (read from its
-        counter between calls), so that the step after dense is chosen may trace the flush
-        alone (``plan_step``); until a call has been counted, no."""
-        if not hasattr(step, "one_step_a_call") or not self.optimizer.built:
-            return
-        steps = int(step.steps.numpy())
-        if self._steps_before is not None:
-            self._one_step_a_call &= steps - self._steps_before <= 1
-            step.one_step_a_call = self._one_step_a_call
-        self._steps_before = steps
 
     def _settle(self):
         """The function traced before the optimizer was built ran its first plan: file it

@@ -131,8 +131,8 @@ def test_a_whole_trial_decides_the_same_everywhere_and_loses_nothing(hvd, per_mo
     if per_mode:  # one function per candidate; dense's first for clear residuals alone
         dense = names.index("dense")
         expected = {measured.DENSE_PLAIN} | set(range(CANDIDATES)) - {dense}
-        if choice == "dense":  # chosen after sparse steps: the flush's function (one step a
-            expected.add(measured.DENSE_FLUSH_ALONE)  # call: way 3 alone)
+        if choice == "dense":  # chosen after sparse steps: the flush's function (ways 3, 1)
+            expected.add(measured.DENSE_FLUSH)
         assert sorted(optimizer.functions) == sorted(expected)
     _same_everywhere(hvd, weights, "auto_trial")
     _conservation(hvd, optimizer, weights, STEPS, "none")
@@ -451,7 +451,7 @@ def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod
     rank; with 16-bit values, to their rounding (the velocities' mean is taken in float32,
     and the residuals hold only rounding errors). In one function with every candidate a
     branch (dense's three ways), or (``per_mode``) one per mode: the flush in the function of
-    way 3 alone (every call runs one step), then way 1's own."""
+    ways 3 and 1, then way 1's own."""
     import keras
 
     # the default tier runs the flush's own function (the way a fit or sparse_hvd.function
@@ -505,7 +505,7 @@ def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod
     if per_mode:  # never the function of dense's three ways
         names = [p.name for p in optimizer._step.plans]
         assert sorted(optimizer.functions) == sorted(
-            [measured.DENSE_PLAIN, measured.DENSE_FLUSH_ALONE]
+            [measured.DENSE_PLAIN, measured.DENSE_FLUSH]
             + [i for i, n in enumerate(names) if n != "dense"])
     _same_everywhere(hvd, weights, name)
 
@@ -744,7 +744,7 @@ def test_what_cannot_beat_the_allgather_by_its_bytes_is_not_tried(hvd, monkeypat
         # the allgather's steps, the flush's)
         assert sorted(optimizer.functions) == sorted(
             [measured.DENSE_PLAIN, names.index("allgather")]
-            + ([measured.DENSE_FLUSH_ALONE] if choice == "dense" else []))
+            + ([measured.DENSE_FLUSH] if choice == "dense" else []))
     everyone = gather(hvd, (optimizer.exchange_decisions, asked), name=f"{name}.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
     _same_everywhere(hvd, weights, name)
@@ -834,10 +834,10 @@ def test_fit_with_the_callback_runs_each_step_traced_for_its_exchange(hvd, monke
     the candidate that runs (one function per mode, made once), in the schedule's order (the
     default exchange, the trial with dense first, dense's later steps with clear residuals,
     then the forced choice); with ``steps_per_execution`` 3 a trial step due for another
-    candidate waits for the next call, and dense chosen runs the flush's function of two ways
-    for a call (its first step flushes, the others take way 1), then way 1's. The loss is
-    linear in the weights, so the gradients are known in closed form: nothing is lost, and the
-    replicas are identical."""
+    candidate waits for the next call, and dense chosen runs the flush's function for a call
+    (its first step flushes, the others take way 1), then way 1's. The loss is linear in the
+    weights, so the gradients are known in closed form: nothing is lost, and the replicas are
+    identical."""
     if hvd.gloo_enabled() and not os.environ.get("SPARSE_HVD_FULL_SUITE"):
         pytest.skip("the MPI job runs these (the suite's time budget)")
     import keras
