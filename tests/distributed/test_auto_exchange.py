@@ -30,6 +30,13 @@ def whole_turns(monkeypatch):
     monkeypatch.setattr(measured, "decisive_loss", lambda seconds, names, margin: False)
 
 
+def full_suite_only(hvd, in_default_tier=False):
+    """Skip in the default tier (this file runs there under Gloo alone, at 2 ranks: the
+    suite's time budget) unless ``in_default_tier``: each test below keeps one case there."""
+    if hvd.gloo_enabled() and not os.environ.get("SPARSE_HVD_FULL_SUITE") and not in_default_tier:
+        pytest.skip("the full suite runs these (the suite's time budget)")
+
+
 def train(name, steps, momentum_correction=0.0, compression="none", density=0.05,
           per_mode=False, grouping="grouped", inner=None, snapshots=None, build_first=True):
     """``steps`` steps of exchange="auto" on this rank's gradients (tests/option_matrix.py), in
@@ -414,8 +421,7 @@ def test_the_chosen_exchange_runs_after_the_trial(hvd, monkeypatch, forced, comp
     statistics say so; dense sends every entry), replicas stay identical, and nothing is lost
     across the switches (16-bit values; momentum correction, whose dense steps send the whole
     velocity plus residual and clear both; the layer-wise coded allgather)."""
-    if hvd.gloo_enabled() and not os.environ.get("SPARSE_HVD_FULL_SUITE"):
-        pytest.skip("the MPI job runs these (the suite's time budget)")
+    full_suite_only(hvd, in_default_tier=forced == "dense")
     monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index(forced))
     name = f"auto_forced_{forced}_{grouping}"
     optimizer, weights, stats = train(name, STEPS, momentum, compression, grouping=grouping)
@@ -454,11 +460,8 @@ def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod
     ways 3 and 1, then way 1's own."""
     import keras
 
-    # the default tier runs the flush's own function (the way a fit or sparse_hvd.function
-    # takes) without rounding; the full suite every case
-    if (hvd.gloo_enabled() and not os.environ.get("SPARSE_HVD_FULL_SUITE")
-            and not (per_mode and compression == "none")):
-        pytest.skip("the full suite runs these (the suite's time budget)")
+    # the default tier: the flush's own function (the way a fit or sparse_hvd.function takes)
+    full_suite_only(hvd, in_default_tier=per_mode and compression == "none")
     monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index("dense"))
     lr, momentum, size = 0.1, 0.9, hvd.size()
     name = f"auto_update_cut_dense_{compression}_{per_mode}"
@@ -527,8 +530,8 @@ def test_a_trials_dense_turn_keeps_the_residuals(hvd, monkeypatch, inner, compre
     function per mode."""
     import keras
 
-    if hvd.gloo_enabled() and not os.environ.get("SPARSE_HVD_FULL_SUITE"):
-        pytest.skip("the MPI job runs these (the suite's time budget)")
+    full_suite_only(hvd, in_default_tier=inner == "momentum" and compression == "none"
+                    and per_mode)
     monkeypatch.setattr(measured, "RECHECK_STEPS", 8)
     monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index("allgather"))
     lr, momentum = (1.0, 0.0) if inner == "sgd" else (0.1, 0.9)
@@ -838,8 +841,7 @@ def test_fit_with_the_callback_runs_each_step_traced_for_its_exchange(hvd, monke
     (its first step flushes, the others take way 1), then way 1's. The loss is linear in the
     weights, so the gradients are known in closed form: nothing is lost, and the replicas are
     identical."""
-    if hvd.gloo_enabled() and not os.environ.get("SPARSE_HVD_FULL_SUITE"):
-        pytest.skip("the MPI job runs these (the suite's time budget)")
+    full_suite_only(hvd, in_default_tier=forced == "dense")
     import keras
     import tensorflow as tf
 
