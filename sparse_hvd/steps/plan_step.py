@@ -143,20 +143,20 @@ def plan_step(step, plan, grads_and_vars, trial_step, way=None):
             written = [step.clear.assign(tf.logical_and(went_ahead, not selected))]
             if selected and update_cut:
                 written.append(step.own_state.assign(True))
-        elif way == "flush":  # the flush, then way 1 for any step after it in the call
-            went_ahead, exchanged = tf.cond(step.clear, lambda: run_with(plan.clear_routes),
-                                            lambda: flush(plan.routes))
-            written = [step.clear.assign(tf.logical_or(step.clear, went_ahead))]
-        elif way is not None:  # the residuals stay as they were: clear, or held
+        elif way in ("plain", "held"):  # the residuals stay as they were: clear, or held
             went_ahead, exchanged = hold(plan.clear_routes if way == "plain" else plan.held_routes)
             written = [went_ahead]
-        else:
-            went_ahead, exchanged = tf.cond(
-                step.clear, lambda: run_with(plan.clear_routes),
-                lambda: tf.cond(trial_step, lambda: hold(plan.held_routes),
-                                lambda: flush(plan.routes)))
-            written = [step.clear.assign(tf.logical_or(
-                step.clear, tf.logical_and(went_ahead, tf.logical_not(trial_step))))]
+        else:  # way 1 where clear, else the flush ("flush"), or a trial's hold or the flush
+            def owed():
+                if way == "flush":
+                    return flush(plan.routes)
+                return tf.cond(trial_step, lambda: hold(plan.held_routes),
+                               lambda: flush(plan.routes))
+            went_ahead, exchanged = tf.cond(step.clear, lambda: run_with(plan.clear_routes), owed)
+            sent = went_ahead
+            if way is None:  # a trial's held step leaves the residuals owed
+                sent = tf.logical_and(went_ahead, tf.logical_not(trial_step))
+            written = [step.clear.assign(tf.logical_or(step.clear, sent))]
         # an explicit edge: after lowering, nothing else orders the step's end after its
         # writes (``went_ahead`` exists only once they are done)
         with tf.control_dependencies(written):
