@@ -335,6 +335,64 @@ def test_the_native_compensation_finds_a_non_finite_entry_in_its_own_pass(bad, b
     assert selection.finite.numpy()  # handed to the payload
 
 
+@pytest.mark.parametrize("block", [0, 64])
+@pytest.mark.parametrize("n", [1, 33, 64, 70_001])
+def test_the_packed_compensation_writes_the_words_and_scales_as_they_travel(n, block):
+    """``SparseHvdPackedCompensateSign`` (a rank that sends its signs as they are): the sign
+    bits of the NumPy expectation's +-scale in little-endian words, each block's scale, and the
+    same remainder, exactly; the selection it makes packs (``SignAllgather.pack``) to the
+    unpacked selection's words."""
+    from helpers import native_op
+    from sparse_hvd import kernels
+
+    native = native_op(kernels.packed_compensate_sign)
+    rng = np.random.RandomState(n + 7)
+    grad, residual = (rng.randn(n).astype("float32") for _ in range(2))
+    grad[: n // 3] = 0.0  # some c = 0: + with its block's scale
+    residual[: n // 3] = 0.0
+    words, scales, remainder, finite = (t.numpy() for t in native(
+        tf.constant(grad), tf.constant(residual), block=block))
+    assert finite
+    compensated = grad + residual
+    sent = block_signs(compensated, block).astype("float32")
+    bits = np.zeros(-(-n // 32) * 32, np.uint64)
+    bits[:n] = sent < 0
+    expected_words = (bits.reshape(-1, 32) << np.arange(32, dtype=np.uint64)).sum(1)
+    np.testing.assert_array_equal(words.view(np.uint32), expected_words.astype(np.uint32))
+    size = block or n
+    np.testing.assert_array_equal(scales, [np.abs(sent[b:b + size]).max()
+                                           for b in range(0, n, size)])
+    np.testing.assert_array_equal(remainder, compensated - sent)
+    packed, kept = compensate_and_select(tf.constant(grad), tf.constant(residual),
+                                         ScaledSign(block).packing(), k=1)
+    plain, _ = compensate_and_select(tf.constant(grad), tf.constant(residual), ScaledSign(block),
+                                     k=1)
+    assert packed.values.shape == (0,) and packed.indices.shape == (n,)
+    np.testing.assert_array_equal(kept.numpy(), remainder)
+    np.testing.assert_array_equal(SignAllgather.pack([packed], block).numpy(),
+                                  SignAllgather.pack([plain], block).numpy())
+
+
+@pytest.mark.parametrize("block", [0, 64])
+def test_the_packed_compensation_finds_a_non_finite_entry_and_packs_as_the_plain_pass(block):
+    """Non-finite entries: the packed pass's flag, words, scales and remainder are the plain
+    pass's and its packing's (a NaN block's scale 0, as the packing's maximum gives it)."""
+    from helpers import native_op
+    from sparse_hvd import kernels
+
+    values = np.random.RandomState(3).randn(256).astype("float32")
+    values[[3, 70, 140]] = [np.nan, np.inf, -np.inf]
+    grad, residual = tf.constant(values), tf.zeros([256])
+    sent, remainder, finite = native_op(kernels.compensate_sign)(grad, residual, block=block)
+    words, scales = native_op(kernels.sign_pack)(sent, block=block)
+    packed = native_op(kernels.packed_compensate_sign)(grad, residual, block=block)
+    assert not finite.numpy() and not packed[3].numpy()
+    for got, expected in zip(packed[:3], (words, scales, remainder)):
+        np.testing.assert_array_equal(got.numpy(), expected.numpy())
+    with pytest.raises(tf.errors.InvalidArgumentError, match="1-D and alike"):
+        native_op(kernels.packed_compensate_sign)(grad, tf.zeros([255]), block=block)
+
+
 @pytest.mark.parametrize("exchange,block", [("sign", 64), ("sign_per_variable", 0)])
 def test_the_bytes_an_entry_the_exchange_prices_are_what_it_packs(exchange, block):
     """``sent_bytes_per_entry`` (what auto's network model and the adaptive policy price) is

@@ -108,15 +108,26 @@ class ScaledSign(Sparsifier):
     """Step 1: every entry, as its sign times the mean magnitude of its block (``block``
     entries, 0: the whole variable); ``k`` is not used. With error feedback the residual is the
     difference from the compensated tensor (not the compensated tensor with the sent entries
-    zeroed, as for the sparsifiers that send entries as they are)."""
+    zeroed, as for the sparsifiers that send entries as they are).
+
+    ``packed`` (:meth:`packing`: a rank that sends its signs as they are, more than one worker
+    and no compression): on CPU the selecting pass writes the sign words and the scales as
+    step 2 packs them (``Selection.packed``; ``kernels/sign_sum.cc``), and the [n] floats
+    ``+-scale``, which only the packing would read, are never made: on one 4.2M-entry
+    variable, one thread, 4.3 ms against 5.6 for the pass and the packing (the same bits)."""
 
     name = "scaled_sign"
 
-    def __init__(self, block=0):
+    def __init__(self, block=0, packed=False):
         self.block = block
+        self.packed = packed
         # with blocks the scales travel as bfloat16 whatever ``compression`` says: rounding
         # them to float16 too would only lose the small ones (float16's range ends near 6e-8)
         self.own_wire_precision = block > 0
+
+    def packing(self) -> "ScaledSign":
+        """The same signs, made packed as they travel (see the class doc)."""
+        return ScaledSign(self.block, packed=True)
 
     def __call__(self, flat, k):
         return Selection(scaled_signs(flat, self.block),
@@ -124,6 +135,13 @@ class ScaledSign(Sparsifier):
 
     def fused_compensate_select(self, flat_grad, flat_residual, k):
         native = kernels.compensate_sign() if flat_grad.dtype == tf.float32 else None
+        packing = kernels.packed_compensate_sign() if native is not None and self.packed else None
+        if packing is not None:
+            words, scales, remainder, finite = packing(
+                flat_grad, tf.cast(flat_residual, tf.float32), block=self.block)
+            return Selection(tf.zeros([0], flat_grad.dtype),
+                             tf.range(tf.size(flat_grad, out_type=tf.int32)), finite=finite,
+                             packed=(words, scales)), remainder
         if native is not None:  # two passes, the payload's finiteness found in them too
             sent, remainder, finite = native(flat_grad, tf.cast(flat_residual, tf.float32),
                                              block=self.block)
@@ -226,10 +244,11 @@ class SignAllgather(FusedAllgather):
         """One rank's words: each selection's scales (``block`` 0: one, float32 bits; else one
         per block, bfloat16 bits two to a word), then each one's signs: of values 0,
         ``stride``, 2 x ``stride``, ... only (``exchange="topk_sign_pairs"``: one of each
-        pair, both equal)."""
+        pair, both equal); a selection made packed (``Selection.packed``) as it is."""
         if not selections:
             return tf.zeros([0], tf.int32)
-        parts = [SignAllgather.pack_one(s.values, block, stride) for s in selections]
+        parts = [SignAllgather.pack_one(s.values, block, stride) if s.packed is None
+                 else SignAllgather.scale_and_sign_words(*s.packed, block) for s in selections]
         return tf.concat([scales for scales, _ in parts] + [words for _, words in parts], 0)
 
     @staticmethod
@@ -244,7 +263,14 @@ class SignAllgather(FusedAllgather):
             values = values[::stride] if stride > 1 else values
             words = pack_signs(values)
             largest = tf.reduce_max(in_blocks(tf.abs(values), block)[0], 1)
-        return (tf.bitcast(largest, tf.int32) if block == 0 else bfloat16_words(largest)), words
+        return SignAllgather.scale_and_sign_words(words, largest, block)
+
+    @staticmethod
+    def scale_and_sign_words(words, scales, block):
+        """:meth:`pack_one`'s two parts from the sign ``words`` and float32 ``scales``: the
+        scales as they travel (float32 bits for ``block`` 0, else bfloat16 pairs), and the
+        words."""
+        return (tf.bitcast(scales, tf.int32) if block == 0 else bfloat16_words(scales)), words
 
     @staticmethod
     def unpack(rows, dtypes, sizes, block=0, group=1):

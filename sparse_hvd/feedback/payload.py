@@ -83,7 +83,7 @@ class Payload(NamedTuple):
     @property
     def selected(self):
         """Every selection's tensors (for timing)."""
-        return [t for s in self.sparse.items for t in (s.values, s.indices)]
+        return [t for s in self.sparse.items for t in (s.values, s.indices) + (s.packed or ())]
 
     def finite_here(self) -> tf.Tensor:
         """True iff this rank's gradients are all finite (True when not checked)."""
@@ -139,7 +139,7 @@ class PayloadBuilder:
         """A selection of ``gradient`` (as the sparsifier saw it), the state writes it needs and
         the density policy's k for it."""
         self._budgets.append(budget)
-        sent = tf.cast(tf.size(selection.values), tf.int64)
+        sent = tf.cast(tf.size(selection.indices), tf.int64)  # ``values`` if packed: none
         bytes_sent = sent * (route.itemsize + INDEX_BYTES)
         signed = -(-route.num_elements // self._sign_group)
         for _ in selection.signs or ():  # a bit per sign in int32 words, and the scale

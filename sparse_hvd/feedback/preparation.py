@@ -126,6 +126,12 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
             prepared[i] = prepared[i][:-1] + (update,)
     sparsifier = (None if fused is not None
                   else model_wide_sparsifier(opt, prepared, budgets) or opt._selector)
+    # a rank that sends its signs as they are (not rounded by ``compression``) takes them
+    # packed as they travel, from the selecting pass
+    unrounded = opt._compression.wire_dtype(tf.float32) is None
+    packing = getattr(sparsifier, "packing", None)  # exchange="sign": ``ScaledSign``
+    if packing is not None and workers > 1 and (unrounded or sparsifier.own_wire_precision):
+        sparsifier = packing()
     levels = getattr(opt._exchange, "levels", 0)  # exchange="topk_sign": the rest as signs
     if levels:
         from ..exchanges.topk_sign import BAND, SignsOfTheRest
@@ -133,11 +139,9 @@ def make_payload(opt, grads_and_vars, keep_rows=True):
         band_cut = None
         if levels > 1 and opt.budget == "model" and budgets:
             band_cut = model_wide_sparsifier(opt, prepared, budgets, scale=BAND).cut
-        # a rank that sends its signs unrounded takes them packed as they travel
-        packed = workers > 1 and opt._compression.wire_dtype(tf.float32) is None
         sparsifier = SignsOfTheRest(sparsifier, levels, band_cut,
                                     group=getattr(opt._exchange, "sign_group", 1),
-                                    packed=packed)
+                                    packed=workers > 1 and unrounded)
     for position, index, route, rows, grad in prepared:
         if rows:
             builder.add_rows(position, index, route, grad)

@@ -41,7 +41,9 @@
   in one op);
 * ``compensate_sign()``, ``sign_pack()`` and ``sign_sum()``: the ``SparseHvdCompensateSign``,
   ``SparseHvdSignPack`` and ``SparseHvdSignSum`` ops (sign_sum.cc, ``exchange="sign"``: error
-  feedback's scaled signs in two passes; one rank's sign bits and scale in one pass; one
+  feedback's scaled signs in two passes (``packed_compensate_sign()``,
+  ``SparseHvdPackedCompensateSign``: the same passes writing the sign bits and scales as they
+  travel, where a rank sends its signs); one rank's sign bits and scale in one pass; one
   variable's average from every rank's bits and scale, summed in rank order, in one pass;
   with ``stride=2`` and ``group=2``, ``exchange="topk_sign_pairs"``: one entry of each pair
   packed where it lies, and each pair's average written to both of its entries);
@@ -246,6 +248,12 @@ def sign_sum():
 def compensate_sign():
     """The native compensate-and-sign op of the sign exchange, or None."""
     return _op("sparse_hvd_compensate_sign")
+
+
+def packed_compensate_sign():
+    """The native compensate-and-sign op writing the signs as they travel (bits and each
+    block's scale), or None."""
+    return _op("sparse_hvd_packed_compensate_sign")
 
 
 def sign_pack():

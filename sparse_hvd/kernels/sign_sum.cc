@@ -12,6 +12,12 @@
 // mean is float32's reduction, which may differ in the last bit: each rank sends its own
 // scales, so replicas stay identical either way.
 //
+// SparseHvdPackedCompensateSign: SparseHvdCompensateSign for a rank that sends its signs as
+// they are (more than one worker, no compression), writing them as SparseHvdSignPack would
+// pack them: the sign bits in int32 words and each block's scale (the largest |sent|, which is
+// the scale itself, 0 for a NaN one as the pack's maximum gives it), never the [n] floats
+// ``sent``, which only the packing would read (a write and a read of every entry fewer).
+//
 // SparseHvdSignPack: one rank's sign bits of a variable's scaled signs and their magnitudes
 // (step 2), in one pass: bit i of word i / 32 (little-endian) is set where value i is negative,
 // and a block's scale is its largest |value| (every value of a block is +-scale; an exact
@@ -256,18 +262,36 @@ bool CompensateSigns(const float* __restrict g, const float* __restrict r,
   return finite;
 }
 
-class CompensateSignOp : public OpKernel {
+// What both compensation ops share: the attribute ``block`` and the inputs' check.
+class CompensateOpBase : public OpKernel {
  public:
-  explicit CompensateSignOp(OpKernelConstruction* context) : OpKernel(context) {
+  explicit CompensateOpBase(OpKernelConstruction* context) : OpKernel(context) {
     OP_REQUIRES_OK(context, context->GetAttr("block", &block_));
     OP_REQUIRES_OK(context, CheckedBlock(block_));
   }
 
-  void Compute(OpKernelContext* context) override {
+ protected:
+  // Whether the gradient and the residual (inputs 0 and 1) are 1-D and alike; if not, the
+  // context's status says so.
+  static bool CheckedInputs(OpKernelContext* context) {
     const Tensor& gradient = context->input(0);
     const Tensor& residual = context->input(1);
-    OP_REQUIRES(context, gradient.dims() == 1 && gradient.shape() == residual.shape(),
-                InvalidArgumentError("gradient and residual must be 1-D and alike"));
+    if (gradient.dims() == 1 && gradient.shape() == residual.shape()) return true;
+    context->CtxFailure(InvalidArgumentError("gradient and residual must be 1-D and alike"));
+    return false;
+  }
+
+  int64_t block_ = 0;
+};
+
+class CompensateSignOp : public CompensateOpBase {
+ public:
+  using CompensateOpBase::CompensateOpBase;
+
+  void Compute(OpKernelContext* context) override {
+    if (!CheckedInputs(context)) return;
+    const Tensor& gradient = context->input(0);
+    const Tensor& residual = context->input(1);
     const int64_t n = gradient.dim_size(0);
     Tensor* sent = nullptr;
     Tensor* remainder = nullptr;
@@ -279,13 +303,94 @@ class CompensateSignOp : public OpKernel {
         gradient.flat<float>().data(), residual.flat<float>().data(),
         sent->flat<float>().data(), remainder->flat<float>().data(), n, block_);
   }
-
- private:
-  int64_t block_ = 0;
 };
 
 REGISTER_KERNEL_BUILDER(Name("SparseHvdCompensateSign").Device(tensorflow::DEVICE_CPU),
                         CompensateSignOp);
+
+REGISTER_OP("SparseHvdPackedCompensateSign")
+    .Attr("block: int = 0")
+    .Input("gradient: float")    // [n]
+    .Input("residual: float")    // [n]
+    .Output("words: int32")      // [(n + 31) / 32]: bit i set where sent i is negative
+    .Output("scales: float")     // [blocks]: each block's largest |sent|
+    .Output("remainder: float")  // [n]: c - sent
+    .Output("finite: bool")      // every c was finite
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      int64_t block = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("block", &block));
+      tensorflow::shape_inference::DimensionHandle n = c->Dim(c->input(0), 0);
+      if (c->ValueKnown(n)) {
+        c->set_output(0, c->Vector((c->Value(n) + 31) / 32));
+        c->set_output(1, c->Vector(BlocksOf(c->Value(n), block)));
+      } else {
+        c->set_output(0, c->Vector(c->UnknownDim()));
+        c->set_output(1, c->Vector(block == 0 ? c->MakeDim(1) : c->UnknownDim()));
+      }
+      c->set_output(2, c->input(0));
+      c->set_output(3, c->Scalar());
+      return tsl::OkStatus();
+    });
+
+// CompensateSigns with the signs packed as they are made: per block, c and the sum of |c|
+// (the same lanes), its scale, then per word of 32 entries the sent sign's bit (``sent < 0``,
+// SignPack's test) and the remainder c - sent. A block is whole words (block is a multiple of
+// 32, or the whole variable), so each word is written once, in one block.
+SPARSE_HVD_VECTORISED
+bool PackedCompensateSigns(const float* __restrict g, const float* __restrict r,
+                           uint32_t* __restrict words, float* __restrict scales,
+                           float* __restrict c, int64_t n, int64_t block) {
+  const int64_t size = block == 0 ? std::max<int64_t>(n, 1) : block;
+  std::fill(scales, scales + BlocksOf(n, block), 0.0f);
+  bool finite = true;
+  for (int64_t begin = 0; begin < n; begin += size) {
+    const int64_t end = std::min(n, begin + size);
+    const double total = CompensatedMagnitudes(g, r, c, begin, end);
+    finite = finite && std::isfinite(total);
+    float scale = static_cast<float>(total / static_cast<double>(end - begin));
+    if (block > 0) scale = RoundedToBfloat16(scale);
+    scales[begin / size] = std::max(0.0f, scale);  // std::max(0, NaN) is 0, as in PackWord
+    for (int64_t word = begin; word < end; word += 32) {
+      const int64_t count = std::min<int64_t>(32, end - word);
+      uint32_t bits = 0;
+      for (int64_t b = 0; b < count; ++b) {
+        const float sent = c[word + b] < 0.0f ? -scale : scale;
+        bits |= static_cast<uint32_t>(sent < 0.0f) << b;
+        c[word + b] -= sent;
+      }
+      words[word / 32] = bits;
+    }
+  }
+  return finite;
+}
+
+class PackedCompensateSignOp : public CompensateOpBase {
+ public:
+  using CompensateOpBase::CompensateOpBase;
+
+  void Compute(OpKernelContext* context) override {
+    if (!CheckedInputs(context)) return;
+    const Tensor& gradient = context->input(0);
+    const Tensor& residual = context->input(1);
+    const int64_t n = gradient.dim_size(0);
+    Tensor* words = nullptr;
+    Tensor* scales = nullptr;
+    Tensor* remainder = nullptr;
+    Tensor* finite = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({(n + 31) / 32}), &words));
+    OP_REQUIRES_OK(context,
+                   context->allocate_output(1, TensorShape({BlocksOf(n, block_)}), &scales));
+    OP_REQUIRES_OK(context, context->allocate_output(2, gradient.shape(), &remainder));
+    OP_REQUIRES_OK(context, context->allocate_output(3, TensorShape({}), &finite));
+    finite->scalar<bool>()() = PackedCompensateSigns(
+        gradient.flat<float>().data(), residual.flat<float>().data(),
+        reinterpret_cast<uint32_t*>(words->flat<int32_t>().data()), scales->flat<float>().data(),
+        remainder->flat<float>().data(), n, block_);
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("SparseHvdPackedCompensateSign").Device(tensorflow::DEVICE_CPU),
+                        PackedCompensateSignOp);
 
 REGISTER_OP("SparseHvdSignPack")
     .Attr("block: int = 0")

@@ -22,6 +22,10 @@ class Selection(NamedTuple):
     # with exchange="topk_sign": layers of [n] signs, each +-its scale, of what the selection
     # left (``exchanges.topk_sign``: one layer, or two); they travel as bits beside the entries
     signs: Optional[tuple] = None
+    # with exchange="sign" on a rank that sends its signs as they are: (int32 sign words,
+    # float32 scales), made by the selecting pass (``exchanges.sign.ScaledSign``); ``values``
+    # then has no entries (``indices`` still counts every entry sent)
+    packed: Optional[tuple] = None
 
 
 class Sparsifier:
