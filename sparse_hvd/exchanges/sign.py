@@ -28,9 +28,10 @@ no per-entry size, which Adam's normalised update does not need and SGD's does).
    ``c >= 0`` and ``-scale`` elsewhere (an exact zero travels as +, one bit has no room for
    it), residual ``c - sent`` (the scale's rounding included: nothing is lost);
 2. pack: each variable's scales (bfloat16 bits, two to an int32 word), then each variable's
-   sign bits (1: negative) in int32 words (on CPU in one native pass, ``kernels/sign_sum.cc``),
-   after the header (``base.header``) and with the small dense-route gradients
-   (``base.pack_dense``): one ``grouped_allgather`` per step;
+   sign bits (1: negative) in int32 words (on CPU in one native pass, ``kernels/sign_sum.cc``;
+   where more than one worker sends them unrounded, step 1's pass writes them so itself:
+   ``ScaledSign.packing``), after the header (``base.header``) and with the small dense-route
+   gradients (``base.pack_dense``): one ``grouped_allgather`` per step;
 3. unpack: every rank in this step (the header, else every rank raises), then for each
    variable every rank's ``scale * (1 - 2 bit)``, summed in rank order from zero (the same
    bits on every rank) and divided by the number of workers: on CPU in one native pass
