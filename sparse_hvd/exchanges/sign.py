@@ -112,10 +112,11 @@ class ScaledSign(Sparsifier):
     zeroed, as for the sparsifiers that send entries as they are).
 
     ``packed`` (:meth:`packing`: a rank that sends its signs as they are, more than one worker
-    and no compression): on CPU the selecting pass writes the sign words and the scales as
-    step 2 packs them (``Selection.packed``; ``kernels/sign_sum.cc``), and the [n] floats
-    ``+-scale``, which only the packing would read, are never made: on one 4.2M-entry
-    variable, one thread, 4.3 ms against 5.6 for the pass and the packing (the same bits)."""
+    and its scales not rounded by ``compression``): on CPU the selecting pass writes the sign
+    words and the scales as step 2 packs them (``Selection.packed``; ``kernels/sign_sum.cc``),
+    and the [n] floats ``+-scale``, which only the packing would read, are never made: on one
+    4.2M-entry variable, one thread, 4.3 ms against 5.6 for the pass and the packing (the same
+    bits)."""
 
     name = "scaled_sign"
 

@@ -82,8 +82,10 @@ class Payload(NamedTuple):
 
     @property
     def selected(self):
-        """Every selection's tensors (for timing)."""
-        return [t for s in self.sparse.items for t in (s.values, s.indices) + (s.packed or ())]
+        """Every selection's tensors (for timing): its values and indices, or the words and
+        scales of packed signs (``Selection.packed``, made by the pass that made the rest;
+        their ``indices``, every position, are counted but never made)."""
+        return [t for s in self.sparse.items for t in (s.packed or (s.values, s.indices))]
 
     def finite_here(self) -> tf.Tensor:
         """True iff this rank's gradients are all finite (True when not checked)."""

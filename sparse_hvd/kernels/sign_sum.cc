@@ -13,10 +13,10 @@
 // scales, so replicas stay identical either way.
 //
 // SparseHvdPackedCompensateSign: SparseHvdCompensateSign for a rank that sends its signs as
-// they are (more than one worker, no compression), writing them as SparseHvdSignPack would
-// pack them: the sign bits in int32 words and each block's scale (the largest |sent|, which is
-// the scale itself, 0 for a NaN one as the pack's maximum gives it), never the [n] floats
-// ``sent``, which only the packing would read (a write and a read of every entry fewer).
+// they are (more than one worker, its scales not rounded), writing them as SparseHvdSignPack
+// would pack them: the sign bits in int32 words and each block's scale (the largest |sent|,
+// which is the scale itself, 0 for a NaN one as the pack's maximum gives it), never the [n]
+// floats ``sent``, which only the packing would read (a write and a read of every entry fewer).
 //
 // SparseHvdSignPack: one rank's sign bits of a variable's scaled signs and their magnitudes
 // (step 2), in one pass: bit i of word i / 32 (little-endian) is set where value i is negative,
