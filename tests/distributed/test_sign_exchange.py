@@ -172,6 +172,37 @@ def test_every_rank_applies_the_mean_of_the_ranks_scaled_signs(hvd, inner, excha
     optimizer.assert_same_step()  # the lockstep announcement of the fused allgather's layout
 
 
+@pytest.mark.parametrize("exchange,compression,packed", [
+    ("sign", None, True), ("sign", "float16", True),  # its bfloat16 scales are not rounded
+    ("sign_per_variable", None, True), ("sign_per_variable", "float16", False)])
+def test_a_rank_takes_its_signs_packed_from_the_compensating_pass(hvd, exchange, compression,
+                                                                  packed):
+    """More than one worker: the compensating pass writes the sign words and scales as they
+    travel (``SparseHvdPackedCompensateSign``) and nothing packs floats afterwards, unless
+    ``compression`` rounds the scales (``sign_per_variable``'s float32 ones), which keeps the
+    pass that writes the floats and the packing (the traced step's ops, every rank)."""
+    from helpers import native_op
+    from sparse_hvd import kernels
+
+    native_op(kernels.packed_compensate_sign)
+    variables = [keras.Variable(np.ones(BIG, "float32")), keras.Variable(np.ones(SMALL, "float32"))]
+    optimizer = built(sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.Adam(LR), exchange=exchange, compression=compression,
+        name=f"packed_{exchange}_{compression}"), variables)
+
+    @tf.function(jit_compile=False)
+    def step(big, small):
+        optimizer.apply_gradients(zip([big, small], variables))
+
+    graph = step.get_concrete_function(*map(tf.constant, _gradients(hvd.rank(), 0))).graph
+    types = {op.type for op in graph.get_operations()} | {
+        node.op for function in graph.as_graph_def().library.function
+        for node in function.node_def}
+    assert ("SparseHvdPackedCompensateSign" in types) == packed, sorted(types)
+    assert ("SparseHvdSignPack" in types) != packed
+    assert ("SparseHvdCompensateSign" in types) != packed
+
+
 def test_a_step_not_finite_on_one_rank_is_skipped_everywhere(hvd):
     rank, size = hvd.rank(), hvd.size()
     start = np.linspace(-1, 1, math.prod(BIG)).astype("float32").reshape(BIG)
