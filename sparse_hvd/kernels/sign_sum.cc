@@ -239,6 +239,13 @@ SPARSE_HVD_INLINE double CompensatedMagnitudes(const float* __restrict g,
   return SumOfEightLanes(lanes);
 }
 
+// A block's scale from the sum of its ``count`` magnitudes: their mean, rounded to float and,
+// with ``block`` > 0, to bfloat16 (as the scales travel).
+SPARSE_HVD_INLINE float BlockScale(double total, int64_t count, int64_t block) {
+  const float scale = static_cast<float>(total / static_cast<double>(count));
+  return block > 0 ? RoundedToBfloat16(scale) : scale;
+}
+
 // Step 1 for a variable of ``n`` entries in blocks of ``block`` (the whole of it for 0):
 // writes the sent +-scale and the remainder (``c``); returns whether every c was finite (a
 // block's sum of magnitudes in double is finite iff each of its entries is: it cannot
@@ -252,8 +259,7 @@ bool CompensateSigns(const float* __restrict g, const float* __restrict r,
     const int64_t end = std::min(n, begin + size);
     const double total = CompensatedMagnitudes(g, r, c, begin, end);
     finite = finite && std::isfinite(total);
-    float scale = static_cast<float>(total / static_cast<double>(end - begin));
-    if (block > 0) scale = RoundedToBfloat16(scale);
+    const float scale = BlockScale(total, end - begin, block);
     for (int64_t i = begin; i < end; ++i) {
       s[i] = c[i] < 0.0f ? -scale : scale;
       c[i] -= s[i];
@@ -347,8 +353,7 @@ bool PackedCompensateSigns(const float* __restrict g, const float* __restrict r,
     const int64_t end = std::min(n, begin + size);
     const double total = CompensatedMagnitudes(g, r, c, begin, end);
     finite = finite && std::isfinite(total);
-    float scale = static_cast<float>(total / static_cast<double>(end - begin));
-    if (block > 0) scale = RoundedToBfloat16(scale);
+    const float scale = BlockScale(total, end - begin, block);
     scales[begin / size] = std::max(0.0f, scale);  // std::max(0, NaN) is 0, as in PackWord
     for (int64_t word = begin; word < end; word += 32) {
       const int64_t count = std::min<int64_t>(32, end - word);
