@@ -88,7 +88,13 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    traces, collectives starting up, and on shared cores the other processes' start), the
    least reliable timings of the job, and a wrong choice would otherwise last
    ``RECHECK_STEPS`` steps (at 8 workers on the emulated 1 Gbit/s cluster one such first
-   trial chose dense, whose step was 3.1x the fastest candidate's).
+   trial chose dense, whose step was 3.1x the fastest candidate's). Where dense lost that
+   first trial beyond doubt (``decisive_loss``), the early re-check runs without it, and
+   where that leaves one candidate there is none until ``RECHECK_STEPS``: with Adam's signs
+   at 4 workers on the emulated 1 Gbit/s cluster dense lost it by 4.6-5.4x on every seed,
+   and its turn in the re-check (a first step of 1.5-2.2 s, its trial function's trace, and
+   three of 0.33-0.42 s) cost 2.2-3.1 s more than the signs' steps of a 30-45 s run to
+   dense's loss (``docs/time_to_loss_adam_packed_signs_runs.jsonl``).
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
 exact (``plan_step``): chosen, dense sends the residuals whole once and clears them (with
@@ -452,20 +458,40 @@ class MeasuredChoiceStep(SynchronousStep):
             orphaned = np.array(self.bounded) & ~trying
             pruned |= orphaned & pruned[self.reference_index]
         self.pruned = pruned
+        dense = np.arange(count) == self.dense_index
+        decisive = self.dense_index is not None and decisive_loss(seconds, names, DENSE_WITHIN)
         # beaten: by the whole margin, which the warm-up's last trial will ask (a sparse
         # exchange chosen by a warm-up trial's smaller one may still lose there)
         if self.dense_index is not None and self._dense_beaten(
                 trying[self.dense_index], decide(seconds, names, DENSE_WITHIN) != self.dense_index,
-                decisive_loss(seconds, names, DENSE_WITHIN), bool(upcoming)):
-            pruned = pruned | (np.arange(count) == self.dense_index)
+                decisive, bool(upcoming)):
+            pruned = pruned | dense
         # and only those whose bytes can win at the next trial's density (``worth_trying``)
-        self.trial_row = max(int(np.sum(self.gate_starts <= following)) - 1, 0)
-        return following, choice, ~pruned & self.gates[self.trial_row]
+        row = self._gate_row(following)
+        if decisive and not upcoming and len(self.decisions) == 1:
+            # the early re-check asks again what the first timings may have got wrong; dense's
+            # loss stands beyond its own slowest turns, so only a choice among sparse
+            # candidates is left to ask, and with one of them nothing is
+            if np.count_nonzero(~(pruned | dense) & self.gates[row]) > 1:
+                pruned = pruned | dense
+            else:
+                following = step + RECHECK_STEPS
+                row = self._gate_row(following)
+        self.trial_row = row
+        return following, choice, ~pruned & self.gates[row]
+
+    def _gate_row(self, start) -> int:
+        """The row of the gates (``worth_trying`` at each trial's density) for a trial that
+        starts at step ``start``."""
+        return max(int(np.sum(self.gate_starts <= start)) - 1, 0)
 
     def _recheck_after(self) -> int:
         """Steps from a decision that no warm-up trial follows to the next trial (step 3):
         ``FIRST_RECHECK_STEPS`` after the job's first decision (this process's: a restored job
-        measures again), ``RECHECK_STEPS`` after later ones; never more than the latter."""
+        measures again), ``RECHECK_STEPS`` after later ones; never more than the latter.
+        (:meth:`_decide` drops dense from that early re-check where it lost the first trial
+        by more than its own slowest turns explain, and skips the re-check where that leaves
+        one candidate.)"""
         if len(self.decisions) == 1:
             return min(FIRST_RECHECK_STEPS, RECHECK_STEPS)
         return RECHECK_STEPS
