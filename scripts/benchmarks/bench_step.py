@@ -317,8 +317,14 @@ def worker(args):
         for _ in range(untimed):
             float(step(next(stream)))
         if name in ("auto", "auto_cond") and settle:
+            auto = sparse._step
             for _ in range(10 * measured.FIRST_RECHECK_STEPS):  # on to the first re-check
                 if len(sparse.exchange_decisions) >= 2:  # after the same step on every rank
+                    break
+                # none due soon: dense lost the first trial beyond doubt and one candidate
+                # is left (the same numbers on every rank)
+                if int(auto.trial_start.numpy()) > (int(auto.steps.numpy())
+                                                    + measured.FIRST_RECHECK_STEPS):
                     break
                 float(step(next(stream)))
         runs[method] = {"model": model, "step": step, "sparse": sparse, "times": [], "stats": [],
