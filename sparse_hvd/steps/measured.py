@@ -91,10 +91,10 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    trial chose dense, whose step was 3.1x the fastest candidate's). Where dense lost that
    first trial beyond doubt (``decisive_loss``), the early re-check runs without it, and
    where that leaves one candidate there is none until ``RECHECK_STEPS``: with Adam's signs
-   at 4 workers on the emulated 1 Gbit/s cluster dense lost it by 4.6-5.4x on every seed,
-   and its turn in the re-check (a first step of 1.5-2.2 s, its trial function's trace, and
-   three of 0.33-0.42 s) cost 2.2-3.1 s more than the signs' steps of a 30-45 s run to
-   dense's loss (``docs/time_to_loss_adam_packed_signs_runs.jsonl``).
+   at 4 workers on the emulated 1 Gbit/s cluster dense lost it by 4.6-7.3x on every seed of
+   two sets, and its turn in the re-check (a first step of 1.5-2.2 s, its trial function's
+   trace, and three of 0.33-0.42 s) made those steps 2.2-3.6 s longer than the signs' of a
+   30-45 s run to dense's loss (``docs/time_to_loss_adam_early_recheck.md``).
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
 exact (``plan_step``): chosen, dense sends the residuals whole once and clears them (with
@@ -468,7 +468,8 @@ class MeasuredChoiceStep(SynchronousStep):
             pruned = pruned | dense
         # and only those whose bytes can win at the next trial's density (``worth_trying``)
         row = self._gate_row(following)
-        if decisive and not upcoming and len(self.decisions) == 1:
+        early = not upcoming and len(self.decisions) == 1 and following - step < RECHECK_STEPS
+        if decisive and early:
             # the early re-check asks again what the first timings may have got wrong; dense's
             # loss stands beyond its own slowest turns, so only a choice among sparse
             # candidates is left to ask, and with one of them nothing is

@@ -412,18 +412,21 @@ def test_a_first_decision_is_checked_again_sooner(hvd, monkeypatch):
     _conservation(hvd, optimizer, weights, steps, "none")
 
 
-@pytest.mark.parametrize("decisive,sparse", [(True, 3), (True, 1), (False, 1)])
-def test_dense_beaten_beyond_doubt_sits_out_the_early_recheck(hvd, monkeypatch, decisive, sparse):
+@pytest.mark.parametrize("decisive,sparse,early", [
+    (True, 3, True), (True, 1, True), (False, 1, True), (True, 3, False)])
+def test_dense_beaten_beyond_doubt_sits_out_the_early_recheck(hvd, monkeypatch, decisive, sparse,
+                                                              early):
     """No warm-up; the job's first trial chooses the allgather (the rule forced), dense's loss
     ``decisive`` or not (``decisive_loss`` forced), with ``sparse`` sparse candidates (one:
     the byte gate forced to keep dense and the allgather alone). A decisive loss leaves only
     the choice among sparse candidates to the early re-check (``FIRST_RECHECK_STEPS``, 5, after
     the first decision): with three it runs them without dense, with one there is none and
     the next trial is ``RECHECK_STEPS`` (12) later. An ordinary loss keeps the early re-check
-    as it was, dense in it. Every later re-check runs dense again. The decisions' steps and
-    candidates are closed-form, alike on every rank, and nothing is lost."""
+    as it was, dense in it. Every later re-check runs dense again, and so does the first one
+    where it is not ``early`` (``FIRST_RECHECK_STEPS`` set to ``RECHECK_STEPS``). The
+    decisions' steps and candidates are closed-form, alike on every rank, and nothing is lost."""
     monkeypatch.setattr(measured, "RECHECK_STEPS", 12)
-    monkeypatch.setattr(measured, "FIRST_RECHECK_STEPS", 5)
+    monkeypatch.setattr(measured, "FIRST_RECHECK_STEPS", 5 if early else 12)
     monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index("allgather"))
     monkeypatch.setattr(measured, "decisive_loss", lambda seconds, names, margin: decisive)
     kept = NAMES if sparse == 3 else {"dense", "allgather"}
@@ -431,15 +434,15 @@ def test_dense_beaten_beyond_doubt_sits_out_the_early_recheck(hvd, monkeypatch, 
                         lambda plans, *numbers: [plan.name in kept for plan in plans])
     turn = measured.TRIAL_STEPS
     trials = [(1, kept)]  # (start, candidates) of each trial
-    if decisive and sparse == 1:
+    if not early or (decisive and sparse == 1):  # the next trial is the regular re-check
         trials.append((len(kept) * turn + 12, kept))
     else:
-        early = kept - {"dense"} if decisive else kept
-        trials.append((len(kept) * turn + 5, early))
-        trials.append((trials[-1][0] + len(early) * turn - 1 + 12, kept))
+        rechecked = kept - {"dense"} if decisive else kept
+        trials.append((len(kept) * turn + 5, rechecked))
+        trials.append((trials[-1][0] + len(rechecked) * turn - 1 + 12, kept))
     ends = [start + len(names) * turn - 1 for start, names in trials]
     steps = ends[-1] + 2
-    name = f"auto_early_recheck_{decisive}_{sparse}"
+    name = f"auto_early_recheck_{decisive}_{sparse}_{early}"
     optimizer, weights, _ = train(name, steps)
     decisions = optimizer.exchange_decisions
     assert [(d[0], set(d[1]), d[2]) for d in decisions] == [
