@@ -13,8 +13,8 @@ from sparse_hvd.selection.density import ConstantDensity
 from sparse_hvd.steps.candidates import Plan, warmup_trials
 from sparse_hvd.steps.measured import DENSE_WITHIN
 from sparse_hvd.steps.trial_rules import (DENSE_TURN_SPREAD, SAVING, decide, decisive_loss,
-                                          sparse_can_win, turn_order, within_reach,
-                                          worth_trying)
+                                          early_recheck, sparse_can_win, turn_order,
+                                          within_reach, worth_trying)
 from sparse_hvd.exchanges import available, create, exchange_class, groupings_of, register
 from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 
@@ -109,6 +109,14 @@ def test_dense_loses_by_far_only_beyond_what_its_own_slowest_turn_explains():
     assert not decisive_loss([0.1, math.inf, 0.1], names, DENSE_WITHIN)
     assert not decisive_loss([math.inf, 9.0, math.inf], names, DENSE_WITHIN)
     assert not decisive_loss([0.1, 9.0], ["allgather", "sparse_allreduce"], DENSE_WITHIN)
+
+
+def test_the_early_recheck_leaves_dense_out_only_after_a_loss_beyond_doubt():
+    """After an ordinary loss (or a win) of dense the early re-check runs every candidate;
+    after one beyond doubt it runs the sparse ones alone, and with one of them none at all
+    (whatever number of sparse candidates an ordinary loss leaves)."""
+    assert [early_recheck(False, n) for n in (0, 1, 3)] == ["all"] * 3
+    assert [early_recheck(True, n) for n in (0, 1, 2, 3)] == ["none", "none", "sparse", "sparse"]
 
 
 def test_the_dense_margin_is_1_5x_and_the_old_one_can_be_set_back(monkeypatch):

@@ -88,13 +88,8 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    traces, collectives starting up, and on shared cores the other processes' start), the
    least reliable timings of the job, and a wrong choice would otherwise last
    ``RECHECK_STEPS`` steps (at 8 workers on the emulated 1 Gbit/s cluster one such first
-   trial chose dense, whose step was 3.1x the fastest candidate's). Where dense lost that
-   first trial beyond doubt (``decisive_loss``), the early re-check runs without it, and
-   where that leaves one candidate there is none until ``RECHECK_STEPS``: with Adam's signs
-   at 4 workers on the emulated 1 Gbit/s cluster dense lost it by 4.6-7.3x on every seed of
-   two sets, and its turn in the re-check (a first step of 1.5-2.2 s, its trial function's
-   trace, and three of 0.33-0.42 s) made those steps 2.2-3.6 s longer than the signs' of a
-   30-45 s run to dense's loss (``docs/time_to_loss_adam_early_recheck.md``).
+   trial chose dense, whose step was 3.1x the fastest candidate's). After a loss of dense
+   beyond doubt that re-check runs without it, or not at all (``early_recheck``).
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
 exact (``plan_step``): chosen, dense sends the residuals whole once and clears them (with
@@ -117,9 +112,9 @@ from .candidates import Plan, dense_bytes_per_entry, plans_for, warmup_trials  #
 from .plan_step import (DENSE_FLUSH, DENSE_HELD, DENSE_PLAIN, FIRST, plan_step,  # noqa: F401
                         traced_mode, traced_plan)
 from .strategies import SynchronousStep
-from .trial_rules import (decide, decision_message, decisive_loss, median_of_samples,
-                          plans_within_reach, sparse_can_win, turn_order, within_reach,
-                          worth_trying)
+from .trial_rules import (decide, decision_message, decisive_loss, early_recheck,
+                          median_of_samples, plans_within_reach, sparse_can_win, turn_order,
+                          within_reach, worth_trying)
 
 TRIAL_STEPS = 4  # steps each candidate runs in a trial; the first is not timed
 FIRST_TRIAL_UNTIMED = 4  # a candidate's first turn in the job: its first steps not timed (step 1)
@@ -466,33 +461,19 @@ class MeasuredChoiceStep(SynchronousStep):
                 trying[self.dense_index], decide(seconds, names, DENSE_WITHIN) != self.dense_index,
                 decisive, bool(upcoming)):
             pruned = pruned | dense
+        if not upcoming and len(self.decisions) == 1 and following - step < RECHECK_STEPS:
+            # the early re-check (no warm-up trial is left: the gates' last row)
+            runs = early_recheck(decisive, np.count_nonzero(~(pruned | dense) & self.gates[-1]))
+            pruned = pruned | (dense & (runs == "sparse"))
+            following = step + RECHECK_STEPS if runs == "none" else following
         # and only those whose bytes can win at the next trial's density (``worth_trying``)
-        row = self._gate_row(following)
-        early = not upcoming and len(self.decisions) == 1 and following - step < RECHECK_STEPS
-        if decisive and early:
-            # the early re-check asks again what the first timings may have got wrong; dense's
-            # loss stands beyond its own slowest turns, so only a choice among sparse
-            # candidates is left to ask, and with one of them nothing is
-            if np.count_nonzero(~(pruned | dense) & self.gates[row]) > 1:
-                pruned = pruned | dense
-            else:
-                following = step + RECHECK_STEPS
-                row = self._gate_row(following)
-        self.trial_row = row
-        return following, choice, ~pruned & self.gates[row]
-
-    def _gate_row(self, start) -> int:
-        """The row of the gates (``worth_trying`` at each trial's density) for a trial that
-        starts at step ``start``."""
-        return max(int(np.sum(self.gate_starts <= start)) - 1, 0)
+        self.trial_row = max(int(np.sum(self.gate_starts <= following)) - 1, 0)
+        return following, choice, ~pruned & self.gates[self.trial_row]
 
     def _recheck_after(self) -> int:
         """Steps from a decision that no warm-up trial follows to the next trial (step 3):
         ``FIRST_RECHECK_STEPS`` after the job's first decision (this process's: a restored job
-        measures again), ``RECHECK_STEPS`` after later ones; never more than the latter.
-        (:meth:`_decide` drops dense from that early re-check where it lost the first trial
-        by more than its own slowest turns explain, and skips the re-check where that leaves
-        one candidate.)"""
+        measures again), ``RECHECK_STEPS`` after later ones; never more than the latter."""
         if len(self.decisions) == 1:
             return min(FIRST_RECHECK_STEPS, RECHECK_STEPS)
         return RECHECK_STEPS

@@ -1,7 +1,7 @@
 """The rules ``exchange="auto"``'s trials decide by (``sparse_hvd.steps.measured``), as pure
 functions of the trial's numbers: which candidates are worth a trial, whether any can beat
 dense, whether one that builds on another can still win, which one a trial chooses, whether
-dense lost it beyond doubt, and the line rank 0 logs for it.
+dense lost it beyond doubt, what the early re-check runs, and the line rank 0 logs for it.
 
 Each takes its ``margin``: how much faster than dense's a sparse step must be to run, so that
 dense, which needs no extra steps to a loss, keeps the steps a sparse exchange would win by
@@ -119,6 +119,23 @@ def decisive_loss(seconds, names, margin) -> bool:
     sparse = [s for name, s in zip(names, seconds) if name != "dense" and np.isfinite(s)]
     return bool(sparse and np.isfinite(dense)
                 and dense > (1 + margin) * DENSE_TURN_SPREAD * min(sparse))
+
+
+def early_recheck(decisive, sparse_candidates) -> str:
+    """What the early re-check of a job's first decision runs (``measured``, step 3): ``"all"``
+    the candidates worth trying, ``"sparse"`` them without dense, ``"none"``: no early
+    re-check (the next trial is the regular one, dense in it). That re-check is there for a
+    wrong first choice on the job's least reliable timings; after a loss of dense beyond
+    its own slowest turns (``decisive``, :func:`decisive_loss`), whose sparse medians read
+    high if anything, only the choice among the ``sparse_candidates`` is left to ask. With
+    Adam's signs (dense and the signs the only candidates) at 4 workers on the emulated 1
+    Gbit/s cluster dense lost the first trial by 4.6-7.3x on every seed of two sets, and its
+    turn in the re-check (a first step of 1.5-2.2 s and three of 0.33-0.42 s) made rank 0's
+    steps 110-125 take 3.4-4.9 s against 1.2-1.3 s without it
+    (``docs/time_to_loss_adam_early_recheck.md``)."""
+    if not decisive:
+        return "all"
+    return "sparse" if sparse_candidates > 1 else "none"
 
 
 def decide(seconds, names, margin) -> int:
