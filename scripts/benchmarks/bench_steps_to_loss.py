@@ -151,6 +151,9 @@ METHODS = {
     "default_dense_first": ("the defaults with auto's first decision forced to dense (what a "
                             "noisy first trial or a fast link does inside the warm-up)",
                             {"density": 0.01, "first_decision": "dense"}),
+    "default_recheck_dense": ("the defaults with auto's previous early re-check: dense runs "
+                              "in it after any first loss (trial_rules.early_recheck 'all')",
+                              {"density": 0.01, "early_recheck": "all"}),
     "per_layer": ("the warm-up with a budget per layer (budget='layer': the previous default)",
                   {"density": 0.01, "budget": "layer"}),
     "per_layer_0.001": ("the previous default at 0.1%", {"density": 0.001, "budget": "layer"}),
@@ -274,7 +277,7 @@ def resolve_steps(value, steps):
 
 
 # exchange="auto"'s settings a method may set (steps_worker applies them before the build)
-AUTO_SETTINGS = ("dense_within", "noise_within", "first_decision")
+AUTO_SETTINGS = ("dense_within", "noise_within", "first_decision", "early_recheck")
 
 
 def options_for(workload, method, steps):

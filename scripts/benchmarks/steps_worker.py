@@ -143,6 +143,9 @@ def main(argv=None):
         sparse_hvd.steps.measured.NOISE_WITHIN = options["noise_within"]
     if options.get("first_decision") == "dense":
         force_first_decision_dense(sparse_hvd.steps.measured)
+    if "early_recheck" in options:  # what the early re-check runs, whatever dense's loss
+        ruled = options["early_recheck"]
+        sparse_hvd.steps.measured.early_recheck = lambda decisive, sparse_candidates: ruled
     workload = WORKLOADS[args.workload]
     data = workload.load(rank, size)
 
