@@ -461,8 +461,8 @@ class MeasuredChoiceStep(SynchronousStep):
                 trying[self.dense_index], decide(seconds, names, DENSE_WITHIN) != self.dense_index,
                 decisive, bool(upcoming)):
             pruned = pruned | dense
-        if not upcoming and len(self.decisions) == 1 and following - step < RECHECK_STEPS:
-            # the early re-check (no warm-up trial is left: the gates' last row)
+        if not upcoming and following - step < RECHECK_STEPS:
+            # the early re-check (``_recheck_after``; no warm-up trial left: the gates' last row)
             runs = early_recheck(decisive, np.count_nonzero(~(pruned | dense) & self.gates[-1]))
             pruned = pruned | (dense & (runs == "sparse"))
             following = step + RECHECK_STEPS if runs == "none" else following
