@@ -154,6 +154,9 @@ METHODS = {
     "default_recheck_dense": ("the defaults with auto's previous early re-check: dense runs "
                               "in it after any first loss (trial_rules.early_recheck 'all')",
                               {"density": 0.01, "early_recheck": "all"}),
+    "default_hopeless_once": ("the defaults with auto's previous compute rule: one dense turn "
+                              "read as compute-bound ends the trial (HOPELESS_RETIMES = 0)",
+                              {"density": 0.01, "hopeless_retimes": 0}),
     "per_layer": ("the warm-up with a budget per layer (budget='layer': the previous default)",
                   {"density": 0.01, "budget": "layer"}),
     "per_layer_0.001": ("the previous default at 0.1%", {"density": 0.001, "budget": "layer"}),
@@ -277,7 +280,8 @@ def resolve_steps(value, steps):
 
 
 # exchange="auto"'s settings a method may set (steps_worker applies them before the build)
-AUTO_SETTINGS = ("dense_within", "noise_within", "first_decision", "early_recheck")
+AUTO_SETTINGS = ("dense_within", "noise_within", "first_decision", "early_recheck",
+                 "hopeless_retimes")
 
 
 def options_for(workload, method, steps):

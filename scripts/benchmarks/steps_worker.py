@@ -146,6 +146,8 @@ def main(argv=None):
     if "early_recheck" in options:  # what the early re-check runs, whatever dense's loss
         ruled = options["early_recheck"]
         sparse_hvd.steps.measured.early_recheck = lambda decisive, sparse_candidates: ruled
+    if "hopeless_retimes" in options:  # dense's turns read as compute-bound before none runs
+        sparse_hvd.steps.measured.HOPELESS_RETIMES = options["hopeless_retimes"]
     workload = WORKLOADS[args.workload]
     data = workload.load(rank, size)
 

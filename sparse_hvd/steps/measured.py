@@ -21,13 +21,11 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    trace took 0.52, 0.40, 0.32 s, then about 0.25 s; timed from the second, that trial ran
    dense for the warm-up's next 70 steps on every seed,
    ``docs/time_to_loss_update_cut_1gbit.md``). That is every turn of the job's first trial
-   but dense's (the steps before the trial ran it, so its function is traced and its
-   collectives set up: at 4 workers on the emulated 1 Gbit/s cluster its
-   first trial steps took 0.31-0.37 s, its medians in the next trial 0.32-0.40 s, so 3 of
-   its 7 steps were spent for nothing, each 2-3x a sparse one's), and the turn of a
-   candidate first tried later (the reach rule or the byte gate left it out
-   before: the sparse allreduce's first turn at step 80 of such a run took 0.59 s a step and
-   left that trial, the next one chose it). A timed step is the whole step, from the previous
+   but dense's (at 4 workers and 1 Gbit/s its first trial steps took 0.31-0.37 s, its
+   medians in the next trial 0.32-0.40 s: 3 more of its steps, each 2-3x a sparse one's, would
+   buy nothing), and the turn of a candidate first tried later (the reach rule or the byte
+   gate left it out before: the sparse allreduce's first turn at step 80 of such a run took
+   0.59 s a step and left that trial). A timed step is the whole step, from the previous
    step's last write to this one's (on shared cores a candidate's CPU work slows the other
    ranks' backprop, which a timer around the exchange would not see), as the mean over the
    ranks, so every rank holds the same numbers. Two timed steps in a row over ``ABORT_AFTER``
@@ -38,23 +36,24 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    wire alone, at the trial's density, cannot beat dense by ``DENSE_WITHIN``. Dense's steps
    also time its exchange on every rank: the rank that reached the collective last waited
    only for the transfer, so the step less its time is the compute no exchange removes
-   (``sparse_can_win``); where dense's step is within ``DENSE_WITHIN`` of it, the trial ends
-   with dense's turn and the sparse candidates are never traced or run (on the character
-   LSTM at 1 Gbit/s their traces and trial steps made the first 20 steps 2x dense's). After
-   dense comes the reference (``Exchange.builds_on``: the coded allgather and the sparse
-   allreduce do the allgather's work and more, to send fewer bytes), then the others, fewest
-   bytes on the wire first (``turn_order``); at the end of each of these turns, those not
-   run before that could not become the choice, or beat the fastest step so far, even if
-   their fewer bytes were all they changed (``within_reach``; where dense sits out, its last
-   turn's step) leave the trial untraced (with 4 ranks on 2 cores a trace took 3-6 s: 13 s
-   of a 57 s run on 10 Gbit/s links, where dense won). One that ran in an
-   earlier trial stays: it is traced already, its turn costs a few steps, and its measured
-   step is worth more than the bound (at 8 workers on the emulated 1 Gbit/s cluster the
-   bound left out the sparse allreduce, traced in the first trial, in a warm-up's second
-   trial, whose dense then ran 66 more steps at 0.47 s; in the same trial of another seed
-   the sparse allreduce took 0.22 s a step, half the allgather's 0.44 s, where the bound
-   assumed the allgather's step less its bytes' saving: it also receives fewer entries to
-   average, work that grows with N).
+   (``sparse_can_win``); where dense's step is within ``DENSE_WITHIN`` of it in two turns in
+   a row (``HOPELESS_RETIMES``: the second right after the first), the trial ends with it
+   and the sparse candidates are never traced or run (on the character LSTM at 1 Gbit/s
+   their traces and trial steps made the first 20 steps 2x dense's). The second costs nothing
+   where the first was right (dense runs those steps either way); a job's first steps can
+   read dense 3-4x high (Adam at 10 Gbit/s: memory touched for the first time, which ran
+   dense for 100 steps; ``docs/auto_exchange.md``). After dense comes the reference
+   (``Exchange.builds_on``: the coded allgather and the sparse allreduce do the allgather's
+   work and more, to send fewer bytes), then the others, fewest bytes on the wire first
+   (``turn_order``); at the end of each of these turns, those not run before that could not
+   become the choice, or beat the fastest step so far, even if their fewer bytes were all they
+   changed (``within_reach``; where dense sits out, its last turn's step) leave the trial
+   untraced (with 4 ranks on 2 cores a trace took 3-6 s: 13 s of a 57 s run on 10 Gbit/s links,
+   where dense won). One that ran in an earlier trial stays: it is traced already, its turn
+   costs a few steps, and its measured step is worth more than the bound (at 8 workers and 1
+   Gbit/s the bound once left out the sparse allreduce, traced before, and dense ran 66 more
+   steps at 0.47 s; in another seed's such trial it took 0.22 s a step, half the allgather's:
+   it also averages fewer entries, work that grows with N).
 2. **Decision**, in the trial's last step, on every rank at once, by one rule on the same
    numbers: the fastest median, except that dense wins unless a sparse exchange's step is
    faster than dense's by more than ``DENSE_WITHIN`` (1.5x): a sparse run needs more steps to
@@ -66,13 +65,11 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    (``docs/time_to_loss_previous.md``). A warm-up's trials ask less (``dense_margin``: the
    margin shrinks with the square root of the settled density over the trial's, to 1.15x at
    the least), since their steps run at a density where a sparse step loses fewer steps; the
-   trial at the warm-up's end and the re-checks ask the whole margin. The smaller margin
-   only decides among the candidates that ran: which are tried (step 1's byte gate, compute
-   rule and reach rule) is asked with the whole margin, since each one tried is traced (3-6 s
-   on shared cores), and a candidate that can beat dense only by less would win few warm-up
-   steps (on the character LSTM at 1 Gbit/s the smaller margin in those rules traced two
-   more candidates and reached dense's loss 16 s later, ``docs/auto_exchange.md``). Rank 0
-   logs the times, the margin and the choice.
+   trial at the warm-up's end and the re-checks ask the whole margin. Which candidates are
+   tried (step 1's rules) is asked with the whole margin: each one tried is traced, and on
+   the character LSTM at 1 Gbit/s the smaller margin there traced two more and reached
+   dense's loss 16 s later (``docs/auto_exchange.md``). Rank 0 logs the times, the margin
+   and the choice.
 3. **Re-trials**, since the link and the density can change: during a warm-up, each time the
    density has halved since the last trial (``warmup_trials``: from 10% to 1% a sparse
    exchange often wins long before the warm-up ends, and a short run is mostly warm-up),
@@ -125,6 +122,7 @@ PRUNE_AFTER = 2.0  # a warm-up re-trial skips candidates slower than this x the 
 ABORT_AFTER = 2.0  # a turn ends at two timed steps in a row slower than this x the best so far
 BEATEN_TRIALS = 2  # dense sits out the warm-up's later trials after losing this many in a row
 NOISE_WITHIN = 0.15  # the smallest margin: a trial's medians on shared cores vary about this much
+HOPELESS_RETIMES = 1  # dense's turn timed again before a trial can end with it (step 1)
 
 
 def first_turn_length() -> int:
@@ -220,6 +218,7 @@ class MeasuredChoiceStep(SynchronousStep):
         self.best = np.inf  # the fastest median so far in a trial
         self.pruned = np.zeros([count], np.bool_)  # over PRUNE_AFTER x the fastest: out
         self.dense_losses = 0  # warm-up trials in a row that dense lost (``_dense_beaten``)
+        self.retimed = 0  # times dense's turn in this trial was timed again (``_record``)
         first = self.first_mode()
         # each candidate: has run its first steps (dense's ran before the trial; a sparse
         # first plan's steps after its trace are still slow, step 1)
@@ -377,6 +376,10 @@ class MeasuredChoiceStep(SynchronousStep):
             compute = median_of_samples(self.computes)
             hopeless = (turn_done and candidate == self.dense_index
                         and not sparse_can_win(median, compute, DENSE_WITHIN))
+            if hopeless and self.retimed < HOPELESS_RETIMES and np.count_nonzero(trying) > 1:
+                # dense's turn again, its timed steps (step 1)
+                self.retimed, self.best, start = self.retimed + 1, np.inf, start + TRIAL_STEPS - 1
+                return np.int64(start), np.int32(choice), trying, self.turn_lengths
             if (turn_done and any(self.bounded) and trying[self.reference_index]
                     and (candidate == self.reference_index or self.bounded[candidate])
                     and np.all(self.samples[self.dense_index] > 0)):
@@ -426,7 +429,7 @@ class MeasuredChoiceStep(SynchronousStep):
         if hopeless:
             trying = np.arange(count) == self.dense_index
         medians = np.where(trying, median_of_samples(self.samples), np.inf)
-        self.best = np.inf
+        self.best, self.retimed = np.inf, 0
         names = [plan.name for plan in self.plans]
         seconds = [float(s) for s in medians]
         margin = self.decision_margins[self.trial_row]

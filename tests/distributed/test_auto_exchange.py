@@ -704,38 +704,72 @@ def test_one_slow_step_does_not_end_a_turn_two_in_a_row_do(hvd, monkeypatch):
     _conservation(hvd, optimizer, weights, steps, "none")
 
 
-@pytest.mark.parametrize("per_mode", [False, True])
-def test_a_trial_no_sparse_exchange_can_win_ends_with_dense(hvd, monkeypatch, per_mode):
-    """Where dense's compute leaves no room for the margin (``sparse_can_win`` False) the trial
-    ends with dense's turn: decided in its last step (step 4), dense alone timed, dense running
-    after it, and (``per_mode``) no function ever traced for a sparse candidate. Dense's
-    compute (its step less the shortest exchange of any rank) was recorded for each timed step:
-    positive and under the step; the same numbers on every rank."""
+@pytest.mark.parametrize("per_mode,second_hopeless", [(False, True), (True, True), (True, False)])
+def test_a_trial_no_sparse_exchange_can_win_ends_with_dense(hvd, monkeypatch, per_mode,
+                                                            second_hopeless):
+    """Where dense's compute leaves no room for the margin (``sparse_can_win`` False) in its
+    turn and in the same turn timed again right after it (``second_hopeless``), the trial ends
+    there: decided in its last step (step 7: steps 2-4 timed, then 5-7), dense alone timed,
+    dense running after it, and (``per_mode``) no function ever traced for a sparse
+    candidate. Where the second reading leaves room, the trial goes on with every candidate
+    (decided at the end of their turns, 3 steps later than without the second reading).
+    Dense's compute (its step less the shortest exchange of any rank) was recorded for each
+    timed step: positive and under the step; ``sparse_can_win`` asked with the second turn's
+    numbers; the same numbers on every rank."""
     seen = []
 
     def hopeless(step, compute, margin):
         seen.append((step, compute, margin))
-        return False
+        return len(seen) > 1 and not second_hopeless
 
     monkeypatch.setattr(measured, "sparse_can_win", hopeless)
-    steps = 1 + measured.TRIAL_STEPS + 3
-    name = f"auto_hopeless_{per_mode}"
+    timed_at = []  # the auto step counter of every step that wrote a sample
+    record = measured.MeasuredChoiceStep._record
+
+    def recording(self, times, phase, candidate, step, *rest):
+        before = self.samples.copy()
+        result = record(self, times, phase, candidate, step, *rest)
+        if not np.array_equal(before, self.samples):
+            timed_at.append(int(step))
+        return result
+
+    monkeypatch.setattr(measured.MeasuredChoiceStep, "_record", recording)
+    turn = measured.TRIAL_STEPS
+    dense_end = 2 * turn - 1  # the counter at dense's second turn's last step (from 1)
+    decided = dense_end if second_hopeless else dense_end + (CANDIDATES - 1) * turn
+    steps = 1 + decided + 2
+    name = f"auto_hopeless_{per_mode}_{second_hopeless}"
     optimizer, weights, stats = train(name, steps, per_mode=per_mode)
     step = optimizer._step
     names = [p.name for p in step.plans]
-    assert optimizer.exchange_decisions == [
-        (measured.TRIAL_STEPS, {"dense": pytest.approx(np.median(step.samples[
-            names.index("dense")]))}, "dense")]
-    assert len(seen) == 1  # asked once, at the end of dense's turn
-    dense_steps, computes = step.samples[names.index("dense")], step.computes
+    dense = names.index("dense")
+    assert [d[0] for d in optimizer.exchange_decisions] == [decided]
+    # every turn's steps but its first (dense's second turn: all three)
+    expected_timed = list(range(2, dense_end + 1))
+    for start in range(dense_end + 1, decided + 1, turn):
+        expected_timed += range(start + 1, start + turn)
+    assert timed_at == expected_timed
+    assert len(seen) == 2  # asked at the end of each of dense's turns
+    dense_steps, computes = step.samples[dense], step.computes
     assert np.all(computes > 0) and np.all(computes < dense_steps), (computes, dense_steps)
-    # a constant density: the whole margin
-    assert seen[0] == pytest.approx((np.median(dense_steps), np.median(computes),
+    # a constant density: the whole margin; the second turn's numbers
+    assert seen[1] == pytest.approx((np.median(dense_steps), np.median(computes),
                                      measured.DENSE_WITHIN))
-    assert all(s[next(iter(s))]["exchange"] == "dense" for s in stats)
-    if per_mode:  # dense's function alone, for its clear residuals (no sparse step ran)
-        assert sorted(optimizer.functions) == [measured.DENSE_PLAIN]
-    everyone = gather(hvd, (optimizer.exchange_decisions, computes.tolist()),
+    if second_hopeless:
+        assert optimizer.exchange_decisions[0][1:] == (
+            {"dense": pytest.approx(np.median(dense_steps))}, "dense")
+        assert all(s[next(iter(s))]["exchange"] == "dense" for s in stats)
+        assert np.all(np.delete(step.samples, dense, axis=0) == 0)
+    else:
+        assert set(optimizer.exchange_decisions[0][1]) == NAMES and np.all(step.samples > 0)
+    if per_mode:  # dense's for its clear residuals (alone if no sparse step ran), and each
+        # sparse candidate's that ran (with dense chosen after them, the flush's)
+        choice = optimizer.exchange_decisions[0][2]
+        expected = {measured.DENSE_PLAIN} | (set() if second_hopeless else (
+            set(range(CANDIDATES)) - {dense} | ({measured.DENSE_FLUSH} if choice == "dense"
+                                               else set())))
+        assert sorted(optimizer.functions) == sorted(expected)
+    everyone = gather(hvd, (optimizer.exchange_decisions, computes.tolist(), timed_at),
                       name=f"{name}.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
     _same_everywhere(hvd, weights, name)
