@@ -14,7 +14,7 @@ from sparse_hvd.steps.candidates import Plan, warmup_trials
 from sparse_hvd.steps.measured import DENSE_WITHIN
 from sparse_hvd.steps.trial_rules import (DENSE_TURN_SPREAD, SAVING, decide, decisive_loss,
                                           early_recheck, sparse_can_win, turn_order,
-                                          within_reach, worth_trying)
+                                          whole_margin, within_reach, worth_trying)
 from sparse_hvd.exchanges import available, create, exchange_class, groupings_of, register
 from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 
@@ -117,6 +117,36 @@ def test_the_early_recheck_leaves_dense_out_only_after_a_loss_beyond_doubt():
     (whatever number of sparse candidates an ordinary loss leaves)."""
     assert [early_recheck(False, n) for n in (0, 1, 3)] == ["all"] * 3
     assert [early_recheck(True, n) for n in (0, 1, 2, 3)] == ["none", "none", "sparse", "sparse"]
+
+
+def test_the_signs_ask_a_margin_of_their_own_top_k_the_library_s(monkeypatch):
+    """Adam's signs declare 1.2x (their averages need about dense's steps), the top-k
+    exchanges none (the library's 1.5x); a trial of dense and the signs asks theirs, at the
+    settled density and scaled like the library's in a warm-up; dense's own declaration, had
+    it one, does not count. At 10 Gbit/s the signs took 55-61 ms a step against dense's
+    79-99 (docs/time_to_loss_adam_10gbit_retime.md): 1.42-1.65x, which the 1.5x split."""
+    import sparse_hvd.steps.measured as measured
+
+    def plan(name):
+        return Plan(name, exchange_class(name), [])
+
+    assert exchange_class("sign").dense_within == 0.2
+    assert exchange_class("sign_per_variable").dense_within == 0.2
+    for name in ("dense", "allgather", "compact_allgather", "sparse_allreduce", "topk_sign",
+                 "topk_sign_pairs"):
+        assert exchange_class(name).dense_within is None, name
+    signs = [plan("sign"), plan("dense")]
+    top_k = [plan("dense"), plan("allgather"), plan("sparse_allreduce")]
+    assert whole_margin(signs, DENSE_WITHIN) == 0.2
+    assert whole_margin(top_k, DENSE_WITHIN) == DENSE_WITHIN
+    monkeypatch.setattr(exchange_class("dense"), "dense_within", 0.05)
+    assert whole_margin(top_k, DENSE_WITHIN) == DENSE_WITHIN
+    names = ["sign", "dense"]
+    assert names[decide([60.9, 86.4], names, whole_margin(signs, DENSE_WITHIN))] == "sign"
+    assert names[decide([60.9, 86.4], names, DENSE_WITHIN)] == "dense"
+    # a warm-up trial at 4x the settled density: half the whole margin, floored at the noise
+    assert measured.dense_margin(0.04, 0.01, 0.2) == measured.NOISE_WITHIN
+    assert measured.dense_margin(0.04, 0.01, 0.5) == 0.25
 
 
 def test_the_dense_margin_is_1_5x_and_the_old_one_can_be_set_back(monkeypatch):

@@ -157,6 +157,10 @@ METHODS = {
     "default_hopeless_once": ("the defaults with auto's previous compute rule: one dense turn "
                               "read as compute-bound ends the trial (HOPELESS_RETIMES = 0)",
                               {"density": 0.01, "hopeless_retimes": 0}),
+    "default_sign_margin_1.5": ("the defaults with auto's previous margin for Adam's signs: "
+                                "their step must be 1.5x faster than dense's, as top-k's "
+                                "(Exchange.dense_within None)", {"density": 0.01,
+                                                                 "sign_dense_within": None}),
     "per_layer": ("the warm-up with a budget per layer (budget='layer': the previous default)",
                   {"density": 0.01, "budget": "layer"}),
     "per_layer_0.001": ("the previous default at 0.1%", {"density": 0.001, "budget": "layer"}),
@@ -281,7 +285,7 @@ def resolve_steps(value, steps):
 
 # exchange="auto"'s settings a method may set (steps_worker applies them before the build)
 AUTO_SETTINGS = ("dense_within", "noise_within", "first_decision", "early_recheck",
-                 "hopeless_retimes")
+                 "hopeless_retimes", "sign_dense_within")
 
 
 def options_for(workload, method, steps):

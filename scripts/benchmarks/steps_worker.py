@@ -135,6 +135,7 @@ def main(argv=None):
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     rank, size = sparse_hvd.rank(), sparse_hvd.size()
     options = json.loads(args.options)
+    import sparse_hvd.exchanges
     import sparse_hvd.steps.measured
 
     if "dense_within" in options:  # auto's dense margin, read when the optimizer is built
@@ -146,6 +147,9 @@ def main(argv=None):
     if "early_recheck" in options:  # what the early re-check runs, whatever dense's loss
         ruled = options["early_recheck"]
         sparse_hvd.steps.measured.early_recheck = lambda decisive, sparse_candidates: ruled
+    if "sign_dense_within" in options:  # the signs' own margin over dense (None: the library's)
+        for name in ("sign", "sign_per_variable"):
+            sparse_hvd.exchanges.exchange_class(name).dense_within = options["sign_dense_within"]
     if "hopeless_retimes" in options:  # dense's turns read as compute-bound before none runs
         sparse_hvd.steps.measured.HOPELESS_RETIMES = options["hopeless_retimes"]
     workload = WORKLOADS[args.workload]

@@ -161,6 +161,9 @@ class Exchange:
     auto_candidate = True  # exchange="auto" may choose it
     chooses_entries = False  # True: ``selector`` makes the selections (every entry, coded)
     code = "entries"  # what is averaged: "entries", "signs" or "entries_and_signs"
+    # how much faster than dense's its step must be for exchange="auto" to run it: the price of
+    # the extra steps its averages need to dense's loss (None: ``steps.measured.DENSE_WITHIN``)
+    dense_within = None
     # True: with the update cut its sparse averages can come back as ``tf.IndexedSlices`` of
     # the positions that received entries, which the optimizer subtracts in place
     # (``feedback.local_update``); ``choose_averages_form`` decides at build

@@ -56,20 +56,18 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    it also averages fewer entries, work that grows with N).
 2. **Decision**, in the trial's last step, on every rank at once, by one rule on the same
    numbers: the fastest median, except that dense wins unless a sparse exchange's step is
-   faster than dense's by more than ``DENSE_WITHIN`` (1.5x): a sparse run needs more steps to
-   the same loss (the default's steps ratio: 0.94-1.07 on a CNN, 1.40-1.78 on a character
-   LSTM, ``docs/steps_to_loss.md``), and a trial's medians on shared cores are noisy. With a
-   margin of 1.2 the LSTM at 4 workers on 1 Gbit/s links, whose sparse step is at best about
-   1.2x cheaper, reached dense's loss 0.81x as fast as dense; where a sparse exchange pays, on
-   a link slower than the compute, its step is 2.6-4x cheaper
-   (``docs/time_to_loss_previous.md``). A warm-up's trials ask less (``dense_margin``: the
-   margin shrinks with the square root of the settled density over the trial's, to 1.15x at
-   the least), since their steps run at a density where a sparse step loses fewer steps; the
-   trial at the warm-up's end and the re-checks ask the whole margin. Which candidates are
-   tried (step 1's rules) is asked with the whole margin: each one tried is traced, and on
-   the character LSTM at 1 Gbit/s the smaller margin there traced two more and reached
-   dense's loss 16 s later (``docs/auto_exchange.md``). Rank 0 logs the times, the margin
-   and the choice.
+   faster than dense's by more than ``DENSE_WITHIN`` (1.5x), or the margin the candidates'
+   exchanges declare (``Exchange.dense_within``, ``whole_margin``: Adam's signs 1.2x): a
+   sparse run needs more steps to the same loss (top-k's steps ratio: 0.94-1.07 on a CNN,
+   1.40-1.78 on a character LSTM, ``docs/steps_to_loss.md``; the signs' 0.80-1.10), and a
+   trial's medians on shared cores are noisy. With a margin of 1.2 top-k on the LSTM at 4
+   workers and 1 Gbit/s (its step at best 1.2x cheaper) reached dense's loss 0.81x as fast
+   as dense (``docs/time_to_loss_previous.md``). A warm-up's trials ask less
+   (``dense_margin``: it shrinks with the square root of the settled density over the
+   trial's, to 1.15x at the least), since their steps run at a density where a sparse step
+   loses fewer steps; the trial at the warm-up's end and the re-checks ask the whole margin,
+   as do step 1's rules (each candidate tried is traced: ``docs/auto_exchange.md``). Rank 0
+   logs the times, the margin and the choice.
 3. **Re-trials**, since the link and the density can change: during a warm-up, each time the
    density has halved since the last trial (``warmup_trials``: from 10% to 1% a sparse
    exchange often wins long before the warm-up ends, and a short run is mostly warm-up),
@@ -111,7 +109,7 @@ from .plan_step import (DENSE_FLUSH, DENSE_HELD, DENSE_PLAIN, FIRST, plan_step, 
 from .strategies import SynchronousStep
 from .trial_rules import (decide, decision_message, decisive_loss, early_recheck,
                           median_of_samples, plans_within_reach, sparse_can_win, turn_order,
-                          within_reach, worth_trying)
+                          whole_margin, within_reach, worth_trying)
 
 TRIAL_STEPS = 4  # steps each candidate runs in a trial; the first is not timed
 FIRST_TRIAL_UNTIMED = 4  # a candidate's first turn in the job: its first steps not timed (step 1)
@@ -136,24 +134,25 @@ def first_trial_length(candidates) -> int:
     return TRIAL_STEPS + (candidates - 1) * first_turn_length() if candidates else 0
 
 
-def dense_margin(density, settled_density) -> float:
+def dense_margin(density, settled_density, whole=None) -> float:
     """How much faster than dense's a sparse step must be to run, decided at a trial whose
     density is ``density`` in a run that settles at ``settled_density`` (step 2).
 
-    ``DENSE_WITHIN`` prices the extra steps a sparse run needs at its settled density. A
-    warm-up trial decides the steps until the next one, all at a higher density, where error
-    feedback holds each entry back for fewer steps and a sparse step loses less per step:
-    whole runs at 5% needed 1.04x dense's steps on the CNN (1.26x at 1%) and 1.26x on the
-    character LSTM (at 1% it never reached dense's loss; ``docs/steps_to_loss_ablations.md``).
-    So the margin shrinks with the square root of the densities' ratio (slower than those
-    measurements, erring towards dense), down to ``NOISE_WITHIN``, below which a trial's
-    noise would decide. The settled density and the later re-checks keep the whole margin.
-    (On the wide CNN at 8 workers and 1 Gbit/s the allgathers' steps at about 4% were
-    1.45-1.46x faster than dense's, and the whole margin ran those 60 steps dense.)"""
+    ``whole`` (default ``DENSE_WITHIN``) prices the extra steps a sparse run needs at its
+    settled density. A warm-up trial decides the steps until the next one, all at a higher
+    density, where error feedback holds each entry back for fewer steps and a sparse step loses
+    less per step: whole runs at 5% needed 1.04x dense's steps on the CNN (1.26x at 1%) and
+    1.26x on the character LSTM (at 1% it never reached dense's loss;
+    ``docs/steps_to_loss_ablations.md``). So the margin shrinks with the square root of the
+    densities' ratio (slower than those measurements, erring towards dense), down to
+    ``NOISE_WITHIN``, below which a trial's noise would decide. The settled density and the
+    later re-checks keep the whole margin. (On the wide CNN at 8 workers and 1 Gbit/s the
+    allgathers' steps at about 4% were 1.45-1.46x faster than dense's, and the whole margin ran
+    those 60 steps dense.)"""
+    whole = DENSE_WITHIN if whole is None else whole
     if density <= settled_density or settled_density <= 0:
-        return DENSE_WITHIN
-    scaled = DENSE_WITHIN * math.sqrt(settled_density / density)
-    return min(DENSE_WITHIN, max(NOISE_WITHIN, scaled))
+        return whole
+    return min(whole, max(NOISE_WITHIN, whole * math.sqrt(settled_density / density)))
 
 
 class MeasuredChoiceStep(SynchronousStep):
@@ -197,6 +196,7 @@ class MeasuredChoiceStep(SynchronousStep):
         value_bytes = 2 if opt._compression.half is not None else max(
             [route.itemsize for route in routes if route.sparse], default=4)
         self.value_bytes = value_bytes
+        self.within = whole_margin(self.plans, DENSE_WITHIN)  # the candidates' margin (step 2)
         with tf.init_scope():  # eager, also when the first step's trace builds the optimizer
             retrials = warmup_trials(policy, settled, count * TRIAL_STEPS)
             # the candidates worth trying at each trial's density (later: the last row's)
@@ -205,10 +205,10 @@ class MeasuredChoiceStep(SynchronousStep):
                                    else float(policy.final_density) for start in starts]
             # each trial's margin over dense in its decision (its density's ``dense_margin``);
             # which candidates run is asked with the whole margin (step 2)
-            self.decision_margins = [dense_margin(density, float(policy.final_density))
-                                     for density in self.gate_densities]
+            self.decision_margins = [dense_margin(density, float(policy.final_density),
+                                                  self.within) for density in self.gate_densities]
         self.gate_starts = np.array(starts, np.int64)
-        self.gates = np.array([worth_trying(self.plans, density, value_bytes, DENSE_WITHIN)
+        self.gates = np.array([worth_trying(self.plans, density, value_bytes, self.within)
                                for density in self.gate_densities], np.bool_)
         self.warmup_trials = retrials
         # the trials' own numbers, on the host (the same on every rank), not checkpointed
@@ -375,7 +375,7 @@ class MeasuredChoiceStep(SynchronousStep):
                 self.computes[slot] = compute
             compute = median_of_samples(self.computes)
             hopeless = (turn_done and candidate == self.dense_index
-                        and not sparse_can_win(median, compute, DENSE_WITHIN))
+                        and not sparse_can_win(median, compute, self.within))
             if hopeless and self.retimed < HOPELESS_RETIMES and np.count_nonzero(trying) > 1:
                 # dense's turn again, its timed steps (step 1)
                 self.retimed, self.best, start = self.retimed + 1, np.inf, start + TRIAL_STEPS - 1
@@ -387,7 +387,7 @@ class MeasuredChoiceStep(SynchronousStep):
                 trying &= self.warmed | plans_within_reach(
                     self.plans, self.bounded, self.reference_index, self.dense_index,
                     median_of_samples(self.samples), compute, self.best,
-                    self.gate_densities[self.trial_row], self.value_bytes, DENSE_WITHIN,
+                    self.gate_densities[self.trial_row], self.value_bytes, self.within,
                     within_reach)
         length = int(np.sum(np.where(trying, self.turn_lengths, 0)))
         if (turn_done and int(phase) + skipped == length - 1) or hopeless:
@@ -439,7 +439,7 @@ class MeasuredChoiceStep(SynchronousStep):
         if runtime.rank(self.optimizer.process_set) == 0:
             compute = median_of_samples(self.computes)
             log.info("%s", decision_message(step, names, choice, times, compute, hopeless,
-                                            DENSE_WITHIN if hopeless else margin))
+                                            self.within if hopeless else margin))
         upcoming = [start for start in self.warmup_trials if start > step]
         following = upcoming[0] if upcoming else step + self._recheck_after()
         # within the warm-up only those that can still win: halving the density at most
@@ -457,11 +457,11 @@ class MeasuredChoiceStep(SynchronousStep):
             pruned |= orphaned & pruned[self.reference_index]
         self.pruned = pruned
         dense = np.arange(count) == self.dense_index
-        decisive = self.dense_index is not None and decisive_loss(seconds, names, DENSE_WITHIN)
+        decisive = self.dense_index is not None and decisive_loss(seconds, names, self.within)
         # beaten: by the whole margin, which the warm-up's last trial will ask (a sparse
         # exchange chosen by a warm-up trial's smaller one may still lose there)
         if self.dense_index is not None and self._dense_beaten(
-                trying[self.dense_index], decide(seconds, names, DENSE_WITHIN) != self.dense_index,
+                trying[self.dense_index], decide(seconds, names, self.within) != self.dense_index,
                 decisive, bool(upcoming)):
             pruned = pruned | dense
         if not upcoming and following - step < RECHECK_STEPS:

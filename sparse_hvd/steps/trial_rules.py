@@ -6,7 +6,7 @@ dense lost it beyond doubt, what the early re-check runs, and the line rank 0 lo
 Each takes its ``margin``: how much faster than dense's a sparse step must be to run, so that
 dense, which needs no extra steps to a loss, keeps the steps a sparse exchange would win by
 less. The rules that choose which candidates a trial runs are asked with the whole margin
-(``measured.DENSE_WITHIN``), the decision with the trial's (``measured.dense_margin``).
+(:func:`whole_margin`), the decision with the trial's (``measured.dense_margin``).
 """
 
 from typing import List
@@ -29,6 +29,16 @@ def wire_bytes(plan, density, value_bytes):
     times the density), or None where that is not known (dense)."""
     per_entry = plan.exchange.wire_bytes_per_entry(density, value_bytes)
     return None if per_entry is None else density * per_entry
+
+
+def whole_margin(plans, default) -> float:
+    """The margin over dense's step a trial of ``plans`` asks at the settled density: the one
+    their sparse exchanges declare (``Exchange.dense_within``: the extra steps their averages
+    cost to dense's loss), else ``default`` (``measured.DENSE_WITHIN``). ``exchange="auto"``'s
+    candidates average one code (``Exchange.code``), so they declare alike; else the least."""
+    declared = [plan.exchange.dense_within for plan in plans
+                if plan.name != "dense" and plan.exchange.dense_within is not None]
+    return min(declared) if declared else default
 
 
 def worth_trying(plans, density, value_bytes, margin) -> List[bool]:

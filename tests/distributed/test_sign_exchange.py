@@ -229,9 +229,16 @@ def test_a_step_not_finite_on_one_rank_is_skipped_everywhere(hvd):
 def test_with_adam_the_default_times_signs_against_dense_and_runs_the_choice(
         hvd, monkeypatch, forced):
     """``exchange=None`` with Adam: a trial of the sign exchange and dense, one decision on
-    every rank (forced here), then the chosen one runs (the layer statistics say so);
-    replicas stay identical through the switches."""
+    every rank (forced here, asked with the signs' own margin, 1.2x), then the chosen one runs
+    (the layer statistics say so); replicas stay identical through the switches."""
     measured = force_auto_choice(monkeypatch, forced)
+    forcing, margins = measured.decide, []
+
+    def decide(seconds, names, margin):
+        margins.append(margin)
+        return forcing(seconds, names, margin)
+
+    monkeypatch.setattr(measured, "decide", decide)
     rank = hvd.rank()
     variables = [keras.Variable(np.zeros(s, "float32")) for s in (BIG, SMALL)]
     optimizer = sparse_hvd.SparseDistributedOptimizer(
@@ -271,6 +278,7 @@ def test_with_adam_the_default_times_signs_against_dense_and_runs_the_choice(
     assert [plan.name for plan in optimizer._step.plans] == ["sign", "dense"]
     (_, times, choice), = optimizer.exchange_decisions
     assert choice == forced and set(times) == {"sign", "dense"}
+    assert margins and set(margins) == {0.2}, margins  # no warm-up: the whole margin
     assert stats[0]["exchange"] == "dense"  # before the trial
     assert stats[-1]["exchange"] == forced
     assert stats[-1]["last_density"] == 1.0  # every entry: its sign, or its value
