@@ -27,6 +27,9 @@ which ``sparse_hvd.checks`` reads (never the class's name):
   selected entries and the signs of the rest: ``exchange="topk_sign"``). ``exchange="auto"``
   chooses only among exchanges of one code (and dense): the others change what is averaged,
   not only how it travels.
+* ``dense_within``: how much faster than dense's its step must be for ``exchange="auto"`` to
+  run it, the price of the extra steps its averages need to dense's loss (None: the library's
+  ``steps.measured.DENSE_WITHIN``, 1.5x; the sign exchanges 0.2).
 
 The header every grouped exchange sends first (:func:`header`, read by
 :func:`checked_headers`): one int32 row per rank, ``[all finite, lockstep fields, ...]``, the
