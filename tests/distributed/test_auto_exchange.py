@@ -104,6 +104,22 @@ def _conservation(hvd, optimizer, weights, steps, compression):
                                    atol=1e-4 + rounding, err_msg=f"variable {i}")
 
 
+def record_timed_steps(monkeypatch):
+    """A list that gets the auto step counter of every step that wrote a trial sample."""
+    timed_at = []
+    record = measured.MeasuredChoiceStep._record
+
+    def recording(self, times, phase, candidate, step, *rest):
+        before = self.samples.copy()
+        result = record(self, times, phase, candidate, step, *rest)
+        if not np.array_equal(before, self.samples):
+            timed_at.append(int(step))
+        return result
+
+    monkeypatch.setattr(measured.MeasuredChoiceStep, "_record", recording)
+    return timed_at
+
+
 def _same_everywhere(hvd, weights, name):
     digests = gather(hvd, digest(weights), name=f"{name}.digests")
     assert all(d == digests[0] for d in digests), f"replicas differ: {digests}"
@@ -175,17 +191,7 @@ def test_a_candidates_first_turn_times_it_after_more_untimed_steps(hvd, monkeypa
         return reach_first or len(asked) > 2
 
     monkeypatch.setattr(measured, "within_reach", reach)
-    timed_at = []  # the auto step counter of every step that wrote a sample
-    record = measured.MeasuredChoiceStep._record
-
-    def recording(self, times, phase, candidate, step, *rest):
-        before = self.samples.copy()
-        result = record(self, times, phase, candidate, step, *rest)
-        if not np.array_equal(before, self.samples):
-            timed_at.append(int(step))
-        return result
-
-    monkeypatch.setattr(measured.MeasuredChoiceStep, "_record", recording)
+    timed_at = record_timed_steps(monkeypatch)
     long_turn, turn = untimed + measured.TRIAL_STEPS - 1, measured.TRIAL_STEPS
     # each trial's turns in order (dense, the allgather, the two that build on it): lengths
     first = [turn] + [long_turn] * (CANDIDATES - 1 if reach_first else 1)
@@ -723,17 +729,7 @@ def test_a_trial_no_sparse_exchange_can_win_ends_with_dense(hvd, monkeypatch, pe
         return len(seen) > 1 and not second_hopeless
 
     monkeypatch.setattr(measured, "sparse_can_win", hopeless)
-    timed_at = []  # the auto step counter of every step that wrote a sample
-    record = measured.MeasuredChoiceStep._record
-
-    def recording(self, times, phase, candidate, step, *rest):
-        before = self.samples.copy()
-        result = record(self, times, phase, candidate, step, *rest)
-        if not np.array_equal(before, self.samples):
-            timed_at.append(int(step))
-        return result
-
-    monkeypatch.setattr(measured.MeasuredChoiceStep, "_record", recording)
+    timed_at = record_timed_steps(monkeypatch)
     turn = measured.TRIAL_STEPS
     dense_end = 2 * turn - 1  # the counter at dense's second turn's last step (from 1)
     decided = dense_end if second_hopeless else dense_end + (CANDIDATES - 1) * turn
