@@ -118,7 +118,7 @@ def test_the_fused_step_is_keras_step_bit_for_bit(kind, dtype, constrained):
     optimizer variable (velocities, moments, averages, the step count) equal to Keras'
     ``apply``'s after each of 4 steps, and the weights moved."""
     if kind in _adams():
-        native_op(kernels.local_adam)
+        native_op(kernels.apply_adam)
     ours, calls = _run(kind, dtype, constrained, fused=True)
     # traced once: one fused step per SGD variable, one call for all of Adam's
     assert calls == (1 if kind in _adams() else len(SHAPES))
@@ -173,3 +173,57 @@ def test_gradients_it_cannot_take_go_to_keras():
                                   [double])  # the native pass is float32 only
     variable.overwrite_with_gradient = True
     assert not fused_apply.usable(optimizer, inner, [tf.ones((40, 50))], [variable])
+
+
+def _adam_state(n, seed=5):
+    rng = np.random.RandomState(seed)
+    return (rng.randn(n).astype("float32"), (0.1 * rng.randn(n)).astype("float32"),
+            rng.rand(n).astype("float32"), rng.randn(n).astype("float32"))
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_the_in_place_adam_step_is_adams_formula_and_spares_a_held_read(held):
+    """``SparseHvdApplyAdam`` on 70,007 entries (two whole shards and part of a third): the weights
+    and both moments equal Adam's formula computed in float32 by NumPy in Keras' order, bit
+    for bit; a read of the three variables taken before the step (``held``) keeps the
+    values it had (the step copies a buffer a read still holds, never writes under it)."""
+    apply_adam = native_op(kernels.apply_adam)
+    n = 70_007
+    weights, m, v, gradient = _adam_state(n)
+    w_var, m_var, v_var = (tf.Variable(a) for a in (weights, m, v))
+    reads = [x.read_value() for x in (w_var, m_var, v_var)] if held else []
+    one_minus = (np.float32(1 - 0.9), np.float32(1 - 0.999))
+    alpha, epsilon = np.float32(0.003), np.float32(1e-7)
+    apply_adam(variable=w_var.handle, m=m_var.handle, v=v_var.handle,
+               gradient=tf.constant(gradient.reshape(7, -1)),  # any shape of n entries
+               coefficients=tf.constant([*one_minus, alpha, epsilon]))
+    first = m + (gradient - m) * one_minus[0]
+    second = v + (gradient * gradient - v) * one_minus[1]
+    expected = weights - (first * alpha) / (np.sqrt(second) + epsilon)
+    for got, want in zip((w_var, m_var, v_var), (expected, first, second)):
+        assert got.numpy().dtype == np.float32
+        np.testing.assert_array_equal(got.numpy(), want)
+    for read, before in zip(reads, (weights, m, v)):
+        np.testing.assert_array_equal(read.numpy(), before)
+
+
+def test_the_in_place_adam_step_refuses_what_it_cannot_take_naming_it():
+    """A variable or moment of another length or dtype, or coefficients of another count:
+    refused, naming which, and nothing written."""
+    apply_adam = native_op(kernels.apply_adam)
+    weights, m, v, gradient = _adam_state(6)
+    coefficients = tf.constant([0.1, 0.001, 0.01, 1e-7])
+
+    def call(w_var, m_var, v_var, grad=gradient, k=coefficients):
+        apply_adam(variable=w_var.handle, m=m_var.handle, v=v_var.handle,
+                   gradient=tf.constant(grad), coefficients=k)
+
+    w_var, m_var, v_var = (tf.Variable(a) for a in (weights, m, v))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="m has 5 entries, the gradient 6"):
+        call(w_var, tf.Variable(m[:5]), v_var)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="v must be float32"):
+        call(w_var, m_var, tf.Variable(v.astype("float64")))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="coefficients must hold 4 values"):
+        call(w_var, m_var, v_var, k=tf.constant([0.1, 0.001, 0.01]))
+    for variable, before in zip((w_var, m_var, v_var), (weights, m, v)):
+        np.testing.assert_array_equal(variable.numpy(), before)

@@ -12,9 +12,13 @@ velocity's assignment, the weights' ``assign_add``), Adam about a dozen. Here:
   accum``, or with Nesterov ``var += accum * momentum - grad * lr``) and
   ``ResourceApplyGradientDescent`` (``var -= lr * grad``) without momentum. On every device
   TensorFlow has them for (CPU and GPU).
-* **Adam, AdamW**: the update cut's native pass (``kernels/local_step.cc``,
-  ``fused_step.adam_steps``) asked for Keras' new weights instead of the update: m, v and
-  the weights from one read of each; CPU only (the native kernels), Keras' path on a GPU.
+* **Adam, AdamW**: ``SparseHvdApplyAdam`` (``kernels/apply_adam.cc``): m, v and the
+  weights from one read of each, written back in place under the variables' locks, as
+  TensorFlow's training ops write (not TensorFlow's own ``ResourceApplyAdam``, which rounds
+  1 - beta_1 differently from Keras); CPU only (the native kernels), Keras' path on a GPU.
+  Its first form wrote three new tensors a step, and a job's first ~8 dense steps
+  page-faulted while the allocator's pool grew (0.3-1.5 s against 0.1 s a step:
+  ``scripts/benchmarks/probe_first_steps.py``).
 
 The same float operations in Keras' order, so the same bits as Keras' path on a CPU (tested).
 Everything else of Keras' ``apply`` is Keras' own code, in its order: the weight decay
@@ -51,7 +55,7 @@ def usable(opt, inner, grads, variables) -> bool:
     """Whether the fused step is Keras' step of ``inner`` on these gradients and variables."""
     if type(inner) is keras.optimizers.SGD and isinstance(inner.momentum, (int, float)):
         return fused_step.plain_step_inputs(opt, inner, grads, variables, SGD_DTYPES)
-    if fused_step.plain_adam(inner) and kernels.local_adam() is not None:
+    if fused_step.plain_adam(inner) and kernels.apply_adam() is not None:
         return fused_step.plain_step_inputs(opt, inner, grads, variables)
     return False
 
@@ -72,7 +76,7 @@ def apply_if_usable(opt, grads, variables) -> bool:
             for gradient, variable in zip(grads, variables):
                 _sgd_step(inner, gradient, variable, rate)
         else:
-            _adam_steps(opt, inner, grads, variables)
+            _adam_steps(inner, grads, variables)
         if inner.use_ema:
             local_update.moving_average_step(inner)
         for variable in variables:
@@ -95,10 +99,12 @@ def _sgd_step(inner, gradient, variable, rate):
         momentum=keras.ops.cast(inner.momentum, variable.dtype), use_nesterov=bool(inner.nesterov))
 
 
-def _adam_steps(opt, inner, grads, variables):
-    """Keras' ``Adam.update_step`` of every variable, one native pass each: the new m, v and
-    weights, then written (the step's finiteness was checked on the averages before)."""
-    steps = fused_step.adam_steps(opt, inner, grads, variables, workers=1, new_weights=True)
-    steps.write_state()
-    for variable, weights in zip(variables, steps.updates):
-        inner.assign(variable, weights)
+def _adam_steps(inner, grads, variables):
+    """Keras' ``Adam.update_step`` of every variable, one native pass each, in place (the
+    step's finiteness was checked on the averages before)."""
+    native = kernels.apply_adam()
+    coefficients = fused_step.adam_apply_coefficients(inner)
+    for gradient, variable in zip(grads, variables):
+        index = inner._get_variable_index(variable)
+        native(variable=variable.handle, m=inner._momentums[index].handle,
+               v=inner._velocities[index].handle, gradient=gradient, coefficients=coefficients)

@@ -164,28 +164,41 @@ def assign_all(writes):
         optimizer.assign(variable, value)
 
 
-def adam_steps(opt, adam, grads, variables, workers, new_weights=False) -> LocalSteps:
-    """Steps 1-3 of :func:`local_update.local_updates` for a plain Adam by the native pass:
-    per variable, this rank's update (corrected by the noise estimate where
-    ``second_moment`` asks), and Adam's m and v (and q) to write. With ``new_weights`` (the
-    inner step on averaged gradients, ``fused_apply``): Keras' new weights instead of the
-    update, never corrected, and no decay (the caller runs Keras' own, whose bits a traced
-    step's graph rewrites may change: ``fused_apply``)."""
-    native = kernels.local_adam()
-    second_moment = opt._second_moment
-    correct = second_moment.kind == "noise_estimate" and workers > 1 and not new_weights
-    rate = tf.cast(adam.learning_rate, tf.float32)  # this step's: the count is not moved
+def adam_scalars(adam):
+    """This step's learning rate, Adam's alpha (``lr sqrt(1 - beta_2^t) / (1 - beta_1^t)``)
+    and 1 - beta_1^t, in float32 by Keras' ``update_step``'s operations (the count not yet
+    moved)."""
+    rate = tf.cast(adam.learning_rate, tf.float32)
     t = tf.cast(adam.iterations + 1, tf.float32)
     beta_1_power = tf.pow(tf.cast(adam.beta_1, tf.float32), t)
     beta_2_power = tf.pow(tf.cast(adam.beta_2, tf.float32), t)
-    alpha = rate * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)  # as Keras' update_step
-    first = 1 - beta_1_power  # the noise estimate's, as second_moment._moments reads it
+    alpha = rate * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+    return rate, alpha, 1 - beta_1_power
+
+
+def adam_apply_coefficients(adam) -> tf.Tensor:
+    """The coefficients of the in-place step on averaged gradients (``SparseHvdApplyAdam``,
+    ``fused_apply``): 1 - beta_1 and 1 - beta_2 (Python's differences, then float32, as
+    Keras' ``update_step`` takes them), alpha, epsilon."""
+    _, alpha, _ = adam_scalars(adam)
+    return tf.stack([_float32(1 - adam.beta_1), _float32(1 - adam.beta_2), alpha,
+                     _float32(adam.epsilon)])
+
+
+def adam_steps(opt, adam, grads, variables, workers) -> LocalSteps:
+    """Steps 1-3 of :func:`local_update.local_updates` for a plain Adam by the native pass:
+    per variable, this rank's update (corrected by the noise estimate where
+    ``second_moment`` asks), and Adam's m and v (and q) to write."""
+    native = kernels.local_adam()
+    second_moment = opt._second_moment
+    correct = second_moment.kind == "noise_estimate" and workers > 1
+    rate, alpha, first = adam_scalars(adam)  # first: as second_moment._moments reads it
     inv_first = tf.cast(1 / tf.cast(first, tf.float64), tf.float32)
     decay = tf.cast(adam.weight_decay or 0.0, tf.float32)
     updates, flags, writes = [], [], []
     for gradient, variable in zip(grads, variables):
         index = adam._get_variable_index(variable)
-        decayed = _decayed(adam, variable) and not new_weights  # fused_apply: Keras' decay
+        decayed = _decayed(adam, variable)
         # second_moment.decays: the correction keeps out a decay that takes something
         kept_out = correct and bool(adam.weight_decay) and decayed
         coefficients = tf.stack([
@@ -198,7 +211,7 @@ def adam_steps(opt, adam, grads, variables, workers, new_weights=False) -> Local
             tf.reshape(gradient, [-1]), tf.reshape(adam._momentums[index], [-1]),
             tf.reshape(adam._velocities[index], [-1]), tf.reshape(variable, [-1]),
             tf.reshape(q, [-1]) if q is not None else tf.zeros([0]), coefficients,
-            correct=correct, new_weights=new_weights)
+            correct=correct)
         writes.append((adam, adam._momentums[index], tf.reshape(m, variable.shape)))
         writes.append((adam, adam._velocities[index], tf.reshape(v, variable.shape)))
         if q is not None:

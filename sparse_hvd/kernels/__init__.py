@@ -56,6 +56,9 @@
   ops (local_step.cc, ``sparsify="update"`` with a plain Keras Adam or SGD: this worker's step
   as an update, the optimizer's state written (and Adam's noise estimate applied), in one
   pass, the weights untouched);
+* ``apply_adam()``: the ``SparseHvdApplyAdam`` op (apply_adam.cc: a plain Keras Adam's step
+  on averaged gradients, the weights and moments written in place in one pass, the variables
+  taken as TensorFlow's dense training ops take them);
 * ``local_sgd_cut()`` and ``sampled_local_sgd()``: the ``SparseHvdLocalSgdCut`` and
   ``SparseHvdSampledLocalSgd`` ops (local_sgd_cut.cc, the update cut with a plain SGD and the
   model-wide budget: the local step, error feedback and the cut in one pass per variable, and
@@ -280,6 +283,12 @@ def noise_estimate():
 def local_adam():
     """The native local Adam step of ``sparsify="update"`` (``feedback.fused_step``), or None."""
     return _op("sparse_hvd_local_adam")
+
+
+def apply_adam():
+    """The native in-place Adam step on averaged gradients (``feedback.fused_apply``), or
+    None."""
+    return _op("sparse_hvd_apply_adam")
 
 
 def local_sgd():

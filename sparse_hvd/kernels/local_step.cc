@@ -8,14 +8,12 @@
 //
 // SparseHvdLocalAdam (``keras.optimizers.Adam``/``AdamW``), per entry:
 //
-//   1. m' = m + (g - m) * (1 - beta_1);  v' = v + (g * g - v) * (1 - beta_2);
+//   1. m' = m + (g - m) * (1 - beta_1);  v' = v + (g * g - v) * (1 - beta_2) (adam_entry.h);
 //   2. w1 = w - (w * weight_decay) * learning_rate where the decoupled decay applies
 //      (Keras' ``_apply_weight_decay``, before the moments' step), else w;
 //   3. w2 = w1 - (m' * alpha) / (sqrt(v') + epsilon) (alpha = lr sqrt(1 - beta_2^t) /
-//      (1 - beta_1^t), computed by the caller as Keras does);
+//      (1 - beta_1^t), computed by the caller as Keras does; adam_entry.h);
 //   4. the update u = w - w2 (what the weights would have lost: the update cut sends it);
-//      with ``new_weights`` (the inner step on averaged gradients, feedback/fused_apply.py)
-//      the output is w2 itself, Keras' new weights;
 //   5. with ``correct`` (``second_moment="noise_estimate"``): the noise estimate's steps of
 //      noise_estimate.cc on u, m', v' and q, writing q' and the corrected u.
 //
@@ -40,6 +38,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "adam_entry.h"
 #include "finite_output.h"
 #include "sgd_entry.h"
 #include "vectorised.h"
@@ -54,7 +53,6 @@ using tensorflow::Tensor;
 
 REGISTER_OP("SparseHvdLocalAdam")
     .Attr("correct: bool")  // step 5: second_moment="noise_estimate"
-    .Attr("new_weights: bool = false")  // update is w2 itself (step 4 skipped; not correct)
     .Input("gradient: float")  // this worker's gradient, flat
     .Input("m: float")         // Adam's first moment before the step
     .Input("v: float")         // Adam's second moment before the step
@@ -90,7 +88,7 @@ constexpr int kCoefficients = 12;
 // Steps 1-5 for entries [begin, end), the choices as template arguments (a branch in the loop
 // would keep the compiler from vectorising it). The pointers do not alias (the outputs are
 // fresh tensors).
-template <bool kCorrect, bool kDecayed, bool kKeptOut, bool kNewWeights = false>
+template <bool kCorrect, bool kDecayed, bool kKeptOut>
 SPARSE_HVD_INLINE int AdamRange(const float* __restrict g, const float* __restrict m,
                                 const float* __restrict v, const float* __restrict w,
                                 const float* __restrict q, float* __restrict u,
@@ -99,12 +97,12 @@ SPARSE_HVD_INLINE int AdamRange(const float* __restrict g, const float* __restri
                                 const Coefficients k) {
   int not_finite = 0;
   for (int64_t i = begin; i < end; ++i) {
-    const float first = m[i] + (g[i] - m[i]) * k.one_minus_beta_1;            // step 1
-    const float second = v[i] + (g[i] * g[i] - v[i]) * k.one_minus_beta_2;
+    float first, second;                                                       // step 1
+    AdamMoments(g[i], m[i], v[i], k.one_minus_beta_1, k.one_minus_beta_2, &first, &second);
     const float decay = (w[i] * k.weight_decay) * k.learning_rate;             // step 2
     const float w1 = kDecayed ? w[i] - decay : w[i];
-    const float w2 = w1 - (first * k.alpha) / (std::sqrt(second) + k.epsilon);  // step 3
-    float update = kNewWeights ? w2 : w[i] - w2;                               // step 4
+    const float w2 = AdamWeights(w1, first, second, k.alpha, k.epsilon);       // step 3
+    float update = w[i] - w2;                                                  // step 4
     if (kCorrect) {                                                            // step 5
       const float m_hat = first * k.inv_first;
       const float e = q[i] + (m_hat * m_hat - q[i]) * k.one_minus_beta_2;
@@ -123,22 +121,20 @@ SPARSE_HVD_INLINE int AdamRange(const float* __restrict g, const float* __restri
 }
 
 // One function per choice, each compiled for AVX2 and for the baseline.
-#define SPARSE_HVD_ADAM_STEP(Name, kCorrect, kDecayed, kKeptOut, kNewWeights)                  \
+#define SPARSE_HVD_ADAM_STEP(Name, kCorrect, kDecayed, kKeptOut)                               \
   SPARSE_HVD_VECTORISED                                                                       \
   int Name(const float* __restrict g, const float* __restrict m, const float* __restrict v,   \
             const float* __restrict w, const float* __restrict q, float* __restrict u,        \
             float* __restrict m_out, float* __restrict v_out, float* __restrict q_out,        \
             int64_t begin, int64_t end, const Coefficients k) {                               \
-    return AdamRange<kCorrect, kDecayed, kKeptOut, kNewWeights>(g, m, v, w, q, u, m_out,      \
-                                                                v_out, q_out, begin, end, k); \
+    return AdamRange<kCorrect, kDecayed, kKeptOut>(g, m, v, w, q, u, m_out, v_out, q_out,     \
+                                                   begin, end, k);                            \
   }
-SPARSE_HVD_ADAM_STEP(AdamStep, false, false, false, false)
-SPARSE_HVD_ADAM_STEP(AdamStepDecayed, false, true, false, false)
-SPARSE_HVD_ADAM_STEP(AdamStepCorrected, true, false, false, false)
-SPARSE_HVD_ADAM_STEP(AdamStepCorrectedDecayed, true, true, false, false)
-SPARSE_HVD_ADAM_STEP(AdamStepCorrectedKeptOut, true, true, true, false)
-SPARSE_HVD_ADAM_STEP(AdamNewWeights, false, false, false, true)
-SPARSE_HVD_ADAM_STEP(AdamNewWeightsDecayed, false, true, false, true)
+SPARSE_HVD_ADAM_STEP(AdamStep, false, false, false)
+SPARSE_HVD_ADAM_STEP(AdamStepDecayed, false, true, false)
+SPARSE_HVD_ADAM_STEP(AdamStepCorrected, true, false, false)
+SPARSE_HVD_ADAM_STEP(AdamStepCorrectedDecayed, true, true, false)
+SPARSE_HVD_ADAM_STEP(AdamStepCorrectedKeptOut, true, true, true)
 #undef SPARSE_HVD_ADAM_STEP
 
 using AdamStepFunction = int (*)(const float*, const float*, const float*, const float*,
@@ -146,8 +142,7 @@ using AdamStepFunction = int (*)(const float*, const float*, const float*, const
                                  int64_t, const Coefficients);
 
 // The function for the choices (the decay kept out of the correction only where it applies).
-AdamStepFunction ChosenStep(bool correct, bool decayed, bool kept_out, bool new_weights) {
-  if (new_weights) return decayed ? AdamNewWeightsDecayed : AdamNewWeights;
+AdamStepFunction ChosenStep(bool correct, bool decayed, bool kept_out) {
   if (!correct) return decayed ? AdamStepDecayed : AdamStep;
   if (!decayed) return AdamStepCorrected;
   return kept_out ? AdamStepCorrectedKeptOut : AdamStepCorrectedDecayed;
@@ -157,9 +152,6 @@ class LocalAdamOp : public OpKernel {
  public:
   explicit LocalAdamOp(OpKernelConstruction* context) : OpKernel(context) {
     OP_REQUIRES_OK(context, context->GetAttr("correct", &correct_));
-    OP_REQUIRES_OK(context, context->GetAttr("new_weights", &new_weights_));
-    OP_REQUIRES(context, !(correct_ && new_weights_),
-                InvalidArgumentError("new_weights and correct exclude each other"));
   }
 
   void Compute(OpKernelContext* context) override {
@@ -198,7 +190,7 @@ class LocalAdamOp : public OpKernel {
     float* v_out = outputs[2]->flat<float>().data();
     float* q_out = correct_ ? outputs[3]->flat<float>().data() : nullptr;
     const AdamStepFunction step =
-        ChosenStep(correct_, k.decayed != 0.0f, correct_ && k.kept_out != 0.0f, new_weights_);
+        ChosenStep(correct_, k.decayed != 0.0f, correct_ && k.kept_out != 0.0f);
     auto* pool = context->device()->tensorflow_cpu_worker_threads();
     const int64_t shards = (n + kShard - 1) / kShard;
     std::atomic<int> not_finite{0};
@@ -214,7 +206,6 @@ class LocalAdamOp : public OpKernel {
 
  private:
   bool correct_ = false;
-  bool new_weights_ = false;
 };
 
 REGISTER_KERNEL_BUILDER(Name("SparseHvdLocalAdam").Device(tensorflow::DEVICE_CPU),
