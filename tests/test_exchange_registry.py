@@ -13,7 +13,7 @@ from sparse_hvd.selection.density import ConstantDensity
 from sparse_hvd.steps.candidates import Plan, warmup_trials
 from sparse_hvd.steps.measured import DENSE_WITHIN
 from sparse_hvd.steps.trial_rules import (DENSE_TURN_SPREAD, SAVING, decide, decisive_loss,
-                                          early_recheck, sparse_can_win, turn_order,
+                                          early_recheck, held, sparse_can_win, turn_order,
                                           whole_margin, within_reach, worth_trying)
 from sparse_hvd.exchanges import available, create, exchange_class, groupings_of, register
 from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
@@ -91,6 +91,24 @@ def test_auto_takes_the_fastest_and_dense_unless_a_sparse_exchange_clearly_wins(
     assert names[decide([1.0, 1.0 + margin * 1.1, 3.0], names, margin)] == "allgather"
     # without dense among the candidates, ties go by name: the same on every rank
     assert decide([2.0, 2.0], ["sparse_allreduce", "allgather"], DENSE_WITHIN) == 1
+
+
+def test_a_held_incumbent_counts_faster_by_the_hold_alone():
+    """``held``: the incumbent's time over ``1 + hold``, every other time as it was; with no
+    incumbent, nothing changes. Dense 1.18 s against the signs' 1.0 s at their 1.2x margin
+    (the sixty-fifth session's early re-check): dense, unless the signs are the incumbent
+    held by 1.15x (1.0 / 1.15 x 1.2 = 1.043 s < 1.18 s); dense 1.3 s: the signs, unless
+    dense is the incumbent (1.3 / 1.15 = 1.13 s <= 1.2 s)."""
+    names = ["dense", "sign"]
+    assert held([1.18, 1.0], None, 0.15) == [1.18, 1.0]
+    assert held([1.18, 1.0, 3.0], 1, 0.15) == [1.18, 1.0 / 1.15, 3.0]
+    assert names[decide(held([1.18, 1.0], None, 0.15), names, 0.2)] == "dense"
+    assert names[decide(held([1.18, 1.0], 1, 0.15), names, 0.2)] == "sign"
+    assert names[decide(held([1.18, 1.0], 0, 0.15), names, 0.2)] == "dense"
+    assert names[decide(held([1.3, 1.0], None, 0.15), names, 0.2)] == "sign"
+    assert names[decide(held([1.3, 1.0], 1, 0.15), names, 0.2)] == "sign"
+    assert names[decide(held([1.3, 1.0], 0, 0.15), names, 0.2)] == "dense"
+    assert names[decide(held([1.3, 1.0], 0, 0.0), names, 0.2)] == "sign"  # no hold
 
 
 def test_dense_loses_by_far_only_beyond_what_its_own_slowest_turn_explains():

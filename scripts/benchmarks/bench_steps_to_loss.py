@@ -161,6 +161,9 @@ METHODS = {
                                 "their step must be 1.5x faster than dense's, as top-k's "
                                 "(Exchange.dense_within None)", {"density": 0.01,
                                                                  "sign_dense_within": None}),
+    "default_no_hold": ("the defaults with auto's previous re-check rule: the choice until "
+                        "then is not held (measured.HOLD_WITHIN = 0)",
+                        {"density": 0.01, "hold_within": 0.0}),
     "per_layer": ("the warm-up with a budget per layer (budget='layer': the previous default)",
                   {"density": 0.01, "budget": "layer"}),
     "per_layer_0.001": ("the previous default at 0.1%", {"density": 0.001, "budget": "layer"}),
@@ -285,7 +288,7 @@ def resolve_steps(value, steps):
 
 # exchange="auto"'s settings a method may set (steps_worker applies them before the build)
 AUTO_SETTINGS = ("dense_within", "noise_within", "first_decision", "early_recheck",
-                 "hopeless_retimes", "sign_dense_within")
+                 "hopeless_retimes", "sign_dense_within", "hold_within")
 
 
 def options_for(workload, method, steps):

@@ -152,6 +152,8 @@ def main(argv=None):
             sparse_hvd.exchanges.exchange_class(name).dense_within = options["sign_dense_within"]
     if "hopeless_retimes" in options:  # dense's turns read as compute-bound before none runs
         sparse_hvd.steps.measured.HOPELESS_RETIMES = options["hopeless_retimes"]
+    if "hold_within" in options:  # how much a re-check's incumbent counts faster
+        sparse_hvd.steps.measured.HOLD_WITHIN = options["hold_within"]
     workload = WORKLOADS[args.workload]
     data = workload.load(rank, size)
 

@@ -15,45 +15,38 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
 
 1. **Trial.** From step ``trial_start`` on, each candidate worth trying runs ``TRIAL_STEPS``
    steps in turn, dense first. The first of each is not timed (its first run sets up its
-   collectives). A candidate's first turn in the job is longer: its first
-   ``FIRST_TRIAL_UNTIMED`` steps are not timed, since an exchange's first steps still pay for
-   their start (on the wide CNN at 4 workers and 1 Gbit/s the allgather's steps after its
-   trace took 0.52, 0.40, 0.32 s, then about 0.25 s; timed from the second, that trial ran
-   dense for the warm-up's next 70 steps on every seed,
-   ``docs/time_to_loss_update_cut_1gbit.md``). That is every turn of the job's first trial
-   but dense's (at 4 workers and 1 Gbit/s its first trial steps took 0.31-0.37 s, its
-   medians in the next trial 0.32-0.40 s: 3 more of its steps, each 2-3x a sparse one's, would
-   buy nothing), and the turn of a candidate first tried later (the reach rule or the byte
-   gate left it out before: the sparse allreduce's first turn at step 80 of such a run took
-   0.59 s a step and left that trial). A timed step is the whole step, from the previous
-   step's last write to this one's (on shared cores a candidate's CPU work slows the other
-   ranks' backprop, which a timer around the exchange would not see), as the mean over the
-   ranks, so every rank holds the same numbers. Two timed steps in a row over ``ABORT_AFTER``
-   x the fastest median so far end their candidate's turn (one alone may be noise: at 8 ranks
-   on 2 cores single steps took up to 2x their neighbours', and the coded allgather's 628 ms
-   in one trial, against its 202 ms steady, was most likely one such step standing for its
-   whole turn). Not worth trying (``worth_trying``): a sparse candidate whose bytes on the
-   wire alone, at the trial's density, cannot beat dense by ``DENSE_WITHIN``. Dense's steps
-   also time its exchange on every rank: the rank that reached the collective last waited
-   only for the transfer, so the step less its time is the compute no exchange removes
-   (``sparse_can_win``); where dense's step is within ``DENSE_WITHIN`` of it in two turns in
-   a row (``HOPELESS_RETIMES``: the second right after the first), the trial ends with it
-   and the sparse candidates are never traced or run (on the character LSTM at 1 Gbit/s
-   their traces and trial steps made the first 20 steps 2x dense's). The second costs nothing
-   where the first was right (dense runs those steps either way); a job's first steps can
-   read dense 3-4x high (Adam at 10 Gbit/s: memory touched for the first time, which ran
-   dense for 100 steps; ``docs/auto_exchange.md``). After dense comes the reference
-   (``Exchange.builds_on``: the coded allgather and the sparse allreduce do the allgather's
-   work and more, to send fewer bytes), then the others, fewest bytes on the wire first
-   (``turn_order``); at the end of each of these turns, those not run before that could not
-   become the choice, or beat the fastest step so far, even if their fewer bytes were all they
-   changed (``within_reach``; where dense sits out, its last turn's step) leave the trial
-   untraced (with 4 ranks on 2 cores a trace took 3-6 s: 13 s of a 57 s run on 10 Gbit/s links,
-   where dense won). One that ran in an earlier trial stays: it is traced already, its turn
-   costs a few steps, and its measured step is worth more than the bound (at 8 workers and 1
-   Gbit/s the bound once left out the sparse allreduce, traced before, and dense ran 66 more
-   steps at 0.47 s; in another seed's such trial it took 0.22 s a step, half the allgather's:
-   it also averages fewer entries, work that grows with N).
+   collectives). A candidate's first turn in the job is longer: its first ``FIRST_TRIAL_UNTIMED``
+   steps are not timed, since an exchange's first steps still pay for their start (the wide CNN
+   at 4 workers and 1 Gbit/s: the allgather's steps after its trace took 0.52, 0.40, 0.32, then
+   about 0.25 s, ``docs/time_to_loss_update_cut_1gbit.md``). That is every turn of the job's
+   first trial but dense's (its first steps there read as its later ones, and each is 2-3x a
+   sparse one's), and the turn of a candidate first tried later (left out before by the reach
+   rule or the byte gate). A timed step is the whole step, from the previous step's last write to
+   this one's (on shared cores a candidate's CPU work slows the other ranks' backprop, which a
+   timer around the exchange would not see), as the mean over the ranks, so every rank holds the
+   same numbers. Two timed steps in a row over ``ABORT_AFTER`` x the fastest median so far end
+   their candidate's turn (one alone may be noise: at 8 ranks on 2 cores single steps took up to
+   2x their neighbours'). Not worth trying (``worth_trying``): a sparse candidate whose bytes on
+   the wire alone, at the trial's density, cannot beat dense by ``DENSE_WITHIN``. Dense's steps
+   also time its exchange on every rank: the rank that reached the collective last waited only
+   for the transfer, so the step less its time is the compute no exchange removes
+   (``sparse_can_win``); where dense's step is within ``DENSE_WITHIN`` of it in two turns in a
+   row (``HOPELESS_RETIMES``: the second right after the first), the trial ends with it and the
+   sparse candidates are never traced or run (on the character LSTM at 1 Gbit/s their traces and
+   trial steps made the first 20 steps 2x dense's). The second costs nothing where the first was
+   right (dense runs those steps either way); a job's first steps can read dense 3-4x high (Adam
+   at 10 Gbit/s: memory touched for the first time, which ran dense for 100 steps;
+   ``docs/auto_exchange.md``). After dense comes the reference (``Exchange.builds_on``: the coded
+   allgather and the sparse allreduce do the allgather's work and more, to send fewer bytes),
+   then the others, fewest bytes on the wire first (``turn_order``); at the end of each of these
+   turns, those not run before that could not become the choice, or beat the fastest step so far,
+   even if their fewer bytes were all they changed (``within_reach``; where dense sits out, its
+   last turn's step) leave the trial untraced (with 4 ranks on 2 cores a trace took 3-6 s: 13 s
+   of a 57 s run on 10 Gbit/s links, where dense won). One that ran in an earlier trial stays: it
+   is traced already, its turn costs a few steps, and its measured step is worth more than the
+   bound (at 8 workers and 1 Gbit/s the bound once left out the sparse allreduce, traced before,
+   and dense ran 66 more steps at 0.47 s; in another seed's such trial it took 0.22 s a step,
+   half the allgather's: it also averages fewer entries, work that grows with N).
 2. **Decision**, in the trial's last step, on every rank at once, by one rule on the same
    numbers: the fastest median, except that dense wins unless a sparse exchange's step is
    faster than dense's by more than ``DENSE_WITHIN`` (1.5x), or the margin the candidates'
@@ -84,7 +77,10 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    least reliable timings of the job, and a wrong choice would otherwise last
    ``RECHECK_STEPS`` steps (at 8 workers on the emulated 1 Gbit/s cluster one such first
    trial chose dense, whose step was 3.1x the fastest candidate's). After a loss of dense
-   beyond doubt that re-check runs without it, or not at all (``early_recheck``).
+   beyond doubt that re-check runs without it, or not at all (``early_recheck``). At the
+   density of the trial that made the current choice, its median counts ``HOLD_WITHIN``
+   (1.15x) shorter: a challenger must win by more than a trial's noise (Adam at 10 Gbit/s:
+   the signs 1.4-1.7x faster a step, a re-check read 1.18x, under their 1.2x, and ran dense).
 
 Switching keeps every replica identical (every rank runs the same branch) and error feedback
 exact (``plan_step``): chosen, dense sends the residuals whole once and clears them (with
@@ -107,7 +103,7 @@ from .candidates import Plan, dense_bytes_per_entry, plans_for, warmup_trials  #
 from .plan_step import (DENSE_FLUSH, DENSE_HELD, DENSE_PLAIN, FIRST, plan_step,  # noqa: F401
                         traced_mode, traced_plan)
 from .strategies import SynchronousStep
-from .trial_rules import (decide, decision_message, decisive_loss, early_recheck,
+from .trial_rules import (decide, decision_message, decisive_loss, early_recheck, held,
                           median_of_samples, plans_within_reach, sparse_can_win, turn_order,
                           whole_margin, within_reach, worth_trying)
 
@@ -121,6 +117,7 @@ ABORT_AFTER = 2.0  # a turn ends at two timed steps in a row slower than this x 
 BEATEN_TRIALS = 2  # dense sits out the warm-up's later trials after losing this many in a row
 NOISE_WITHIN = 0.15  # the smallest margin: a trial's medians on shared cores vary about this much
 HOPELESS_RETIMES = 1  # dense's turn timed again before a trial can end with it (step 1)
+HOLD_WITHIN = NOISE_WITHIN  # a re-check's incumbent counts this much faster (step 3)
 
 
 def first_turn_length() -> int:
@@ -146,9 +143,7 @@ def dense_margin(density, settled_density, whole=None) -> float:
     ``docs/steps_to_loss_ablations.md``). So the margin shrinks with the square root of the
     densities' ratio (slower than those measurements, erring towards dense), down to
     ``NOISE_WITHIN``, below which a trial's noise would decide. The settled density and the
-    later re-checks keep the whole margin. (On the wide CNN at 8 workers and 1 Gbit/s the
-    allgathers' steps at about 4% were 1.45-1.46x faster than dense's, and the whole margin ran
-    those 60 steps dense.)"""
+    later re-checks keep the whole margin."""
     whole = DENSE_WITHIN if whole is None else whole
     if density <= settled_density or settled_density <= 0:
         return whole
@@ -219,6 +214,7 @@ class MeasuredChoiceStep(SynchronousStep):
         self.pruned = np.zeros([count], np.bool_)  # over PRUNE_AFTER x the fastest: out
         self.dense_losses = 0  # warm-up trials in a row that dense lost (``_dense_beaten``)
         self.retimed = 0  # times dense's turn in this trial was timed again (``_record``)
+        self.decided_at = None  # the density of the trial that made the choice (``_decide``)
         first = self.first_mode()
         # each candidate: has run its first steps (dense's ran before the trial; a sparse
         # first plan's steps after its trace are still slow, step 1)
@@ -391,7 +387,7 @@ class MeasuredChoiceStep(SynchronousStep):
                     within_reach)
         length = int(np.sum(np.where(trying, self.turn_lengths, 0)))
         if (turn_done and int(phase) + skipped == length - 1) or hopeless:
-            start, choice, trying = self._decide(hopeless, int(step), trying)
+            start, choice, trying = self._decide(hopeless, int(step), trying, int(choice))
             self.turn_lengths = self._next_turn_lengths()
         return np.int64(start), np.int32(choice), trying, self.turn_lengths
 
@@ -420,26 +416,29 @@ class MeasuredChoiceStep(SynchronousStep):
             self._exchange_seconds = tf.timestamp() - began
         return averaged
 
-    def _decide(self, hopeless, step, trying):
+    def _decide(self, hopeless, step, trying, current):
         """Step 2 and the next trial (step 3), on the host: ``(its start, the choice, the
         candidates it runs)``; ``hopeless``: the trial ended with dense's turn, which only
-        dense ran. The choice is the same on every rank (same numbers, one rule), recorded,
-        and logged by rank 0."""
+        dense ran; ``current``: the choice until now. The same on every rank (same numbers,
+        one rule), recorded, and logged by rank 0."""
         count = len(self.plans)
         if hopeless:
             trying = np.arange(count) == self.dense_index
         medians = np.where(trying, median_of_samples(self.samples), np.inf)
         self.best, self.retimed = np.inf, 0
-        names = [plan.name for plan in self.plans]
-        seconds = [float(s) for s in medians]
+        names, seconds = [plan.name for plan in self.plans], [float(s) for s in medians]
         margin = self.decision_margins[self.trial_row]
-        choice = decide(seconds, names, margin)
+        density = self.gate_densities[self.trial_row]
+        # the incumbent, where this trial's density is that of the one that chose it (step 3)
+        incumbent, self.decided_at = (current if density == self.decided_at else None), density
+        choice = decide(held(seconds, incumbent, HOLD_WITHIN), names, margin)
         times = {name: float(s) for name, s in zip(names, medians) if np.isfinite(s)}
         self.decisions.append((step, times, names[choice]))
         if runtime.rank(self.optimizer.process_set) == 0:
             compute = median_of_samples(self.computes)
             log.info("%s", decision_message(step, names, choice, times, compute, hopeless,
-                                            self.within if hopeless else margin))
+                                            self.within if hopeless else margin, incumbent,
+                                            HOLD_WITHIN))
         upcoming = [start for start in self.warmup_trials if start > step]
         following = upcoming[0] if upcoming else step + self._recheck_after()
         # within the warm-up only those that can still win: halving the density at most
@@ -488,10 +487,8 @@ class MeasuredChoiceStep(SynchronousStep):
         one ``lost`` or not), or in one it lost by more than its own slowest turns explain
         (``decisive``, ``trial_rules.decisive_loss``). Dense's step does not depend on the
         density and a sparse step's does not grow as the warm-up lowers it, so dense cannot
-        win the later ones; the re-checks try it again (the link may have changed). On the
-        wide CNN at 1 Gbit/s it ran 4 steps of 0.35 s, 4-7x the chosen exchange's, in each of
-        two re-trials. Not after any one loss: one slow dense turn (shared cores) once kept the
-        character LSTM sparse for its whole run (steps ratio 1.38 against 0.99-1.01)."""
+        win the later ones; the re-checks try it again (the link may have changed). Not after
+        any one loss: one slow dense turn once kept the character LSTM sparse for its run."""
         if ran:
             losses = self.dense_losses + 1 if lost else 0
             self.dense_losses = BEATEN_TRIALS if decisive else losses

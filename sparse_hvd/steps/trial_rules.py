@@ -148,6 +148,13 @@ def early_recheck(decisive, sparse_candidates) -> str:
     return "sparse" if sparse_candidates > 1 else "none"
 
 
+def held(seconds, incumbent, hold) -> List[float]:
+    """The times :func:`decide` compares at a re-check: the ``incumbent``'s (the choice a
+    trial at the same density made; None: none) counted ``1 + hold`` times shorter, so that a
+    challenger must beat it by more than the trials' noise (``measured``, step 3)."""
+    return [s / (1 + hold) if i == incumbent else s for i, s in enumerate(seconds)]
+
+
 def decide(seconds, names, margin) -> int:
     """The index of the chosen candidate given each one's time (seconds): the fastest, but
     dense unless it is slower than the fastest by more than ``margin``; ties by name, so
@@ -160,9 +167,11 @@ def decide(seconds, names, margin) -> int:
     return fastest
 
 
-def decision_message(step, names, choice, times, compute, alone, margin) -> str:
+def decision_message(step, names, choice, times, compute, alone, margin, held=None,
+                     hold=0.0) -> str:
     """Rank 0's line for a decision at the trial's ``margin``; ``alone``: only dense ran,
-    because of its compute."""
+    because of its compute; ``held``: the incumbent, whose time counted ``1 + hold`` times
+    shorter (:func:`held`)."""
     why = ""
     if alone:
         why = (f"; {compute * 1e3:.1f} ms of dense's step are compute, so no exchange "
@@ -170,6 +179,8 @@ def decision_message(step, names, choice, times, compute, alone, margin) -> str:
     elif "dense" in times:
         why = (f"; dense's compute {compute * 1e3:.1f}; a sparse step must be "
                f"{1 + margin:.3g}x faster")
+    if held is not None and names[held] in times and not alone:
+        why += f"; {names[held]}, the choice until now, counts {1 + hold:.3g}x faster"
     untried = [name for name in names if name not in times]
     why += f"; not tried: {', '.join(untried)}" if untried and not alone else ""
     medians = ", ".join(f"{n} {t * 1e3:.1f}" for n, t in times.items())

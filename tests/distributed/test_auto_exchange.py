@@ -418,6 +418,51 @@ def test_a_first_decision_is_checked_again_sooner(hvd, monkeypatch):
     _conservation(hvd, optimizer, weights, steps, "none")
 
 
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_recheck_holds_the_choice_against_a_close_call(hvd, monkeypatch, hold):
+    """No warm-up, every rank timing the same scripted medians: the first trial dense 1.6 s,
+    the allgather 1.0 s, the other two 2.0 s. No choice is held there (dense, the steps' plan
+    before it, held 1.15x would stay at 1.6 / 1.15 = 1.39 s, within the 1.5x margin of 1.0
+    s): the allgather. The early re-check (5 steps later) reads dense 1.4 s, the allgather
+    1.0 s: the allgather, held, counts 1.0 / 1.15 s and dense loses by 1.61x, so it stays;
+    with ``HOLD_WITHIN`` 0 (the previous rule) dense is within the margin and is chosen.
+    The decisions' steps and choices are closed-form, alike on every rank, the steps after
+    them run the choice, and nothing is lost."""
+    full_suite_only(hvd, in_default_tier=hold)
+    monkeypatch.setattr(measured, "RECHECK_STEPS", 12)
+    monkeypatch.setattr(measured, "FIRST_RECHECK_STEPS", 5)
+    if not hold:
+        monkeypatch.setattr(measured, "HOLD_WITHIN", 0.0)
+    trials = [{"dense": 1.6, "allgather": 1.0}, {"dense": 1.4, "allgather": 1.0}]
+    record = measured.MeasuredChoiceStep._record
+
+    def scripted_times(self, times, phase, candidate, *rest):
+        times = np.array(times)
+        times[:, 0] = trials[len(self.decisions)].get(self.plans[int(candidate)].name, 2.0)
+        return record(self, times, phase, candidate, *rest)
+
+    monkeypatch.setattr(measured.MeasuredChoiceStep, "_record", scripted_times)
+    trial = CANDIDATES * measured.TRIAL_STEPS
+    first = trial  # the counter at the first trial's last step (it starts at 1)
+    second = first + 5 + trial - 1
+    steps = second + 2
+    name = f"auto_hold_{hold}"
+    optimizer, weights, stats = train(name, steps)
+    later = "allgather" if hold else "dense"
+    decisions = optimizer.exchange_decisions
+    assert [(d[0], d[2]) for d in decisions] == [(first, "allgather"), (second, later)]
+    assert [d[1] for d in decisions] == [  # each rank's step time, their mean: to a rounding
+        pytest.approx({name: trial_times.get(name, 2.0) for name in NAMES}, rel=1e-12)
+        for trial_times in trials]
+    chosen = [passed[next(iter(passed))]["exchange"] for passed in stats]
+    assert chosen[first:second] == ["allgather"] * (second - first)
+    assert chosen[second:] == [later] * (steps - second)
+    everyone = gather(hvd, [(d[0], d[2]) for d in decisions], name=f"{name}.decisions")
+    assert all(e == everyone[0] for e in everyone), everyone
+    _same_everywhere(hvd, weights, name)
+    _conservation(hvd, optimizer, weights, steps, "none")
+
+
 @pytest.mark.parametrize("decisive,sparse,early", [
     (True, 3, True), (True, 1, True), (False, 1, True), (True, 3, False)])
 def test_dense_beaten_beyond_doubt_sits_out_the_early_recheck(hvd, monkeypatch, decisive, sparse,
