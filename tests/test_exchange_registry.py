@@ -12,9 +12,9 @@ from sparse_hvd.exchanges.compression import Compression
 from sparse_hvd.selection.density import ConstantDensity
 from sparse_hvd.steps.candidates import Plan, warmup_trials
 from sparse_hvd.steps.measured import DENSE_WITHIN
-from sparse_hvd.steps.trial_rules import (DENSE_TURN_SPREAD, SAVING, decide, decisive_loss,
-                                          early_recheck, held, sparse_can_win, turn_order,
-                                          whole_margin, within_reach, worth_trying)
+from sparse_hvd.steps.trial_rules import (DENSE_TURN_SPREAD, SAVING, decide, decision_message,
+                                          decisive_loss, early_recheck, held, sparse_can_win,
+                                          turn_order, whole_margin, within_reach, worth_trying)
 from sparse_hvd.exchanges import available, create, exchange_class, groupings_of, register
 from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 
@@ -109,6 +109,13 @@ def test_a_held_incumbent_counts_faster_by_the_hold_alone():
     assert names[decide(held([1.3, 1.0], 1, 0.15), names, 0.2)] == "sign"
     assert names[decide(held([1.3, 1.0], 0, 0.15), names, 0.2)] == "dense"
     assert names[decide(held([1.3, 1.0], 0, 0.0), names, 0.2)] == "sign"  # no hold
+    # rank 0's line says so where a hold counted, and only there
+    times = {"dense": 0.0823, "sign": 0.0626}
+    said = "sign, the choice until now, counts 1.15x faster"
+    assert said in decision_message(118, names, 1, times, 0.0339, False, 0.2, 1, 0.15)
+    assert said.split(",")[1] not in decision_message(118, names, 1, times, 0.0339, False, 0.2,
+                                                      1, 0.0)
+    assert said.split(",")[1] not in decision_message(118, names, 1, times, 0.0339, False, 0.2)
 
 
 def test_dense_loses_by_far_only_beyond_what_its_own_slowest_turn_explains():

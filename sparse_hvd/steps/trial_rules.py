@@ -179,7 +179,7 @@ def decision_message(step, names, choice, times, compute, alone, margin, held=No
     elif "dense" in times:
         why = (f"; dense's compute {compute * 1e3:.1f}; a sparse step must be "
                f"{1 + margin:.3g}x faster")
-    if held is not None and names[held] in times and not alone:
+    if held is not None and hold > 0 and names[held] in times and not alone:
         why += f"; {names[held]}, the choice until now, counts {1 + hold:.3g}x faster"
     untried = [name for name in names if name not in times]
     why += f"; not tried: {', '.join(untried)}" if untried and not alone else ""
