@@ -167,11 +167,11 @@ def decide(seconds, names, margin) -> int:
     return fastest
 
 
-def decision_message(step, names, choice, times, compute, alone, margin, held=None,
+def decision_message(step, names, choice, times, compute, alone, margin, incumbent=None,
                      hold=0.0) -> str:
     """Rank 0's line for a decision at the trial's ``margin``; ``alone``: only dense ran,
-    because of its compute; ``held``: the incumbent, whose time counted ``1 + hold`` times
-    shorter (:func:`held`)."""
+    because of its compute; ``incumbent``: the choice until now, whose time counted ``1 +
+    hold`` times shorter (:func:`held`)."""
     why = ""
     if alone:
         why = (f"; {compute * 1e3:.1f} ms of dense's step are compute, so no exchange "
@@ -179,8 +179,8 @@ def decision_message(step, names, choice, times, compute, alone, margin, held=No
     elif "dense" in times:
         why = (f"; dense's compute {compute * 1e3:.1f}; a sparse step must be "
                f"{1 + margin:.3g}x faster")
-    if held is not None and hold > 0 and names[held] in times and not alone:
-        why += f"; {names[held]}, the choice until now, counts {1 + hold:.3g}x faster"
+    if incumbent is not None and hold > 0 and names[incumbent] in times and not alone:
+        why += f"; {names[incumbent]}, the choice until now, counts {1 + hold:.3g}x faster"
     untried = [name for name in names if name not in times]
     why += f"; not tried: {', '.join(untried)}" if untried and not alone else ""
     medians = ", ".join(f"{n} {t * 1e3:.1f}" for n, t in times.items())
