@@ -246,3 +246,34 @@ def test_bad_input_is_refused_with_a_message_naming_it():
         sample(gradients=[ones, ones], momenta=[ones, ones], weights=[ones, ones],
                residuals=[ones, ones], coefficients=tf.ones([4]),
                strides=tf.zeros([2], tf.int64), block=16, nesterov=False)
+
+
+@pytest.mark.parametrize("quantile", [0.99, 0.7, 0.0])
+def test_both_cut_ops_select_what_numpy_selects_at_any_density(quantile):
+    """``SparseHvdCompensateCut`` and ``SparseHvdLocalSgdCut`` against NumPy's cut of c = u + r
+    where from 1% to nearly every entry passes, so that blocks of 16 hold one, several or 16
+    passing entries (``kernels/passed_mask.h``): the positions ascending, the values, the
+    remainder zeroed there; over two shards and a partial block; a NaN never passes."""
+    compensate, fused = native_op(kernels.compensate_cut), native_op(kernels.local_sgd_cut)
+    local = kernels.local_sgd()
+    n = 2 * 65_536 + 37
+    grad, momentum, weights, residual = _arrays(7, [n] * 4)
+    grad[40_001] = np.nan
+    update = local(tf.constant(grad), tf.constant(momentum), tf.constant(weights),
+                   tf.constant(MOMENTUM), nesterov=False)[0].numpy()
+    for name, c, run in (
+            ("compensate_cut", grad + residual,
+             lambda cut: compensate(tf.constant(grad), tf.constant(residual), cut,
+                                    tf.constant(n, tf.int64))[:3]),
+            ("local_sgd_cut", update + residual,
+             lambda cut: fused(tf.constant(grad), tf.constant(momentum), tf.constant(weights),
+                               tf.constant(residual), tf.constant(MOMENTUM), cut,
+                               nesterov=False)[1:4])):
+        cut = np.float32(np.nanquantile(np.abs(c), quantile))
+        passed = np.abs(c) >= cut  # False for the NaN
+        assert 0.005 * n < passed.sum() <= n - 1
+        remainder, indices, values = run(tf.constant(cut))
+        np.testing.assert_array_equal(indices.numpy(), np.flatnonzero(passed), err_msg=name)
+        np.testing.assert_array_equal(_bits(values), _bits(c[passed]), err_msg=name)
+        np.testing.assert_array_equal(_bits(remainder), _bits(np.where(passed, np.float32(0), c)),
+                                      err_msg=name)

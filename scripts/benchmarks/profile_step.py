@@ -1,14 +1,16 @@
 """Where one training step's time goes, op by op, on rank 0 (TensorFlow's profiler).
 
 The 4.35M-parameter MLP (64-2048-2048-10, batch 64 per worker, SGD momentum 0.9; ``--inner
-adam``: Adam 1e-3) trained with ``SparseDistributedOptimizer`` at ``--density`` with
-``--exchange`` and ``--budget`` (no warm-up), or unwrapped: with a user's own
+adam``: Adam 1e-3), or with ``--workload`` a model of ``workloads.py`` (16 samples a worker,
+as the time-to-loss runs: ``cnn_wide``), trained with ``SparseDistributedOptimizer`` at
+``--density`` with ``--exchange`` and ``--budget`` (no warm-up), or unwrapped: with a user's own
 ``hvd.grouped_allreduce`` (``--exchange plain``) or with no exchange at all (``--exchange
 floor``). After ``--warmup`` steps, ``--steps`` steps run under
 ``tf.profiler``; rank 0 reads the trace it wrote (the ``/host:CPU`` plane's op events) and
-prints the wall time per step and the ops that took the most time per step, summed over
-their runs. Ops of different threads overlap, so the column adds up to more than the wall
-time.
+prints the wall time per step, each rank's CPU time per step (user and system, from
+``getrusage``: with more ranks than cores a step is bound by their sum, not by one rank's ops)
+and the ops that took the most time per step, summed over their runs. Ops of different
+threads overlap, so the column adds up to more than the wall time.
 
     mpirun -np 2 --bind-to none .venv/bin/python scripts/benchmarks/profile_step.py \\
         --exchange allgather --budget model
@@ -18,6 +20,7 @@ import argparse
 import collections
 import glob
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -37,6 +40,9 @@ def parse_args(argv=None):
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--inner", choices=("sgd", "adam"), default="sgd",
                         help="the wrapped optimizer: SGD momentum 0.9, or Adam 1e-3")
+    parser.add_argument("--workload", default="mlp4m",
+                        help="mlp4m (the 4.35M MLP above) or a model of workloads.py "
+                        "(cnn_wide: 16 samples a worker, as the time-to-loss runs)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=25)
@@ -85,13 +91,31 @@ def main(argv=None):
     sparse_hvd.init()
     rank = hvd.rank()
     rng = np.random.default_rng(rank)
-    x_all = tf.constant(rng.standard_normal((4096, 64)).astype("float32"))
-    y_all = tf.constant(rng.integers(0, 10, 4096).astype("int32"))
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(2048, activation="relu"),
-                              keras.layers.Dense(2048, activation="relu"),
-                              keras.layers.Dense(10)])
+    if args.workload == "mlp4m":
+        x_all = rng.standard_normal((4096, 64)).astype("float32")
+        y_all = rng.integers(0, 10, 4096).astype("int32")
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(2048, activation="relu"),
+                                  keras.layers.Dense(2048, activation="relu"),
+                                  keras.layers.Dense(10)])
+        batch_size = 64
+
+        def batch():
+            chosen = rng.integers(0, len(x_all), batch_size)
+            return tf.constant(x_all[chosen]), tf.constant(y_all[chosen])
+    else:
+        sys.path.insert(0, HERE)
+        from workloads import WORKLOADS
+
+        workload = WORKLOADS[args.workload]
+        data = workload.load(rank, hvd.size())
+        model = workload.build_model(data)
+        batch_size = 16
+
+        def batch():
+            x, y = data.sample(rng, batch_size)
+            return tf.constant(x), tf.constant(y.astype("int32"))
     variables = model.trainable_variables
     unwrapped = args.exchange in ("plain", "floor")  # the inner optimizer alone
     inner = (keras.optimizers.Adam(1e-3) if args.inner == "adam"
@@ -107,8 +131,7 @@ def main(argv=None):
                 else sparse_hvd.function(optimizer, jit_compile=False))
 
     @decorate
-    def step(indices):
-        x, y = tf.gather(x_all, indices), tf.gather(y_all, indices)
+    def step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
         grads = tape.gradient(loss, variables)
@@ -117,23 +140,27 @@ def main(argv=None):
         optimizer.apply_gradients(zip(grads, variables))
         return loss
 
-    def batch():
-        return tf.constant(rng.integers(0, 4096, 64).astype("int32"))
-
     for _ in range(args.warmup):
-        float(step(batch()))
+        float(step(*batch()))
     logdir = tempfile.mkdtemp(prefix="sparse_hvd_profile_")
     if rank == 0:
         tf.profiler.experimental.start(logdir)
+    before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     for _ in range(args.steps):
-        float(step(batch()))
+        float(step(*batch()))
     wall = (time.perf_counter() - start) / args.steps
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = hvd.allgather_object([(after.ru_utime - before.ru_utime) / args.steps,
+                                (after.ru_stime - before.ru_stime) / args.steps],
+                               name="profile.cpu")
     if rank == 0:
         tf.profiler.experimental.stop()
         times = op_times(logdir, args.steps)
         print(f"{args.exchange}, budget {args.budget}, density {args.density}: "
               f"{wall * 1e3:.1f} ms a step (wall, rank 0)")
+        print("CPU ms a step, user/system, each rank: "
+              + " ".join(f"{user * 1e3:.1f}/{system * 1e3:.1f}" for user, system in cpu))
         print("| ms a step | runs a step | op |\n| ---: | ---: | --- |")
         for name, (ms, runs) in sorted(times.items(), key=lambda item: -item[1][0])[:args.top]:
             print(f"| {ms:.2f} | {runs:.0f} | {name[:120]} |")

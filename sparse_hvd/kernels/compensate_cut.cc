@@ -30,6 +30,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
 #include "finite_output.h"
+#include "passed_mask.h"
 
 namespace sparse_hvd {
 
@@ -84,9 +85,9 @@ void ForEachShard(OpKernelContext* context, int64_t n, Body body) {
 
 // Both ops: out[i] = g[i] + r[i] for i in [begin, end), and hit(i, c) for each i with
 // |c| >= cut, in index order. Per block of kBlock entries, a first loop adds, counts the hits
-// and the non-finite entries (it vectorises); the second, scalar loop runs only over blocks
-// with a hit: at a density of 1% most blocks have none, so most of the data is touched by
-// vector instructions only. Returns the number of non-finite c.
+// and the non-finite entries (it vectorises); only blocks with a hit are looked at again, for
+// their passing entries (passed_mask.h): at a density of 1% most blocks have none, so most of
+// the data is touched by vector instructions only. Returns the number of non-finite c.
 constexpr int64_t kBlock = 16;
 
 template <typename T, typename Hit>
@@ -105,9 +106,7 @@ int64_t CompensateAndScan(const T* g, const T* r, T* out, int64_t begin, int64_t
     }
     nonfinite += bad;
     if (hits == 0) continue;
-    for (int64_t i = b; i < stop; ++i) {
-      if (std::abs(out[i]) >= cut) hit(i, out[i]);
-    }
+    ForEachPassed(PassedMask(out + b, stop - b, cut), [&](int j) { hit(b + j, out[b + j]); });
   }
   return nonfinite;
 }

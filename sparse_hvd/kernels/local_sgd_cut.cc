@@ -30,6 +30,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
 #include "finite_output.h"
+#include "passed_mask.h"
 #include "sampled_rows.h"
 #include "sgd_entry.h"
 #include "vectorised.h"
@@ -58,8 +59,8 @@ struct NonFinite {
   int64_t updates = 0, compensated = 0;
 };
 
-// Step 2 for entries [begin, end). Per block, a first loop computes (it vectorises); a
-// scalar loop runs only over blocks where an entry passed, zeroing and recording it.
+// Step 2 for entries [begin, end). Per block, a first loop computes (it vectorises); only in
+// blocks where an entry passed are the passed ones found (passed_mask.h), recorded and zeroed.
 template <bool kMomentum, bool kNesterov, bool kDecayed>
 SPARSE_HVD_INLINE NonFinite CutRange(const float* __restrict g, const float* __restrict m,
                                      const float* __restrict w, const float* __restrict r,
@@ -84,12 +85,10 @@ SPARSE_HVD_INLINE NonFinite CutRange(const float* __restrict g, const float* __r
     counts.updates += bad_updates;
     counts.compensated += bad;
     if (hits == 0) continue;
-    for (int64_t i = b; i < stop; ++i) {
-      if (std::fabs(out[i]) >= cut) {
-        passed->push_back({out[i], static_cast<int32_t>(i)});
-        out[i] = 0.0f;
-      }
-    }
+    ForEachPassed(PassedMask(out + b, stop - b, cut), [&](int j) {
+      passed->push_back({out[b + j], static_cast<int32_t>(b + j)});
+      out[b + j] = 0.0f;
+    });
   }
   return counts;
 }
