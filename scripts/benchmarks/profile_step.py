@@ -5,11 +5,11 @@ adam``: Adam 1e-3), or with ``--workload`` a model of ``workloads.py`` (16 sampl
 as the time-to-loss runs: ``cnn_wide``), trained with ``SparseDistributedOptimizer`` at
 ``--density`` with ``--exchange`` and ``--budget`` (no warm-up), or unwrapped: with a user's own
 ``hvd.grouped_allreduce`` (``--exchange plain``) or with no exchange at all (``--exchange
-floor``). After ``--warmup`` steps, ``--steps`` steps run under
-``tf.profiler``; rank 0 reads the trace it wrote (the ``/host:CPU`` plane's op events) and
-prints the wall time per step, each rank's CPU time per step (user and system, from
-``getrusage``: with more ranks than cores a step is bound by their sum, not by one rank's ops)
-and the ops that took the most time per step, summed over their runs. Ops of different
+floor``). After ``--warmup`` steps, ``--steps`` steps run under ``tf.profiler``; rank 0 reads
+the trace it wrote (the ``/host:CPU`` plane's op events) and prints the wall time per step,
+each rank's CPU time per step (user and system, from ``getrusage``: with more ranks than cores
+a step is bound by their sum, not by one rank's ops; ``--per-thread`` splits it by thread) and
+the ops that took the most time per step, summed over their runs. Ops of different
 threads overlap, so the column adds up to more than the wall time.
 
     mpirun -np 2 --bind-to none .venv/bin/python scripts/benchmarks/profile_step.py \\
@@ -46,10 +46,41 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--per-thread", action="store_true",
+                        help="also each rank's CPU time a step per thread (Linux: "
+                        "/proc/self/task), e.g. TensorFlow's compute thread against "
+                        "Horovod's background thread")
     parser.add_argument("--threads", type=int, default=0,
                         help="TensorFlow intra/inter-op threads (0: TensorFlow's choice); 1 "
                         "runs a rank's ops one at a time, so an op's time is its own")
     return parser.parse_args(argv)
+
+
+def thread_times():
+    """{thread id: (name, user seconds, system seconds)} of this process's threads (Linux)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    times = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as handle:
+                head, _, tail = handle.read().rpartition(")")
+        except OSError:  # the thread ended
+            continue
+        fields = tail.split()  # from the state on: utime and stime are the 12th and 13th
+        times[tid] = (head.partition("(")[2], int(fields[11]) / ticks, int(fields[12]) / ticks)
+    return times
+
+
+def per_thread(before, after, steps):
+    """Each thread's user/system ms a step between two :func:`thread_times`, the busiest
+    first, those under 0.1 ms left out."""
+    rows = []
+    for tid, (name, user, system) in after.items():
+        _, user_0, system_0 = before.get(tid, (name, 0.0, 0.0))
+        user, system = (user - user_0) / steps * 1e3, (system - system_0) / steps * 1e3
+        if user + system >= 0.1:
+            rows.append((user + system, f"{name}[{tid}] {user:.1f}/{system:.1f}"))
+    return [text for _, text in sorted(rows, reverse=True)]
 
 
 def op_times(logdir, steps):
@@ -145,14 +176,16 @@ def main(argv=None):
     logdir = tempfile.mkdtemp(prefix="sparse_hvd_profile_")
     if rank == 0:
         tf.profiler.experimental.start(logdir)
+    threads_before = thread_times() if args.per_thread else {}
     before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     for _ in range(args.steps):
         float(step(*batch()))
     wall = (time.perf_counter() - start) / args.steps
     after = resource.getrusage(resource.RUSAGE_SELF)
+    threads = per_thread(threads_before, thread_times(), args.steps) if args.per_thread else []
     cpu = hvd.allgather_object([(after.ru_utime - before.ru_utime) / args.steps,
-                                (after.ru_stime - before.ru_stime) / args.steps],
+                                (after.ru_stime - before.ru_stime) / args.steps, threads],
                                name="profile.cpu")
     if rank == 0:
         tf.profiler.experimental.stop()
@@ -160,7 +193,10 @@ def main(argv=None):
         print(f"{args.exchange}, budget {args.budget}, density {args.density}: "
               f"{wall * 1e3:.1f} ms a step (wall, rank 0)")
         print("CPU ms a step, user/system, each rank: "
-              + " ".join(f"{user * 1e3:.1f}/{system * 1e3:.1f}" for user, system in cpu))
+              + " ".join(f"{user * 1e3:.1f}/{system * 1e3:.1f}" for user, system, _ in cpu))
+        for index, (_, _, threads) in enumerate(cpu):
+            if threads:
+                print(f"  rank {index}, per thread: " + "; ".join(threads))
         print("| ms a step | runs a step | op |\n| ---: | ---: | --- |")
         for name, (ms, runs) in sorted(times.items(), key=lambda item: -item[1][0])[:args.top]:
             print(f"| {ms:.2f} | {runs:.0f} | {name[:120]} |")
