@@ -28,6 +28,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, HERE)
+from workloads import WORKLOADS  # noqa: E402  (TensorFlow imported lazily)
 
 
 def parse_args(argv=None):
@@ -40,7 +42,7 @@ def parse_args(argv=None):
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--inner", choices=("sgd", "adam"), default="sgd",
                         help="the wrapped optimizer: SGD momentum 0.9, or Adam 1e-3")
-    parser.add_argument("--workload", default="mlp4m",
+    parser.add_argument("--workload", default="mlp4m", choices=["mlp4m", *sorted(WORKLOADS)],
                         help="mlp4m (the 4.35M MLP above) or a model of workloads.py "
                         "(cnn_wide: 16 samples a worker, as the time-to-loss runs)")
     parser.add_argument("--warmup", type=int, default=20)
@@ -136,9 +138,6 @@ def main(argv=None):
             chosen = rng.integers(0, len(x_all), batch_size)
             return tf.constant(x_all[chosen]), tf.constant(y_all[chosen])
     else:
-        sys.path.insert(0, HERE)
-        from workloads import WORKLOADS
-
         workload = WORKLOADS[args.workload]
         data = workload.load(rank, hvd.size())
         model = workload.build_model(data)

@@ -89,6 +89,7 @@ void ForEachShard(OpKernelContext* context, int64_t n, Body body) {
 // their passing entries (passed_mask.h): at a density of 1% most blocks have none, so most of
 // the data is touched by vector instructions only. Returns the number of non-finite c.
 constexpr int64_t kBlock = 16;
+static_assert(kBlock <= kPassedMaskBits, "a block's passing entries fit one mask");
 
 template <typename T, typename Hit>
 int64_t CompensateAndScan(const T* g, const T* r, T* out, int64_t begin, int64_t end, T cut,

@@ -54,6 +54,7 @@ struct Passed {
 
 constexpr int64_t kShardSize = 1 << 16;  // entries per shard: a list of passed entries each
 constexpr int64_t kBlock = 16;           // entries scanned before looking for passed ones
+static_assert(kBlock <= kPassedMaskBits, "a block's passing entries fit one mask");
 
 struct NonFinite {
   int64_t updates = 0, compensated = 0;

@@ -20,7 +20,9 @@
 
 namespace sparse_hvd {
 
-// Bit j set where |values[j]| >= cut, for j < length <= 32 (NaN never passes).
+constexpr int64_t kPassedMaskBits = 32;  // the most entries one mask holds
+
+// Bit j set where |values[j]| >= cut, for j < length <= kPassedMaskBits (NaN never passes).
 template <typename T>
 SPARSE_HVD_INLINE uint32_t PassedMask(const T* values, int64_t length, T cut) {
   uint32_t mask = 0;
