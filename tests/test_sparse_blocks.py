@@ -30,7 +30,7 @@ def path(request, monkeypatch):
 
 def _without_kernels(monkeypatch):
     for name in ("encode_values", "decode_values", "encode_positions", "decode_positions",
-                 "encode_entries", "scatter_blocks"):
+                 "encode_entries", "scatter_blocks", "decode_scatter", "decode_gather"):
         monkeypatch.setattr(kernels, name, lambda: None)
 
 
@@ -223,3 +223,66 @@ def test_a_top_k_entry_costs_at_most_the_issues_bytes(value_dtype, compression, 
             tf.constant(chosen[mine], tf.int32), tf.boolean_mask(values, mine),
             tf.constant(start, tf.int64), tf.constant(length, tf.int64))))
     assert 4 * sent / k <= most
+
+
+def _coded_scatter(rng, counts, start, length):
+    """Coded blocks of ``counts[r]`` float32 entries from each rank, as an owner receives them."""
+    blocks = CodedBlocks(Compression("none"))
+    words = [blocks.scatter_block(*_entries(rng, m, start, length, "float32",
+                                            Compression("none")),
+                                  tf.constant(start, tf.int64), tf.constant(length, tf.int64))
+             for m in counts]
+    return blocks, [w.numpy() for w in words]
+
+
+def test_native_unpacking_refuses_blocks_that_do_not_hold_their_headers(path):
+    """The native decoding (one op each way) names the rank whose words do not hold what its
+    header says: a block cut short, a count beyond its region, a bitmap that ends early, a
+    gather whose headers add up to other words; never a value read past its block."""
+    if path == "tensorflow":
+        pytest.skip("the TensorFlow ops trust the headers' word counts (no native check)")
+    rng = np.random.default_rng(13)
+    start, length = 200, 3000
+    blocks, words = _coded_scatter(rng, [25, 60, 7], start, length)
+
+    def unpack(words):
+        return blocks.unpack_scatter(tf.constant(np.concatenate(words)),
+                                     tf.constant([len(w) for w in words], tf.int32),
+                                     tf.float32, tf.constant(start, tf.int64),
+                                     tf.constant(length, tf.int64))
+
+    short = [words[0], words[1][:-1], words[2]]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="rank 1's block header says"):
+        unpack(short)
+    too_many = [words[0], words[1], words[2].copy()]
+    too_many[2][0] = length + 1
+    with pytest.raises(tf.errors.InvalidArgumentError, match="rank 2's block says 3001 entries"):
+        unpack(too_many)
+    no_bitmap = [words[0].copy(), words[1], words[2]]
+    low_words, bitmap_words = (int(w) for w in index_coding.encoded_words(25, length))
+    first_bitmap = BLOCK_HEADER + low_words
+    no_bitmap[0][first_bitmap:first_bitmap + bitmap_words] = 0
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="rank 0's block does not decode to ascending positions"):
+        unpack(no_bitmap)
+    headerless = [words[0], words[1][:2], words[2]]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="rank 1's block of 2 words has no"):
+        unpack(headerless)
+
+    # the gather: owner r's block among its own region, its header apart
+    boundaries = [0, 1000, 1000, 5000]
+    parts, fields = [], []
+    for r in range(3):
+        own_start, own_length = boundaries[r], boundaries[r + 1] - boundaries[r]
+        indices, values = _entries(rng, min(own_length, 30), own_start, own_length, "float32",
+                                   Compression("none"))
+        own_parts, own_fields = blocks.gather_parts(
+            tf.sort(indices), values, tf.constant(own_start, tf.int64),
+            tf.constant(own_length, tf.int64))
+        parts.append(own_parts[0].numpy())
+        fields.append(own_fields.numpy())
+    fields = np.stack(fields)
+    fields[2, 0] += 1  # owner 2's header says one entry more than its words hold
+    with pytest.raises(tf.errors.InvalidArgumentError, match="headers add up to"):
+        blocks.unpack_gather([tf.constant(np.concatenate(parts))], tf.constant(fields),
+                             tf.constant(boundaries, tf.int64), tf.float32)

@@ -151,7 +151,15 @@ class CodedBlocks(PlainBlocks):
         """Every rank's block coded among this owner's region: one decoding of the indices
         (one space) and one of the values, after the words are split out of the blocks. A rank
         that is not training sends no words at all (``SparseAllreduce.announce``): no entries
-        (the step's gather then stops every rank, naming each one's step)."""
+        (the step's gather then stops every rank, naming each one's step). Natively one op
+        on CPU (``kernels/decode_blocks.cc``)."""
+        native = kernels.decode_scatter()
+        wire_dtype = self._wire_dtype(dtype)
+        if native is not None and wire_dtype in NATIVE_DTYPES:
+            indices, values, counts = native(received, tf.cast(from_each, tf.int32),
+                                             tf.cast(start, tf.int64), tf.cast(length, tf.int64),
+                                             T=wire_dtype)
+            return indices, tf.cast(values, dtype), counts
         ranks = from_each.shape[0]
         from_each = tf.cast(from_each, tf.int64)
         firsts = tf.cumsum(from_each, exclusive=True)
@@ -180,7 +188,13 @@ class CodedBlocks(PlainBlocks):
 
     def unpack_gather(self, parts, fields, boundaries, dtype):
         """The kept sums (coded in their own dtype): each owner's indices decoded among its
-        own region, the values of all owners in one decoding."""
+        own region, the values of all owners in one decoding. Natively one op on CPU
+        (``kernels/decode_blocks.cc``; the TensorFlow ops' loop over the owners made about 30
+        operations an owner in each traced step)."""
+        native = kernels.decode_gather()
+        if native is not None and tf.as_dtype(dtype) in NATIVE_DTYPES:
+            return native(parts[0], tf.cast(fields, tf.int32), tf.cast(boundaries, tf.int64),
+                          T=tf.as_dtype(dtype))
         ranks = fields.shape[0]
         words = parts[0]
         counts = tf.cast(fields[:, 0], tf.int64)

@@ -23,6 +23,9 @@
   ``sparse_hvd.exchanges.index_coding``'s Elias-Fano code, likewise);
 * ``scatter_blocks()``: the ``SparseHvdScatterBlocks`` op (scatter_blocks.cc: the sparse
   allreduce's scatter, every owner's coded block of this rank's entries, in one op);
+* ``decode_scatter()`` and ``decode_gather()``: the ``SparseHvdDecodeScatter`` and
+  ``SparseHvdDecodeGather`` ops (decode_blocks.cc: every rank's coded blocks of the sparse
+  allreduce's scatter, or of its gather, located and decoded in one op);
 * ``divide_checked()``: the ``SparseHvdDivideChecked`` op (divide_checked.cc: the dense
   allreduce's sums divided into averages, and whether all are finite, in one pass).
 * ``applied()`` and ``unapplied()``: the ``SparseHvdApplied`` and ``SparseHvdUnapplied`` ops
@@ -211,6 +214,16 @@ def decode_positions():
 def scatter_blocks():
     """The native sparse allreduce's scatter blocks (``exchanges.sparse_blocks``), or None."""
     return _op("sparse_hvd_scatter_blocks")
+
+
+def decode_scatter():
+    """The native decoding of the blocks an owner of the sparse allreduce received, or None."""
+    return _op("sparse_hvd_decode_scatter")
+
+
+def decode_gather():
+    """The native decoding of the sparse allreduce's gathered blocks of kept sums, or None."""
+    return _op("sparse_hvd_decode_gather")
 
 
 def divide_checked():

@@ -1,6 +1,7 @@
-// The index and value codes' encoders as functions over plain buffers: the ops that encode
-// one code each (index_codec.cc, value_codec.cc) and the sparse allreduce's scatter, which
-// codes a block per owner in one op (scatter_blocks.cc), write the same words through them.
+// The index and value codes as functions over plain buffers, both ways: the ops that code one
+// code each (index_codec.cc, value_codec.cc), the sparse allreduce's scatter, which codes a
+// block per owner in one op (scatter_blocks.cc), and its unpacking of every rank's blocks in
+// one op (decode_blocks.cc) write and read the same words through them.
 
 #ifndef SPARSE_HVD_KERNELS_CODECS_H_
 #define SPARSE_HVD_KERNELS_CODECS_H_
@@ -32,6 +33,12 @@ absl::Status SortedOrder(const int64_t* positions, int64_t count, int64_t space,
 // Steps 2-3: the code, ``PositionWords(count, space)`` words, into ``out``.
 void WritePositions(const int64_t* positions, const int32_t* order, int64_t count,
                     int64_t space, uint32_t* out);
+
+// Decoding: the ``count`` positions the code in ``[words, end)`` holds, into ``positions``;
+// false where those words end before ``count`` positions (a code that is not one). Whether
+// they ascend within a range is the caller's check (it knows the range).
+bool ReadPositions(const uint32_t* words, const uint32_t* end, int64_t count, int64_t space,
+                   int64_t* positions);
 
 // ---- the Rice code of values' exponents (value_codec.cc) -----------------------------------
 
@@ -72,6 +79,14 @@ class ValueEncoder {
   std::vector<uint32_t> codes_;
   int64_t width_ = 0, unary_ = 0;
 };
+
+// Decoding one block of values from ``[block, end)``: ``counts[v]`` values of each of
+// ``variables`` variables, Rice width ``width``, ``base_fields[v]`` = 2 base + zero flag; their
+// raw bits (zero-extended) into ``raw``; ``codes``: scratch. False where the words do not
+// decode to values of the layout (a code past the end, an exponent out of range).
+bool ReadValues(const Layout& layout, const uint32_t* block, const uint32_t* end,
+                const int32_t* counts, int64_t variables, int width,
+                const int64_t* base_fields, std::vector<uint32_t>* codes, uint32_t* raw);
 
 }  // namespace codecs
 }  // namespace sparse_hvd

@@ -128,6 +128,26 @@ void WritePositions(const int64_t* positions, const int32_t* order, int64_t coun
     bit_stream::SetBit(bitmap, (positions[order[i]] >> low) + i);
 }
 
+bool ReadPositions(const uint32_t* words, const uint32_t* end, int64_t count, int64_t space,
+                   int64_t* positions) {
+  if (count == 0) return true;
+  const int low = LowBits(count, space);
+  const uint32_t* bitmap = words + PositionWords(count, space).first;
+  if (bitmap > end) return false;
+  // the low halves, then the high halves: the i-th set bit of the bitmap is at high_i + i, so
+  // high_i is the number of 0 bits before it
+  BitReader low_reader(words, bitmap);
+  BitReader high_reader(bitmap, end);
+  int64_t high = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t zeros = high_reader.Unary();
+    if (zeros < 0) return false;
+    high += zeros;
+    positions[i] = (high << low) | static_cast<int64_t>(low_reader.Get(low));
+  }
+  return true;
+}
+
 }  // namespace codecs
 
 // Steps 1-3 for ``count`` positions into output 0 of ``context``: ``order`` (``count``
@@ -247,27 +267,12 @@ class DecodePositionsOp : public OpKernel {
           for (int64_t r = first; r < last; ++r) {
             const int64_t count = start[r + 1] - start[r];
             if (count == 0) continue;
-            const int low = codecs::LowBits(count, space);
-            const int64_t low_words = codecs::PositionWords(count, space).first;
-            const uint32_t* lows = in + word_start[r];
-            const uint32_t* bitmap = lows + low_words;
-            const uint32_t* end = in + word_start[r + 1];
             positions.assign(count, 0);
-            // the low halves, then the high halves: the i-th set bit of the bitmap is at
-            // high_i + i, so high_i is the number of 0 bits before it
-            BitReader low_reader(lows, bitmap);
-            BitReader high_reader(bitmap, end);
-            int64_t high = 0;
-            for (int64_t i = 0; i < count; ++i) {
-              const int64_t zeros = high_reader.Unary();
-              if (zeros < 0) {
-                bad[r] = 1;
-                break;
-              }
-              high += zeros;
-              positions[i] = (high << low) | static_cast<int64_t>(low_reader.Get(low));
+            if (!codecs::ReadPositions(in + word_start[r], in + word_start[r + 1], count, space,
+                                       positions.data())) {
+              bad[r] = 1;
+              continue;
             }
-            if (bad[r]) continue;
             // each variable's run of positions, as indices within it
             int32_t* indices = out + start[r];
             for (int64_t v = 0, j = 0; v < variables; ++v) {

@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -31,6 +30,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "codecs.h"
+#include "block_format.h"
 
 namespace sparse_hvd {
 
@@ -55,36 +55,6 @@ REGISTER_OP("SparseHvdScatterBlocks")
     });
 
 namespace {
-
-constexpr int kHeader = 4;  // sparse_blocks.BLOCK_HEADER
-
-// The bits of a value as the value code reads them (a 16-bit value zero-extended) and the
-// layout of its type (value_coding.FORMATS); float64 travels uncoded.
-template <typename T>
-struct Bits;
-
-template <typename T, int kValueBits, int kExponentBits>
-struct CodedBits {
-  static constexpr bool kCoded = true;
-  static codecs::Layout Layout() { return codecs::Layout(kValueBits, kExponentBits); }
-  static uint32_t Raw(const T& value) {
-    std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t> raw;
-    static_assert(sizeof(raw) == sizeof(T));
-    std::memcpy(&raw, &value, sizeof(raw));
-    return raw;
-  }
-};
-
-template <>
-struct Bits<float> : CodedBits<float, 32, 8> {};
-template <>
-struct Bits<Eigen::half> : CodedBits<Eigen::half, 16, 5> {};
-template <>
-struct Bits<tensorflow::bfloat16> : CodedBits<tensorflow::bfloat16, 16, 8> {};
-template <>
-struct Bits<double> {
-  static constexpr bool kCoded = false;
-};
 
 // One owner's block before it is written: its entries' positions and the order that sorts
 // them, its values' bits in that order, and what the value code planned.
@@ -180,7 +150,7 @@ class ScatterBlocksOp : public OpKernel {
                       sizeof(T));
         block.value_words = static_cast<int64_t>(block.raw.size());
       }
-      total += kHeader + block.index_words + block.value_words;
+      total += kBlockHeader + block.index_words + block.value_words;
     }
 
     // Step 3
@@ -193,19 +163,19 @@ class ScatterBlocksOp : public OpKernel {
     for (int64_t r = 0; r < owners; ++r) {
       const Block& block = blocks[r];
       const int64_t n = static_cast<int64_t>(block.positions.size());
-      const int32_t header[kHeader] = {
+      const int32_t header[kBlockHeader] = {
           static_cast<int32_t>(n), static_cast<int32_t>(block.fields[0]),
           static_cast<int32_t>(block.fields[1]), static_cast<int32_t>(block.fields[2])};
       std::memcpy(out, header, sizeof(header));
       codecs::WritePositions(block.positions.data(), block.order.data(), n,
-                             bounds(r + 1) - bounds(r), out + kHeader);
-      uint32_t* value_out = out + kHeader + block.index_words;
+                             bounds(r + 1) - bounds(r), out + kBlockHeader);
+      uint32_t* value_out = out + kBlockHeader + block.index_words;
       if constexpr (Bits<T>::kCoded) {
         encoders[r].Write(block.raw.data(), value_out);
       } else {
         std::copy(block.raw.begin(), block.raw.end(), value_out);
       }
-      splits(r) = static_cast<int32_t>(kHeader + block.index_words + block.value_words);
+      splits(r) = static_cast<int32_t>(kBlockHeader + block.index_words + block.value_words);
       out += splits(r);
     }
   }

@@ -144,6 +144,39 @@ void ValueEncoder::Write(const uint32_t* raw, uint32_t* out) const {
   }
 }
 
+bool ReadValues(const Layout& l, const uint32_t* block, const uint32_t* end,
+                const int32_t* counts, int64_t variables, int width,
+                const int64_t* base_fields, std::vector<uint32_t>* codes, uint32_t* raw) {
+  int64_t n = 0;
+  for (int64_t v = 0; v < variables; ++v) n += counts[v];
+  const uint32_t largest = (1u << l.exponent_bits) - 1;
+  const uint32_t* lows = block + WordsFor(n * l.field);
+  const uint32_t* bitmap = lows + WordsFor(n * width);
+  if (bitmap > end) return false;
+  BitReader low_reader(lows, bitmap);
+  BitReader unary_reader(bitmap, end);
+  codes->resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t quotient = unary_reader.Unary();
+    const uint64_t code = (static_cast<uint64_t>(quotient) << width) | low_reader.Get(width);
+    if (quotient < 0 || code > largest) return false;
+    (*codes)[i] = static_cast<uint32_t>(code);
+  }
+  BitReader field_reader(block, lows);
+  bool good = true;
+  for (int64_t v = 0, i = 0; v < variables; ++v) {
+    const int64_t base = base_fields[v] >> 1;
+    const bool zero = base_fields[v] & 1;
+    for (int64_t e = 0; e < counts[v]; ++e, ++i) {
+      const uint32_t field = static_cast<uint32_t>(field_reader.Get(l.field));
+      const int64_t exponent = (*codes)[i] == 0 && zero ? 0 : (*codes)[i] + base;
+      good &= exponent >= 0 && exponent <= largest;
+      raw[i] = l.Raw(field, static_cast<uint32_t>(exponent) & largest);
+    }
+  }
+  return good;
+}
+
 }  // namespace codecs
 
 class EncodeValuesOp : public OpKernel {
@@ -226,7 +259,8 @@ class DecodeValuesOp : public OpKernel {
                                                      &bits_tensor));
     uint32_t* out = reinterpret_cast<uint32_t*>(bits_tensor->flat<int32_t>().data());
     const uint32_t* in = reinterpret_cast<const uint32_t*>(words.flat<int32_t>().data());
-    const uint32_t largest = (1u << l.exponent_bits) - 1;
+    const int32_t* count_rows = counts.flat<int32_t>().data();
+    const int64_t* field_rows = fields_tensor.flat<int64_t>().data();
     std::vector<int64_t> bad(ranks, 0);
     auto* pool = context->device()->tensorflow_cpu_worker_threads();
     tensorflow::Shard(
@@ -234,38 +268,10 @@ class DecodeValuesOp : public OpKernel {
         [&](int64_t first, int64_t last) {
           std::vector<uint32_t> codes;
           for (int64_t r = first; r < last; ++r) {
-            const int64_t n = value_start[r + 1] - value_start[r];
-            const int width = static_cast<int>(fields(r, 0));
-            const uint32_t* block = in + word_start[r];
-            const uint32_t* lows = block + WordsFor(n * l.field);
-            const uint32_t* bitmap = lows + WordsFor(n * width);
-            const uint32_t* end = in + word_start[r + 1];
-            uint32_t* values = out + value_start[r];
-            BitReader low_reader(lows, bitmap);
-            BitReader unary_reader(bitmap, end);
-            codes.resize(n);
-            for (int64_t i = 0; i < n; ++i) {
-              const int64_t quotient = unary_reader.Unary();
-              const uint64_t code = (static_cast<uint64_t>(quotient) << width) |
-                                    low_reader.Get(width);
-              if (quotient < 0 || code > largest) {
-                bad[r] = 1;
-                break;
-              }
-              codes[i] = static_cast<uint32_t>(code);
-            }
-            if (bad[r]) continue;
-            BitReader field_reader(block, lows);
-            for (int64_t v = 0, i = 0; v < variables; ++v) {
-              const int64_t base = fields(r, 2 + v) >> 1;
-              const bool zero = fields(r, 2 + v) & 1;
-              for (int64_t e = 0; e < count(r, v); ++e, ++i) {
-                const uint32_t field = static_cast<uint32_t>(field_reader.Get(l.field));
-                const int64_t exponent = codes[i] == 0 && zero ? 0 : codes[i] + base;
-                if (exponent < 0 || exponent > largest) bad[r] = 1;
-                values[i] = l.Raw(field, static_cast<uint32_t>(exponent) & largest);
-              }
-            }
+            bad[r] = !codecs::ReadValues(
+                l, in + word_start[r], in + word_start[r + 1], count_rows + r * variables,
+                variables, static_cast<int>(fields(r, 0)), field_rows + r * (variables + 2) + 2,
+                &codes, out + value_start[r]);
           }
         });
     for (int64_t r = 0; r < ranks; ++r) {
