@@ -286,3 +286,26 @@ def test_native_unpacking_refuses_blocks_that_do_not_hold_their_headers(path):
     with pytest.raises(tf.errors.InvalidArgumentError, match="headers add up to"):
         blocks.unpack_gather([tf.constant(np.concatenate(parts))], tf.constant(fields),
                              tf.constant(boundaries, tf.int64), tf.float32)
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float64"])
+def test_an_owners_gathered_block_is_the_tensorflow_ops_code_of_its_kept_sums(
+        dtype_name, path, monkeypatch):
+    """``gather_parts`` (natively the scatter's op for one region, split after its header)
+    gives the words and header fields the TensorFlow ops give, bit for bit, also for no sums."""
+    if path == "tensorflow":
+        pytest.skip("compares the native path with the TensorFlow ops")
+    rng = np.random.default_rng(17)
+    blocks = CodedBlocks(Compression("none"))
+    start, length = 700, 6000
+    for count in (0, 1, 450):
+        indices, sums = _entries(rng, count, start, length, dtype_name, Compression("none"),
+                                 special=True)
+        indices = tf.sort(indices)
+        args = (indices, sums, tf.constant(start, tf.int64), tf.constant(length, tf.int64))
+        parts, fields = blocks.gather_parts(*args)
+        with monkeypatch.context() as plain:
+            _without_kernels(plain)
+            expected_parts, expected_fields = blocks.gather_parts(*args)
+        np.testing.assert_array_equal(fields.numpy(), expected_fields.numpy())
+        np.testing.assert_array_equal(parts[0].numpy(), expected_parts[0].numpy())

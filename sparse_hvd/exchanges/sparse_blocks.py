@@ -182,6 +182,14 @@ class CodedBlocks(PlainBlocks):
         return indices, values, tf.cast(counts, tf.int32)
 
     def gather_parts(self, kept, sums, start, length):
+        """As the plain blocks', the header's fields apart from the codes' words; natively the
+        scatter's block for one region (``kernels/scatter_blocks.cc``), split after its
+        header."""
+        native = kernels.scatter_blocks()
+        if native is not None and tf.as_dtype(sums.dtype) in NATIVE_DTYPES:
+            start = tf.cast(start, tf.int64)
+            block, _ = native(tf.cast(kept, tf.int32), sums, tf.stack([start, start + length]))
+            return [block[BLOCK_HEADER:]], block[:BLOCK_HEADER]
         fields, index_words, value_words = self._coded(
             tf.cast(kept, tf.int64) - start, sums, length, tf.as_dtype(sums.dtype))
         return [tf.concat([index_words, value_words], 0)], fields
