@@ -188,7 +188,8 @@ class CodedBlocks(PlainBlocks):
         native = kernels.scatter_blocks()
         if native is not None and tf.as_dtype(sums.dtype) in NATIVE_DTYPES:
             start = tf.cast(start, tf.int64)
-            block, _ = native(tf.cast(kept, tf.int32), sums, tf.stack([start, start + length]))
+            region = tf.stack([start, start + tf.cast(length, tf.int64)])
+            block, _ = native(tf.cast(kept, tf.int32), sums, region)
             return [block[BLOCK_HEADER:]], block[:BLOCK_HEADER]
         fields, index_words, value_words = self._coded(
             tf.cast(kept, tf.int64) - start, sums, length, tf.as_dtype(sums.dtype))
