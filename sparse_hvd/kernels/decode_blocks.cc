@@ -80,15 +80,17 @@ struct Located {
   int64_t first = 0;  // its first entry in the outputs
 };
 
-// The words of a block whose header is ``fields`` [count, W, bitmap bits, 2 base + zero flag],
-// coded among ``length`` entries, without its header; an error where the header is not one.
+// Step 1 for one block whose codes start at word ``begin`` of the words (its region already in
+// ``b``): its header ``fields`` [count, W, bitmap bits, 2 base + zero flag] checked and kept,
+// and where its positions' and its values' codes lie; an error where the header is not one.
 template <typename T>
-absl::Status BlockWords(const int64_t* fields, int64_t length, int64_t rank, int64_t* words) {
+absl::Status Locate(const int64_t* fields, int64_t begin, int64_t rank, Located* b) {
   const int64_t count = fields[0], width = fields[1], unary = fields[2];
-  if (count < 0 || count > length)
+  if (count < 0 || count > b->length)
     return InvalidArgumentError(absl::StrCat("rank ", rank, "'s block says ", count,
-                                             " entries among its region's ", length));
-  const auto [low_words, bitmap_words] = codecs::PositionWords(count, length);
+                                             " entries among its region's ", b->length));
+  const auto [low_words, bitmap_words] = codecs::PositionWords(count, b->length);
+  int64_t value_words = count * static_cast<int64_t>(sizeof(T) / 4);  // raw float64
   if constexpr (Bits<T>::kCoded) {
     const codecs::Layout layout = Bits<T>::Layout();
     if (width < 0 || width > layout.exponent_bits || unary < count ||
@@ -96,10 +98,12 @@ absl::Status BlockWords(const int64_t* fields, int64_t length, int64_t rank, int
       return InvalidArgumentError(absl::StrCat("rank ", rank, "'s block header is not a value "
                                                "code's (width ", width, ", ", unary,
                                                " bitmap bits for ", count, " values)"));
-    *words = low_words + bitmap_words + layout.BlockWords(count, width, unary);
-  } else {
-    *words = low_words + bitmap_words + count * static_cast<int64_t>(sizeof(T) / 4);
+    value_words = layout.BlockWords(count, width, unary);
   }
+  b->count = count, b->width = width, b->unary = unary, b->base_field = fields[3];
+  b->index_begin = begin;
+  b->value_begin = begin + low_words + bitmap_words;
+  b->end = b->value_begin + value_words;
   return absl::OkStatus();
 }
 
@@ -213,17 +217,11 @@ class DecodeScatterOp : public OpKernel {
                     InvalidArgumentError(absl::StrCat("rank ", r, "'s block of ", sent,
                                                       " words has no header")));
         const int64_t fields[kBlockHeader] = {in[at], in[at + 1], in[at + 2], in[at + 3]};
-        int64_t coded = 0;
-        OP_REQUIRES_OK(context, BlockWords<T>(fields, length, r, &coded));
-        OP_REQUIRES(context, kBlockHeader + coded == sent,
-                    InvalidArgumentError(absl::StrCat(
-                        "rank ", r, "'s block header says ", kBlockHeader + coded,
-                        " words, ", sent, " arrived")));
-        b.count = fields[0], b.width = fields[1], b.unary = fields[2], b.base_field = fields[3];
-        const auto [low_words, bitmap_words] = codecs::PositionWords(b.count, length);
-        b.index_begin = at + kBlockHeader;
-        b.value_begin = b.index_begin + low_words + bitmap_words;
-        b.end = at + sent;
+        OP_REQUIRES_OK(context, Locate<T>(fields, at + kBlockHeader, r, &b));
+        OP_REQUIRES(context, b.end == at + sent,
+                    InvalidArgumentError(absl::StrCat("rank ", r, "'s block header says ",
+                                                      b.end - at, " words, ", sent,
+                                                      " arrived")));
       }
       at += sent;
       total += b.count;
@@ -261,13 +259,7 @@ class DecodeGatherOp : public OpKernel {
       OP_REQUIRES_OK(context, CheckRegion(b.start, b.length));
       const int64_t header[kBlockHeader] = {fields(r, 0), fields(r, 1), fields(r, 2),
                                             fields(r, 3)};
-      int64_t coded = 0;
-      OP_REQUIRES_OK(context, BlockWords<T>(header, b.length, r, &coded));
-      b.count = header[0], b.width = header[1], b.unary = header[2], b.base_field = header[3];
-      b.index_begin = at;
-      const auto [low_words, bitmap_words] = codecs::PositionWords(b.count, b.length);
-      b.value_begin = at + low_words + bitmap_words;
-      b.end = at + coded;
+      OP_REQUIRES_OK(context, Locate<T>(header, at, r, &b));
       b.first = total;
       at = b.end;
       total += b.count;
