@@ -1,6 +1,8 @@
 """The sparse allreduce's pieces in one process: regions, the threshold rule, the choice of
 exchange, and the options it refuses."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -9,7 +11,8 @@ import tensorflow as tf
 import sparse_hvd
 from helpers import native_op
 from sparse_hvd import kernels
-from sparse_hvd.exchanges.global_threshold import FIRST_MISS, LEVELS, Forecast, next_thresholds
+from sparse_hvd.exchanges.global_threshold import (FIRST_MISS, LEVELS, MAX_GROWTH, Forecast,
+                                                   next_thresholds)
 from sparse_hvd.exchanges.regions import even_boundaries, owners_of
 from sparse_hvd.selection.order_statistics import kth_largest_per_segment
 
@@ -25,6 +28,16 @@ def test_each_index_goes_to_the_region_that_holds_it_and_empty_regions_get_nothi
     np.testing.assert_array_equal(owners.numpy(), [0, 0, 2, 2, 3, 3])
 
 
+@pytest.fixture(params=["native", "tensorflow"])
+def forecast_path(request, monkeypatch):
+    """Each threshold test runs on the native op and on the TensorFlow ops."""
+    if request.param == "native":
+        native_op(kernels.next_thresholds)
+    else:
+        monkeypatch.setattr(kernels, "next_thresholds", lambda: None)
+    return request.param
+
+
 def _threshold(theta, kept, counts, budget, last_cut=0.0, growth=0.0, miss=FIRST_MISS):
     """(cut, next theta, last cut, growth, miss) of one variable as Python floats."""
     cut, theta, forecast = next_thresholds(
@@ -35,14 +48,15 @@ def _threshold(theta, kept, counts, budget, last_cut=0.0, growth=0.0, miss=FIRST
     return (float(cut[0]), float(theta[0])) + tuple(float(x[0]) for x in forecast)
 
 
-def test_the_first_cut_is_followed_with_the_first_margin_and_no_growth():
+def test_the_first_cut_is_followed_with_the_first_margin_and_no_growth(forecast_path):
     # theta 0: everything was kept; the cut is the k-th largest; no growth is known yet and
     # nothing was forecast, so nothing is judged
     assert _threshold(0.0, [5.0, 1.0, 3.0, 2.0], [4] * 8, 3) == (
         2.0, 2.0 / (FIRST_MISS * FIRST_MISS), 2.0, 0.0, FIRST_MISS)
 
 
-def test_enough_kept_forecasts_the_cut_grown_as_it_grew_within_the_margin_of_the_miss():
+def test_enough_kept_forecasts_the_cut_grown_as_it_grew_within_the_margin_of_the_miss(
+        forecast_path):
     # the previous cut 1.6, this one 2.0: growth 1.25. Theta 1.8 was forecast as 1.8 x 1.1^2
     # = 2.178 against the cut 2.0: missed by 1.089, more than sqrt(1.1): the miss is 1.089
     cut, theta, last, growth, miss = _threshold(1.8, [5.0, 3.0, 2.0], [3] * 8, 3, last_cut=1.6,
@@ -59,7 +73,7 @@ def test_enough_kept_forecasts_the_cut_grown_as_it_grew_within_the_margin_of_the
     assert _threshold(0.5, [5.0, 3.0, 2.0], [3] * 8, 3, last_cut=4.0, growth=1.0)[3] == 0.8
 
 
-def test_too_few_kept_applies_them_all_and_lowers_theta_to_where_about_k_sums_were():
+def test_too_few_kept_applies_them_all_and_lowers_theta_to_where_about_k_sums_were(forecast_path):
     assert len(LEVELS) == 8 and LEVELS[1] == 2 ** -(1 / 1024)
     # 2 kept, k = 5: 4 sums reach the third level below 1 (2^-1/64), 6 the fourth (2^-1/16):
     # the straight line through (2^-1/64, 4) and (2^-1/16, 6) reaches 5 half-way. The forecast
@@ -82,7 +96,7 @@ def test_too_few_kept_applies_them_all_and_lowers_theta_to_where_about_k_sums_we
     assert _threshold(0.0, [1.0], [1] * 8, 4)[:2] == (0.0, 0.0)
 
 
-def test_a_miss_narrows_by_its_square_root_each_step_it_is_not_exceeded():
+def test_a_miss_narrows_by_its_square_root_each_step_it_is_not_exceeded(forecast_path):
     # forecast 2.0 x 1.21^2 = 2.9282, cut 2.9282 exactly: missed by 1, the miss falls to 1.1
     predicted = 2.0 * 1.21 * 1.21
     cut, _, _, _, miss = _threshold(2.0, [predicted + 1, predicted], [2] * 8, 2, last_cut=2.5,
@@ -90,7 +104,7 @@ def test_a_miss_narrows_by_its_square_root_each_step_it_is_not_exceeded():
     assert (cut, miss) == (predicted, 1.1)
 
 
-def test_every_variable_at_once_is_each_variable_alone():
+def test_every_variable_at_once_is_each_variable_alone(forecast_path):
     """Steps 1-4 over several variables (some with too few kept sums, one with none) give each
     one what they give that variable alone."""
     rng = np.random.RandomState(3)
@@ -110,6 +124,81 @@ def test_every_variable_at_once_is_each_variable_alone():
         tf.constant(budgets))
     together = np.stack([cut.numpy(), theta.numpy()] + [x.numpy() for x in forecast], 1)
     np.testing.assert_array_equal(together, alone)
+
+
+def _forecast_inputs(rng, lengths):
+    """Random forecast inputs for variables with ``lengths`` kept sums: thetas, last cuts,
+    growths and misses each 0 (or 1.01) in about a third of the variables, budgets from 0 to
+    beyond the length, magnitudes with ties."""
+    variables = len(lengths)
+
+    def sometimes(values, other):
+        return np.where(rng.rand(variables) < 0.35, other, values)
+
+    thetas = sometimes(np.abs(rng.randn(variables)) * 2, 0.0)
+    state = [sometimes(np.abs(rng.randn(variables)) * 2, 0.0),
+             sometimes(rng.uniform(0.8, 1.25, variables), 0.0),
+             sometimes(rng.uniform(1.0, 1.5, variables), FIRST_MISS)]
+    kept = np.round(np.abs(rng.randn(sum(lengths))) * 8) / 4  # ties
+    cuts = np.cumsum([0] + list(lengths))
+    counts = np.sort(rng.randint(0, 40, size=(variables, len(LEVELS))), 1)
+    budgets = rng.randint(0, 30, size=variables)
+    return (tf.constant(thetas, tf.float64), Forecast(*(tf.constant(x, tf.float64) for x in state)),
+            tf.constant(kept, tf.float64), tf.constant(cuts, tf.int32),
+            tf.constant(counts, tf.int32), tf.constant(budgets, tf.int32))
+
+
+def _flat(result):
+    cut, theta, forecast = result
+    return np.stack([cut.numpy(), theta.numpy()] + [x.numpy() for x in forecast])
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_the_native_forecast_is_the_tensorflow_ops_bit_for_bit(whole, monkeypatch):
+    """Many variables, each case of steps 1-4 among them (enough kept or not, no theta, no
+    last cut, no growth, budgets of 0), per variable and for the model as one: the native op
+    gives the TensorFlow ops' bits."""
+    native_op(kernels.next_thresholds)
+    rng = np.random.RandomState(11)
+    for trial in range(20):
+        lengths = rng.randint(0, 30, size=rng.randint(1, 9))
+        inputs = _forecast_inputs(rng, lengths)
+        native = _flat(next_thresholds(*inputs, whole=whole))
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "next_thresholds", lambda: None)
+            expected = _flat(next_thresholds(*inputs, whole=whole))
+        np.testing.assert_array_equal(native.view(np.int64), expected.view(np.int64),
+                                      err_msg=f"trial {trial}, lengths {list(lengths)}")
+
+
+def test_the_model_as_one_variable_is_one_forecast_over_everything(forecast_path):
+    """``whole``: every slot gets what the first slot's state gives over all the kept sums,
+    the counts and the budgets summed."""
+    rng = np.random.RandomState(12)
+    thetas, forecast, kept, _, counts, budgets = _forecast_inputs(rng, [5, 0, 9, 4])
+    expected = _flat(next_thresholds(
+        thetas[:1], Forecast(*(x[:1] for x in forecast)), kept,
+        tf.constant([0, int(tf.size(kept))], tf.int32), tf.reduce_sum(counts, 0, keepdims=True),
+        tf.reduce_sum(budgets, keepdims=True)))
+    got = _flat(next_thresholds(thetas, forecast, kept, None, counts, budgets, whole=True))
+    np.testing.assert_array_equal(got, np.repeat(expected, 4, axis=1))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.update(cuts=tf.constant([0, 5, 3, 9], tf.int32)), "cuts[2] = 3"),
+    (lambda a: a.update(cuts=tf.constant([0, 9], tf.int32)), "cuts must have one more entry"),
+    (lambda a: a.update(level_counts=a["level_counts"][:, :3]), "level_counts must be [3, 8]"),
+    (lambda a: a.update(budgets=a["budgets"][:2]), "budgets must have 3 entries"),
+])
+def test_the_native_forecast_refuses_malformed_inputs_naming_them(change, message):
+    native = native_op(kernels.next_thresholds)
+    thetas, forecast, kept, cuts, counts, budgets = _forecast_inputs(
+        np.random.RandomState(13), [3, 2, 4])
+    arguments = dict(cuts=cuts, level_counts=counts, budgets=budgets)
+    change(arguments)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(message)):
+        native(thetas, *forecast, kept, arguments["cuts"], arguments["level_counts"],
+               arguments["budgets"], tf.constant(LEVELS, tf.float64), max_growth=MAX_GROWTH)
 
 
 def _kth_reference(values, cuts, k):
@@ -139,23 +228,27 @@ def test_the_kth_largest_of_each_segment_is_numpys(path, dtype, monkeypatch):
     np.testing.assert_array_equal(got.numpy(), np.array(_kth_reference(values, cuts, k), dtype))
 
 
-@pytest.mark.parametrize("pattern", ["spread", "large_at_every_16th", "ties", "nan"])
+@pytest.mark.parametrize("pattern", ["spread", "large_at_every_16th", "small_at_every_16th",
+                                     "ties", "nan"])
 def test_the_native_kth_largest_of_long_segments_is_numpys(pattern):
-    """Segments long enough for the selection among the entries not below a sampled bound
-    (kth_largest.cc): k small and large, a pattern whose sample bound keeps too few (every
-    16th entry large, where the sample is read: the op must fall back to all), ties, NaNs
-    (above every number)."""
+    """Segments long enough for the selection among the entries on one side of a sampled
+    bound (kth_select.h): k small, middling and near the length (selected from the bottom),
+    patterns whose sample bound keeps too few (every 16th entry large, or small, where the
+    sample is read: the op must fall back to all), ties, NaNs (above every number)."""
     op = native_op(kernels.kth_largest)
     rng = np.random.RandomState(7)
     values = np.abs(rng.randn(50_000)).astype(np.float32)
     if pattern == "large_at_every_16th":
         values[::16] += 100.0
+    elif pattern == "small_at_every_16th":
+        values[::16] = rng.uniform(0, 1e-3, values[::16].size)
     elif pattern == "ties":
         values = np.round(values, 1)
     elif pattern == "nan":
         values[rng.choice(values.size, 30, replace=False)] = np.nan
     cuts = [0, 20_000, 50_000]
-    for k in ([1, 1], [50, 7], [1250, 1875], [2000, 3000], [20_000, 30_000]):
+    for k in ([1, 1], [50, 7], [1250, 1875], [2000, 3000], [18_750, 28_125],
+              [19_000, 29_990], [20_000, 30_000]):
         got = op(tf.constant(values), tf.constant(cuts, tf.int32), tf.constant(k, tf.int32))
         expected = [np.sort(values[a:b])[::-1][kv - 1]  # NaN sorts last: first, reversed
                     for a, b, kv in zip(cuts[:-1], cuts[1:], k)]

@@ -34,13 +34,17 @@ overshoots applies fewer than k in that step (the exact top of the sums all the 
 rest stays in the residuals): 0.99-0.999 k on average, at least 0.74 k in a step.
 
 Only products, quotients, square roots and comparisons of float64: correctly rounded, so every
-rank (and a NumPy re-computation) gets the same bits.
+rank (and a NumPy re-computation) gets the same bits. On CPU one native op does steps 1-4 for
+every variable (``kernels/next_thresholds.cc``, the same operations in the same order); the
+TensorFlow ops below were about 45 small ops a step (60 with the model-wide budget's sums and
+copies), each traced and run by every rank.
 """
 
 from typing import NamedTuple
 
 import tensorflow as tf
 
+from .. import kernels
 from ..selection.order_statistics import kth_largest_per_segment
 
 # theta x these: the levels every owner counts; the first is the kept set itself. Fine near 1
@@ -86,14 +90,47 @@ def lowered_factor(level_counts, budgets):
     return tf.where(more >= tf.cast(budgets, tf.float64), upper - (upper - lower) * share, lower)
 
 
-def next_thresholds(thetas, forecast: Forecast, magnitudes, cuts, level_counts, budgets):
+def next_thresholds(thetas, forecast: Forecast, magnitudes, cuts, level_counts, budgets,
+                    whole=False):
     """Steps 1-4 for every variable at once: ``(cut, next theta, next forecast)``.
 
     ``thetas``: this step's thresholds (float64 [V]); ``magnitudes``: the kept sums'
     magnitudes (float64), variable after variable, variable v's from ``cuts[v]`` to
     ``cuts[v + 1]``; ``level_counts`` [V, len(LEVELS)]: summed over the owners; ``budgets``
-    [V]: each k (at least 1)."""
-    budgets = tf.maximum(tf.cast(budgets, tf.int32), 1)
+    [V]: each k (at least 1). ``whole``: the model as one variable (the model-wide budget):
+    the cut is the K-th largest of all the magnitudes, K the budgets' sum, over the counts
+    summed, with the first variable's theta and forecast, and every variable gets the same
+    numbers (``cuts`` is not read)."""
+    budgets = tf.cast(budgets, tf.int32)
+    native = kernels.next_thresholds()
+    if native is not None:
+        if cuts is None:
+            cuts = tf.zeros([0], tf.int32)
+        cut, theta, *following = native(
+            thetas, *forecast, magnitudes, cuts, level_counts, budgets,
+            tf.constant(LEVELS, tf.float64), max_growth=MAX_GROWTH, whole=whole)
+        return cut, theta, Forecast(*following)
+    if whole:
+        return _model_wide(thetas, forecast, magnitudes, level_counts, budgets)
+    return _per_variable(thetas, forecast, magnitudes, cuts, level_counts, budgets)
+
+
+def _model_wide(thetas, forecast, magnitudes, level_counts, budgets):
+    """``next_thresholds(whole=True)`` with TensorFlow ops: one forecast of the first
+    variable's slot over everything, copied to every slot."""
+    variables = level_counts.shape[0]
+    everything = tf.stack([0, tf.size(magnitudes)])
+    cut, theta, following = _per_variable(
+        thetas[:1], Forecast(*(state[:1] for state in forecast)), magnitudes, everything,
+        tf.reduce_sum(level_counts, 0, keepdims=True), tf.reduce_sum(budgets, keepdims=True))
+    # one op each: each tf.repeat traced 28 (12 not constants), 140 of the step's 1,496 at 4 ranks
+    return (tf.tile(cut, [variables]), tf.tile(theta, [variables]),
+            Forecast(*(tf.tile(state, [variables]) for state in following)))
+
+
+def _per_variable(thetas, forecast: Forecast, magnitudes, cuts, level_counts, budgets):
+    """``next_thresholds`` with TensorFlow ops, variable by variable."""
+    budgets = tf.maximum(budgets, 1)
     zeros, ones = tf.zeros_like(thetas), tf.ones_like(thetas)
     enough = cuts[1:] - cuts[:-1] >= budgets
     cut = tf.where(enough, kth_largest_per_segment(magnitudes, cuts, budgets), zeros)  # Step 1

@@ -144,22 +144,6 @@ def unapplied(indices, applied, values, offset):
     return tf.where(absent, values, tf.zeros_like(values))
 
 
-def _model_wide(thresholds, forecast, magnitudes, level_counts, budgets):
-    """``next_thresholds`` with the whole model as one variable (``budget="model"``): the
-    cut is the K-th largest kept sum over all the variables, K the sum of their budgets, the
-    next theta one forecast of it, and every variable's slot gets the same numbers (their
-    thresholds and forecasts are alike from the first step on; a checkpoint from before
-    holds one per variable, and the first variable's is taken)."""
-    variables = level_counts.shape[0]
-    everything = tf.stack([0, tf.size(magnitudes)])
-    cut, theta, following = next_thresholds(
-        thresholds[:1], Forecast(*(state[:1] for state in forecast)), magnitudes, everything,
-        tf.reduce_sum(level_counts, 0, keepdims=True), tf.reduce_sum(budgets, keepdims=True))
-    # one op each: each tf.repeat traced 28 (12 not constants), 140 of the step's 1,496 at 4 ranks
-    return (tf.tile(cut, [variables]), tf.tile(theta, [variables]),
-            Forecast(*(tf.tile(state, [variables]) for state in following)))
-
-
 class SparseAllreduce:
     """The state and the step of the sparse allreduce for one optimizer.
 
@@ -249,8 +233,8 @@ class SparseAllreduce:
                               for state, afresh in zip(self.forecast, first_forecast(len(keys)))))
         budget = tf.stack([tf.cast(budgets[j], tf.int32) for j in order])
         if self.model_wide and len(keys) > 1:
-            cut, next_theta, next_forecast = _model_wide(  # one cut for the model
-                thresholds, forecast, magnitudes, level_counts, budget)
+            cut, next_theta, next_forecast = next_thresholds(  # one cut for the model
+                thresholds, forecast, magnitudes, None, level_counts, budget, whole=True)
         else:
             cut, next_theta, next_forecast = next_thresholds(
                 thresholds, forecast, magnitudes,

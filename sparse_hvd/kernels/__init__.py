@@ -39,6 +39,9 @@
   added into the averaged signs);
 * ``kth_largest()``: the ``SparseHvdKthLargest`` op (kth_largest.cc: the k-th largest value
   of each segment of a flat tensor, by selection; the sparse allreduce's cut per variable);
+* ``next_thresholds()``: the ``SparseHvdNextThresholds`` op (next_thresholds.cc: the sparse
+  allreduce's cut, next threshold and forecast state for every variable, or for the model as
+  one, in one op);
 * ``sampled_magnitudes()``: the ``SparseHvdSampledMagnitudes`` op (sampled_magnitudes.cc:
   ``|gradient + residual|`` at the blocks the model-wide budget samples, for every variable
   in one op);
@@ -249,6 +252,11 @@ def unapplied():
 def kth_largest():
     """The native k-th-largest-per-segment op of the sparse allreduce, or None."""
     return _op("sparse_hvd_kth_largest")
+
+
+def next_thresholds():
+    """The native op of the sparse allreduce's threshold forecast, or None."""
+    return _op("sparse_hvd_next_thresholds")
 
 
 def sampled_magnitudes():

@@ -9,17 +9,15 @@
 //   1. segment v is values[cuts[v], cuts[v + 1]); ``cuts`` must not decrease and must lie
 //      within the values (else an error names the place);
 //   2. if 1 <= k[v] <= its length, its k[v]-th largest by selection (std::nth_element on a
-//      copy of the segment: linear on average), else 0; where k is a small share of a long
-//      segment, the selection runs on the few entries not below a bound found on every
-//      kStride-th entry (SampleSelect), which is the same value: the model-wide cut's 2,050th
-//      largest of 205,000 sampled magnitudes took 2.2-2.7 ms of the 4.35M MLP's step at 2
-//      ranks as tf.math.top_k with one thread (std::nth_element alone: 2.7 ms), 0.4-0.5 ms
-//      this way;
+//      copy of the segment: linear on average), else 0; where k (or its place from the
+//      bottom) is a small share of a long segment, the selection runs on the few entries on
+//      that side of a bound found on every kStride-th entry (kth_select.h's SampleSelect),
+//      which is the same value: the model-wide cut's 2,050th largest of 205,000 sampled
+//      magnitudes took 2.2-2.7 ms of the 4.35M MLP's step at 2 ranks as tf.math.top_k with
+//      one thread (std::nth_element alone: 2.7 ms), 0.4-0.5 ms this way;
 //   3. NaN orders above every number, so a non-finite step (whose results are discarded)
 //      still gets a well-defined order.
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -27,6 +25,7 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "kth_select.h"
 
 namespace sparse_hvd {
 
@@ -46,47 +45,6 @@ REGISTER_OP("SparseHvdKthLargest")
       c->set_output(0, c->input(2));
       return tsl::OkStatus();
     });
-
-// a > b in an order where NaN is above every number (a strict weak order, as
-// std::nth_element needs)
-template <typename T>
-bool Above(T a, T b) {
-  if (std::isnan(b)) return false;
-  if (std::isnan(a)) return true;
-  return a > b;
-}
-
-constexpr int64_t kStride = 16;             // SampleSelect reads every 16th entry for the bound
-constexpr int64_t kSmallestSampled = 16384;  // shorter segments: nth_element on all of them
-
-// The k-th largest of values[0, size) (1 <= k <= size) in the order of Above, or false when
-// the sample's bound kept fewer than k entries (the caller then selects among all):
-//   1. the bound b: the j-th largest of every kStride-th entry, j the number of those expected
-//      at or above the k-th largest (k / kStride) plus three standard deviations and 8, so b
-//      lies below the k-th largest all but rarely;
-//   2. ``kept``: the entries not below b (NaN is never below), in one pass;
-//   3. with at least k kept, the k-th largest of all is among them (every entry left out is
-//      below b, so below k kept ones): their k-th largest.
-template <typename T>
-bool SampleSelect(const T* values, int64_t size, int64_t k, std::vector<T>* kept, T* kth) {
-  std::vector<T> sample;
-  sample.reserve(size / kStride + 1);
-  for (int64_t i = 0; i < size; i += kStride) sample.push_back(values[i]);
-  const double expected = static_cast<double>(k) / kStride;
-  const int64_t j = std::min<int64_t>(
-      static_cast<int64_t>(sample.size()),
-      static_cast<int64_t>(expected + 3.0 * std::sqrt(expected)) + 8);
-  std::nth_element(sample.begin(), sample.begin() + (j - 1), sample.end(), Above<T>);
-  const T bound = sample[j - 1];
-  kept->clear();
-  for (int64_t i = 0; i < size; ++i) {
-    if (!(values[i] < bound)) kept->push_back(values[i]);
-  }
-  if (static_cast<int64_t>(kept->size()) < k) return false;
-  std::nth_element(kept->begin(), kept->begin() + (k - 1), kept->end(), Above<T>);
-  *kth = (*kept)[k - 1];
-  return true;
-}
 
 template <typename T>
 class KthLargestOp : public OpKernel {
@@ -128,14 +86,7 @@ class KthLargestOp : public OpKernel {
         kth[v] = T(0);
         continue;
       }
-      if (size >= kSmallestSampled && k[v] <= size / kStride &&
-          SampleSelect(values + cuts[v], size, k[v], &segment, &kth[v])) {
-        continue;
-      }
-      segment.assign(values + cuts[v], values + cuts[v + 1]);
-      auto at = segment.begin() + (k[v] - 1);
-      std::nth_element(segment.begin(), at, segment.end(), Above<T>);
-      kth[v] = *at;
+      kth[v] = KthLargestOf(values + cuts[v], size, k[v], &segment);
     }
   }
 };
