@@ -9,12 +9,12 @@
 //   1. segment v is values[cuts[v], cuts[v + 1]); ``cuts`` must not decrease and must lie
 //      within the values (else an error names the place);
 //   2. if 1 <= k[v] <= its length, its k[v]-th largest by selection (std::nth_element on a
-//      copy of the segment: linear on average), else 0; where k (or its place from the
-//      bottom) is a small share of a long segment, the selection runs on the few entries on
-//      that side of a bound found on every kStride-th entry (kth_select.h's SampleSelect),
-//      which is the same value: the model-wide cut's 2,050th largest of 205,000 sampled
-//      magnitudes took 2.2-2.7 ms of the 4.35M MLP's step at 2 ranks as tf.math.top_k with
-//      one thread (std::nth_element alone: 2.7 ms), 0.4-0.5 ms this way;
+//      copy of the segment: linear on average), else 0; where k is a small share of a long
+//      segment, the selection runs on the few entries not below a bound found on every
+//      kStride-th entry (kth_select.h's SampleSelect), which is the same value: the
+//      model-wide cut's 2,050th largest of 205,000 sampled magnitudes took 2.2-2.7 ms of the
+//      4.35M MLP's step at 2 ranks as tf.math.top_k with one thread (std::nth_element alone:
+//      2.7 ms), 0.4-0.5 ms this way;
 //   3. NaN orders above every number, so a non-finite step (whose results are discarded)
 //      still gets a well-defined order.
 
