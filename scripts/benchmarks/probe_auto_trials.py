@@ -49,6 +49,7 @@ def worker(args):
     import keras
     import tensorflow as tf
 
+    import sparse_hvd.exchanges.global_threshold as threshold
     import sparse_hvd.exchanges.sparse_allreduce as sparse_allreduce
     from digits_mlp import training
 
@@ -56,7 +57,10 @@ def worker(args):
     kept_records = []
     rule = sparse_allreduce.next_thresholds
 
-    def recorded(thetas, forecast, magnitudes, cuts, level_counts, budgets):
+    def recorded(thetas, forecast, magnitudes, cuts, level_counts, budgets, whole=False):
+        if whole:  # the model-wide budget: one variable, its numbers given to every slot
+            return threshold.every_variable(recorded(*threshold.one_variable(
+                thetas, forecast, magnitudes, level_counts, budgets)), level_counts.shape[0])
         kept = tf.reduce_sum(cuts[1:] - cuts[:-1])
         tf.numpy_function(lambda a, b: kept_records.append(float(a) / float(b)) or 0,
                           [kept, tf.reduce_sum(tf.cast(budgets, tf.int64))], tf.int64)

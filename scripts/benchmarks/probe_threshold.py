@@ -94,7 +94,10 @@ def main(argv=None):
     rule = last_cut_rule(tf, threshold) if args.rule == "last-cut" else threshold.next_thresholds
     records = []
 
-    def recorded(thetas, forecast, magnitudes, cuts, level_counts, budgets):
+    def recorded(thetas, forecast, magnitudes, cuts, level_counts, budgets, whole=False):
+        if whole:  # the model-wide budget: one variable, its numbers given to every slot
+            return threshold.every_variable(recorded(*threshold.one_variable(
+                thetas, forecast, magnitudes, level_counts, budgets)), level_counts.shape[0])
         cut, theta, following = rule(thetas, forecast, magnitudes, cuts, level_counts, budgets)
         kept = cuts[1:] - cuts[:-1]
         variable_of = tf.searchsorted(cuts[1:], tf.range(tf.size(magnitudes)), side="right")

@@ -116,13 +116,23 @@ def next_thresholds(thetas, forecast: Forecast, magnitudes, cuts, level_counts, 
 
 
 def _model_wide(thetas, forecast, magnitudes, level_counts, budgets):
-    """``next_thresholds(whole=True)`` with TensorFlow ops: one forecast of the first
-    variable's slot over everything, copied to every slot."""
-    variables = level_counts.shape[0]
-    everything = tf.stack([0, tf.size(magnitudes)])
-    cut, theta, following = _per_variable(
-        thetas[:1], Forecast(*(state[:1] for state in forecast)), magnitudes, everything,
-        tf.reduce_sum(level_counts, 0, keepdims=True), tf.reduce_sum(budgets, keepdims=True))
+    """``next_thresholds(whole=True)`` with TensorFlow ops."""
+    return every_variable(_per_variable(*one_variable(thetas, forecast, magnitudes,
+                                                      level_counts, budgets)),
+                          level_counts.shape[0])
+
+
+def one_variable(thetas, forecast: Forecast, magnitudes, level_counts, budgets):
+    """The model-wide budget's inputs as one variable's, in ``next_thresholds``' order: the
+    first slot's theta and forecast, every kept magnitude, the counts and budgets summed."""
+    return (thetas[:1], Forecast(*(state[:1] for state in forecast)), magnitudes,
+            tf.stack([0, tf.size(magnitudes)]), tf.reduce_sum(level_counts, 0, keepdims=True),
+            tf.reduce_sum(budgets, keepdims=True))
+
+
+def every_variable(result, variables):
+    """One variable's ``(cut, next theta, next forecast)`` given to each of ``variables``."""
+    cut, theta, following = result
     # one op each: each tf.repeat traced 28 (12 not constants), 140 of the step's 1,496 at 4 ranks
     return (tf.tile(cut, [variables]), tf.tile(theta, [variables]),
             Forecast(*(tf.tile(state, [variables]) for state in following)))
