@@ -97,7 +97,7 @@ def next_thresholds(thetas, forecast: Forecast, magnitudes, cuts, level_counts, 
     ``thetas``: this step's thresholds (float64 [V]); ``magnitudes``: the kept sums'
     magnitudes (float64), variable after variable, variable v's from ``cuts[v]`` to
     ``cuts[v + 1]``; ``level_counts`` [V, len(LEVELS)]: summed over the owners; ``budgets``
-    [V]: each k (at least 1). ``whole``: the model as one variable (the model-wide budget):
+    [V]: each k (taken as at least 1). ``whole``: the model as one variable (the model-wide budget):
     the cut is the K-th largest of all the magnitudes, K the budgets' sum, over the counts
     summed, with the first variable's theta and forecast, and every variable gets the same
     numbers (``cuts`` is not read)."""
@@ -124,7 +124,9 @@ def _model_wide(thetas, forecast, magnitudes, level_counts, budgets):
 
 def one_variable(thetas, forecast: Forecast, magnitudes, level_counts, budgets):
     """The model-wide budget's inputs as one variable's, in ``next_thresholds``' order: the
-    first slot's theta and forecast, every kept magnitude, the counts and budgets summed."""
+    first slot's theta and forecast (the slots are alike from the first step on; a checkpoint
+    from before holds one per variable, and the first is taken), every kept magnitude, the
+    counts and budgets summed."""
     return (thetas[:1], Forecast(*(state[:1] for state in forecast)), magnitudes,
             tf.stack([0, tf.size(magnitudes)]), tf.reduce_sum(level_counts, 0, keepdims=True),
             tf.reduce_sum(budgets, keepdims=True))
