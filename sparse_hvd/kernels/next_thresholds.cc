@@ -64,6 +64,8 @@ REGISTER_OP("SparseHvdNextThresholds")
       return tsl::OkStatus();
     });
 
+namespace {
+
 // tf.math.divide_no_nan
 inline double DivideNoNan(double x, double y) { return y == 0.0 ? 0.0 : x / y; }
 // tf.maximum and tf.minimum as Eigen computes them
@@ -120,6 +122,8 @@ Next Forecast(const State& state, const double* values, int64_t size, const int6
   next.last_cut = enough ? next.cut : 0.0;
   return next;
 }
+
+}  // namespace
 
 class NextThresholdsOp : public OpKernel {
  public:
