@@ -21,7 +21,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -59,23 +58,12 @@ class KthLargestOp : public OpKernel {
                              k_tensor.dims() == 1,
                 InvalidArgumentError("values, cuts and k must be 1-D"));
     const int64_t segments = k_tensor.NumElements();
-    OP_REQUIRES(context, cuts_tensor.NumElements() == segments + 1,
-                InvalidArgumentError(absl::StrCat("cuts must have one more entry than k (",
-                                                  segments + 1, "), got ",
-                                                  cuts_tensor.NumElements())));
     const int64_t length = values_tensor.NumElements();
     const T* values = values_tensor.flat<T>().data();
     const int32_t* cuts = cuts_tensor.flat<int32_t>().data();
     const int32_t* k = k_tensor.flat<int32_t>().data();
-    for (int64_t v = 0; v <= segments; ++v) {
-      OP_REQUIRES(context, cuts[v] >= 0 && cuts[v] <= length,
-                  InvalidArgumentError(absl::StrCat("cuts[", v, "] = ", cuts[v],
-                                                    " is not in [0, ", length, "]")));
-      OP_REQUIRES(context, v == 0 || cuts[v - 1] <= cuts[v],
-                  InvalidArgumentError(absl::StrCat("cuts must not decrease: cuts[", v - 1,
-                                                    "] = ", cuts[v - 1], ", cuts[", v,
-                                                    "] = ", cuts[v])));
-    }
+    OP_REQUIRES_OK(context,
+                   CheckCuts(cuts, cuts_tensor.NumElements(), segments, length, "k"));
     Tensor* kth_tensor = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, k_tensor.shape(), &kth_tensor));
     T* kth = kth_tensor->flat<T>().data();

@@ -11,7 +11,31 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+
 namespace sparse_hvd {
+
+// ``entries`` cuts of a run of ``length`` values into ``segments`` segments (segment v is
+// [cuts[v], cuts[v + 1])): one more cut than segments (``per`` names what they count), each
+// within the run, none below the one before; else an error that names the place.
+inline absl::Status CheckCuts(const int32_t* cuts, int64_t entries, int64_t segments,
+                              int64_t length, absl::string_view per) {
+  if (entries != segments + 1)
+    return absl::InvalidArgumentError(absl::StrCat("cuts must have one more entry than ", per,
+                                                   " (", segments + 1, "), got ", entries));
+  for (int64_t v = 0; v < entries; ++v) {
+    if (cuts[v] < 0 || cuts[v] > length)
+      return absl::InvalidArgumentError(
+          absl::StrCat("cuts[", v, "] = ", cuts[v], " is not in [0, ", length, "]"));
+    if (v > 0 && cuts[v - 1] > cuts[v])
+      return absl::InvalidArgumentError(absl::StrCat("cuts must not decrease: cuts[", v - 1,
+                                                     "] = ", cuts[v - 1], ", cuts[", v,
+                                                     "] = ", cuts[v]));
+  }
+  return absl::OkStatus();
+}
 
 // a > b in an order where NaN is above every number (a strict weak order, as
 // std::nth_element needs)

@@ -169,17 +169,8 @@ class NextThresholdsOp : public OpKernel {
     const int64_t length = magnitudes_tensor.NumElements();
     const int32_t* cuts = cuts_tensor.flat<int32_t>().data();
     if (!whole_) {
-      OP_REQUIRES(context, cuts_tensor.NumElements() == variables + 1,
-                  InvalidArgumentError(absl::StrCat("cuts must have one more entry than the "
-                                                    "variables (", variables + 1, "), got ",
-                                                    cuts_tensor.NumElements())));
-      for (int64_t v = 0; v <= variables; ++v) {
-        OP_REQUIRES(context, cuts[v] >= 0 && cuts[v] <= length &&
-                                 (v == 0 || cuts[v - 1] <= cuts[v]),
-                    InvalidArgumentError(absl::StrCat(
-                        "cuts[", v, "] = ", cuts[v], " is not in [", v == 0 ? 0 : cuts[v - 1],
-                        ", ", length, "]")));
-      }
+      OP_REQUIRES_OK(context, CheckCuts(cuts, cuts_tensor.NumElements(), variables, length,
+                                        "the variables"));
     }
     Tensor* outputs[5];
     for (int i = 0; i < 5; ++i) {
