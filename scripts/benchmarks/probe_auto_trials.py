@@ -6,7 +6,8 @@ whole model, no warm-up) at ``--density``, its re-checks every ``--recheck`` ste
 the library's ``measured.RECHECK_STEPS`` (so the first trial, on steps that run each candidate
 for the first time, can be compared with later ones). Rank 0 prints one line a step: the
 candidate the step ran, its time, and for the sparse allreduce the sums its owners kept as a
-multiple of k; then auto's decisions.
+multiple of k; then auto's decisions. ``--try-all`` runs every candidate in every trial (on
+loopback dense's compute alone would leave the sparse ones untried).
 
 Run (root, the emulated cluster; ``--rate`` off: plain ``mpirun`` on loopback)::
 
@@ -33,6 +34,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--recheck", type=int, default=40)
     parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--try-all", action="store_true",
+                        help="every candidate runs its turn in every trial: the rules that "
+                             "leave one out (dense's compute, the reach of fewer bytes) off")
     parser.add_argument("--json", default=None, help="also write the per-step records here")
     parser.add_argument("--timeout", type=float, default=1800)
     return parser.parse_args(argv)
@@ -46,6 +50,8 @@ def worker(args):
 
     sparse_hvd.init()
     measured.RECHECK_STEPS = args.recheck
+    if args.try_all:
+        measured.sparse_can_win = measured.within_reach = lambda *_: True
     import keras
     import tensorflow as tf
 
@@ -102,6 +108,8 @@ def main(argv=None):
         return worker(args)
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--steps", str(args.steps),
             "--recheck", str(args.recheck), "--density", str(args.density)]
+    if args.try_all:
+        argv.append("--try-all")
     if args.json:
         argv += ["--json", os.path.abspath(args.json)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
