@@ -56,6 +56,28 @@ FIRST_STEPS_KEPT = 600  # the JSON keeps rank 0's time of each of the first step
 # reaches the target in its first half: where its time to the target goes, trials included)
 
 
+class StepCounts:
+    """Rank 0's ``communication_stats()`` step by step, read after each step outside its
+    timing: the bytes the step sent, and the span from its gradients to its averages in
+    milliseconds (the selection and the exchange: under ``auto`` the split between the two
+    is not kept, its selection span reads the exchange too), so that a slow step can be told
+    apart from one that sent more. Empty lists for dense."""
+
+    def __init__(self, sparse):
+        self.sparse = sparse
+        self.kept = {"bytes": [], "span_ms": []}
+        self.last = sparse.communication_stats() if sparse is not None else None
+
+    def after_step(self):
+        if self.sparse is None:
+            return
+        now = self.sparse.communication_stats()
+        self.kept["bytes"].append(now["bytes_sent"] - self.last["bytes_sent"])
+        span = sum(now[k] - self.last[k] for k in ("sparsify_seconds", "exchange_seconds"))
+        self.kept["span_ms"].append(round(span * 1e3, 2))
+        self.last = now
+
+
 def force_first_decision_dense(measured):
     """``exchange="auto"``'s first decision made dense whatever the trial timed (the same on
     every rank), its later ones by the rule: the switch a noisy first trial, or a fast link,
@@ -210,12 +232,15 @@ def main(argv=None):
         curve.append({"step": 0, "val_loss": loss, "val_accuracy": acc})
     train_seconds = 0.0
     step_seconds = []
+    step_counts = StepCounts(sparse)
     for step in range(1, args.steps + 1):
         x, y = data.sample(rng, args.batch_size)
         t0 = time.perf_counter()
         loss = float(train_step(tf.constant(x), tf.constant(y.astype("int32"))))
         step_seconds.append(time.perf_counter() - t0)
         train_seconds += step_seconds[-1]
+        if step <= FIRST_STEPS_KEPT:
+            step_counts.after_step()
         if not np.isfinite(loss):
             raise SystemExit(f"rank {rank}: training loss is {loss} at step {step}")
         if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
@@ -261,6 +286,8 @@ def main(argv=None):
             "median_step_seconds": float(np.median([r["median_step_seconds"] for r in everyone])),
             # rank 0's first steps one by one: where a run's start-up (traces, trials) goes
             "first_step_seconds": [round(s, 4) for s in step_seconds[:FIRST_STEPS_KEPT]],
+            # and what rank 0 sent and its exchange's span in each of them (StepCounts)
+            "first_step_counts": step_counts.kept,
             "exchange": args.exchange,
             "exchange_decisions": (getattr(sparse, "exchange_decisions", None)
                                    if sparse is not None else None),
