@@ -44,9 +44,10 @@ def worker(args):
     layers = [keras.Input((args.width,))]
     layers += [keras.layers.Dense(args.width, activation="relu") for _ in range(args.depth)]
     model = keras.Sequential(layers + [keras.layers.Dense(10)])
+    # the allgather named: the default (auto) may choose dense, which has no layer-wise form
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(0.01), density=0.01, grouping=args.grouping
-    )
+        keras.optimizers.SGD(0.01), density=0.01, grouping=args.grouping, exchange="allgather",
+        warmup_steps=0)
     model.compile(optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=False)
     rng = np.random.RandomState(rank)
@@ -99,7 +100,8 @@ def read_timeline(path):
 
 def analyse(per_tensor, warmup):
     """Per step after ``warmup``: spread of requests (ms) and exchanges done before the last."""
-    sparse = {name: records for name, records in per_tensor.items() if ".values." in name or ".indices" in name}
+    sparse = {name: records for name, records in per_tensor.items()
+              if any(part in name for part in (".fused_", ".values.", ".indices"))}
     steps = min(len(records) for records in sparse.values())
     spreads, early, total = [], [], 0
     for step in range(warmup, steps):

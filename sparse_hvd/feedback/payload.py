@@ -14,6 +14,7 @@ from typing import NamedTuple, Tuple
 import tensorflow as tf
 
 from ..exchanges.compression import NONE
+from ..runtime.stamps import time_after
 from ..selection.density import elements_to_send
 from ..selection.sparsifiers import Selection
 from . import nonfinite
@@ -115,11 +116,11 @@ class PayloadBuilder:
         self._ready_times = []
 
     def ready_time(self, gradient) -> tf.Tensor:
-        """A timestamp taken once ``gradient`` exists; the caller runs the gradient's
-        selection under a control dependency on it, so the selection's time is measured from
-        there (a timestamp that only depends on the gradients may run after the selections)."""
-        with tf.control_dependencies([gradient]):
-            stamp = tf.timestamp()
+        """A timestamp taken once ``gradient`` exists, and not later (``runtime.stamps``);
+        the caller runs the gradient's selection under a control dependency on it, so the
+        selection's time is measured from there (a timestamp that only depends on the
+        gradients may run after the selections)."""
+        stamp = time_after(gradient)
         self._ready_times.append(stamp)
         return stamp
 

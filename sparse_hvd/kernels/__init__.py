@@ -69,6 +69,9 @@
   ``SparseHvdSampledLocalSgd`` ops (local_sgd_cut.cc, the update cut with a plain SGD and the
   model-wide budget: the local step, error feedback and the cut in one pass per variable, and
   the cut's sample with the step computed at the sampled entries only);
+* ``time_after()``: the ``SparseHvdTimeAfter`` op (time_after.cc: the clock once a tensor
+  exists, an op that automatic control dependencies do not chain to the step's other
+  timestamps; ``runtime.stamps``);
 * ``watch_enter()``, ``watch_leave()`` and ``watch_table()``: the ``SparseHvdWatchEnter`` and
   ``SparseHvdWatchLeave`` ops and the C functions that read their table (watch.cc: the stall
   watchdog's brackets around a traced step's collectives).
@@ -327,6 +330,11 @@ def sampled_local_sgd():
     """The native ``|update + residual|`` at the model-wide cut's sampled entries, the local
     SGD step computed there only (``feedback.fused_cut``), or None."""
     return _op("sparse_hvd_sampled_local_sgd")
+
+
+def time_after():
+    """The native timestamp ordered by its input alone (``runtime.stamps``), or None."""
+    return _op("sparse_hvd_time_after")
 
 
 def watch_enter():

@@ -46,10 +46,20 @@ class CommunicationCounters:
                 tf.constant([[i] for i in indices]), tf.cast(tf.stack(counts), tf.int64)
             )
 
-    def record_times(self, payload: Payload, averaged=()):
-        """Timestamps taken once the tensors they depend on exist (the data is used later, so
-        Grappler keeps these orderings): gradients -> selections -> ``averaged``. The first
-        is the latest of the timestamps each selection waited for (``Payload.ready_times``)."""
+    @staticmethod
+    def selections_done(payload: Payload):
+        """(gradients, selections): timestamps taken once the step's gradients exist (the
+        latest of those each selection waited for, ``Payload.ready_times``) and once its
+        selections do.
+
+        Inside a ``tf.function`` automatic control dependencies run the stateful operations
+        that take no resource (timestamps, the stall watchdog's) in the order they were made.
+        Made after a grouped exchange, the selections' timestamp would run after its watched
+        wait, which would count as selection, so it is made before (the exchange's one
+        collective needs every selection anyway). Made before a per-layer exchange, it would
+        hold every layer's collective back until the last selection, and the overlap with
+        backprop would be lost (``bench_overlap.py``): there it is made after, and the two
+        spans overlap, as the layers' exchanges overlap backprop and each other."""
         if payload.ready_times:
             ready = tf.reduce_max(tf.stack(payload.ready_times))
         else:
@@ -57,6 +67,13 @@ class CommunicationCounters:
                 ready = tf.timestamp()
         with tf.control_dependencies(payload.selected + [ready]):
             chosen = tf.timestamp()
+        return ready, chosen
+
+    def record_times(self, stamps, averaged=()):
+        """Add the spans gradients -> selections -> ``averaged`` (``stamps``: what
+        :meth:`selections_done` gave; the data is used later, so Grappler keeps these
+        orderings)."""
+        ready, chosen = stamps
         averaged = [a.values if isinstance(a, tf.IndexedSlices) else a for a in averaged]
         with tf.control_dependencies(averaged + [chosen]):
             done = tf.timestamp()

@@ -25,6 +25,7 @@ with checkpoints, visible in ``optimizer.layer_stats()``.
 import tensorflow as tf
 
 from ..runtime import collectives, startup as runtime
+from ..runtime.stamps import time_after
 from .density import DensityPolicy, elements_to_send, register_density_policy, validate_density
 
 DEFAULT_PROBE_BYTES = (4096, 65536, 524288, 2097152)  # for the probe functions called alone
@@ -230,8 +231,7 @@ class AdaptiveDensity(DensityPolicy):
         self._ready = {}
 
     def gradient_ready(self, index, grad):
-        with tf.control_dependencies([grad]):
-            self._ready[index] = tf.timestamp()
+        self._ready[index] = time_after(grad)  # not chained to the other stamps (runtime.stamps)
 
     def end_step(self, step):
         ready, self._ready = self._ready, {}

@@ -1,0 +1,28 @@
+"""Timestamps in a traced step that wait for one tensor and for nothing else.
+
+``tf.timestamp`` is a stateful op without a resource, and inside a ``tf.function`` automatic
+control dependencies run such ops in the order the trace made them. Stamps made per variable
+in the variables' order (each gradient's, for the selection span and ``AdaptiveDensity``'s
+backward windows) therefore all waited for the first variable's gradient, backprop's last:
+the windows read about zero, and the layer-wise exchange's collectives, behind the stall
+watchdog's bracket that came after the stamps, waited for the whole backward pass
+(``bench_overlap.py``: their starts spread over 3.8 ms of a 133 ms step, about 140 ms of 205
+when first measured). :func:`time_after` is ordered by its input alone (the native
+``SparseHvdTimeAfter``, ``kernels/time_after.cc``). Without the native kernels (a GPU visible,
+``SPARSE_HVD_NATIVE=0``) it is ``tf.timestamp`` under a control dependency, with that order.
+"""
+
+import tensorflow as tf
+
+from .. import kernels
+
+
+def time_after(tensor) -> tf.Tensor:
+    """Seconds since the epoch (float64, ``tf.timestamp``'s clock) once ``tensor`` exists."""
+    if isinstance(tensor, tf.IndexedSlices):
+        tensor = tensor.values
+    native = kernels.time_after()
+    if native is None:
+        with tf.control_dependencies([tensor]):
+            return tf.timestamp()
+    return native(after=tensor)
