@@ -2,15 +2,15 @@
 // once its input exists, as an op TensorFlow does not count as stateful.
 //
 // Inside a ``tf.function`` automatic control dependencies run every stateful op that takes no
-// resource in the order the trace made it. ``tf.timestamp`` is one, so a timestamp of each
-// gradient, made in the variables' order, waited for the previous one's: for the first
-// variable's gradient, backprop's last, and every later stamp with it. The layer-wise
-// exchange's collectives then waited for the whole backward pass (the stall watchdog's bracket
-// waits for the stamps), and ``AdaptiveDensity``'s backward windows (the time from each
-// gradient to the last) read about zero. This op is ordered by its input alone:
+// resource in the order the trace made it. ``tf.timestamp`` is one, so each gradient's
+// timestamp waited for the one made before it (in the variables' order, for the first
+// variable's gradient, backprop's last: ``AdaptiveDensity``'s backward windows read about
+// zero), and the layer-wise exchange's collectives, behind the stall watchdog's bracket made
+// after the stamps, waited for the whole backward pass (runtime/stamps.py). This op is ordered
+// by its input alone:
 //
-//   1. it takes the tensor to stamp (callers pass one entry of it: the op runs on the CPU, and
-//      a tensor on a GPU is copied to it whole);
+//   1. it takes the tensor to stamp (a CPU kernel: the library uses its native kernels only
+//      where no GPU is visible), so it runs once that tensor exists;
 //   2. it writes the clock, reading none of its input.
 //
 // Not stateful, so TensorFlow may merge two of them on the same tensor (the same time) and

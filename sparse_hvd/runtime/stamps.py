@@ -1,11 +1,13 @@
 """Timestamps in a traced step that wait for one tensor and for nothing else.
 
 ``tf.timestamp`` is a stateful op without a resource, and inside a ``tf.function`` automatic
-control dependencies run such ops in the order the trace made them. Stamps made per variable
-in the variables' order (each gradient's, for the selection span and ``AdaptiveDensity``'s
-backward windows) therefore all waited for the first variable's gradient, backprop's last:
-the windows read about zero, and the layer-wise exchange's collectives, behind the stall
-watchdog's bracket that came after the stamps, waited for the whole backward pass
+control dependencies run such ops in the order the trace made them. The stamps made per
+variable (each gradient's, for the selection span and ``AdaptiveDensity``'s backward windows)
+each waited for the one made before it: with a grouped exchange (the variables in their order)
+for the first variable's gradient, backprop's last, so the windows read about zero; with the
+layer-wise exchange (backprop's order) for the previous layer's, which the executor may make
+later. And the stall watchdog's bracket, which every collective of the step waits for, came
+after the stamps, so the layer-wise exchange's collectives waited for the whole backward pass
 (``bench_overlap.py``: their starts spread over 3.8 ms of a 133 ms step, about 140 ms of 205
 when first measured). :func:`time_after` is ordered by its input alone (the native
 ``SparseHvdTimeAfter``, ``kernels/time_after.cc``). Without the native kernels (a GPU visible,
