@@ -8,6 +8,7 @@ not the training state a checkpoint holds.
 import tensorflow as tf
 
 from ..feedback.payload import Payload
+from ..runtime.stamps import time_after
 
 EMPTY = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "capped_selections": 0,
          "skipped_steps": 0, "sparsify_seconds": 0.0, "exchange_seconds": 0.0,
@@ -46,34 +47,22 @@ class CommunicationCounters:
                 tf.constant([[i] for i in indices]), tf.cast(tf.stack(counts), tf.int64)
             )
 
-    @staticmethod
-    def selections_done(payload: Payload):
-        """(gradients, selections): timestamps taken once the step's gradients exist (the
-        latest of those each selection waited for, ``Payload.ready_times``) and once its
-        selections do.
+    def record_times(self, payload: Payload, averaged=()):
+        """Timestamps taken once the tensors they depend on exist: gradients -> selections ->
+        ``averaged`` (the data is used later, so Grappler keeps these orderings). The first is
+        the latest of the timestamps each selection waited for (``Payload.ready_times``).
 
-        Inside a ``tf.function`` automatic control dependencies run the stateful operations
-        that take no resource (timestamps, the stall watchdog's) in the order they were made.
-        Made after a grouped exchange, the selections' timestamp would run after its watched
-        wait, which would count as selection, so it is made before (the exchange's one
-        collective needs every selection anyway). Made before a per-layer exchange, it would
-        hold every layer's collective back until the last selection, and the overlap with
-        backprop would be lost (``bench_overlap.py``): there it is made after, and the two
-        spans overlap, as the layers' exchanges overlap backprop and each other."""
+        The first two are ``runtime.stamps.time_after``'s, ordered by their inputs alone:
+        inside a ``tf.function`` a ``tf.timestamp`` made here, after the exchange, ran after
+        the exchange's watched wait (automatic control dependencies run the stateful ops that
+        take no resource in the order they were made), which then counted as selection.
+        Without the native kernels they are ``tf.timestamp`` again, with that error."""
         if payload.ready_times:
             ready = tf.reduce_max(tf.stack(payload.ready_times))
         else:
-            with tf.control_dependencies(list(payload.gradients)):
-                ready = tf.timestamp()
-        with tf.control_dependencies(payload.selected + [ready]):
-            chosen = tf.timestamp()
-        return ready, chosen
-
-    def record_times(self, stamps, averaged=()):
-        """Add the spans gradients -> selections -> ``averaged`` (``stamps``: what
-        :meth:`selections_done` gave; the data is used later, so Grappler keeps these
-        orderings)."""
-        ready, chosen = stamps
+            ready = tf.reduce_max(tf.stack([time_after(g) for g in payload.gradients] or
+                                           [tf.timestamp()]))
+        chosen = tf.reduce_max(tf.stack([time_after(t) for t in payload.selected] + [ready]))
         averaged = [a.values if isinstance(a, tf.IndexedSlices) else a for a in averaged]
         with tf.control_dependencies(averaged + [chosen]):
             done = tf.timestamp()

@@ -9,7 +9,9 @@ layer-wise exchange (backprop's order) for the previous layer's, which the execu
 later. And the stall watchdog's bracket, which every collective of the step waits for, came
 after the stamps, so the layer-wise exchange's collectives waited for the whole backward pass
 (``bench_overlap.py``: their starts spread over 3.8 ms of a 133 ms step, about 140 ms of 205
-when first measured). :func:`time_after` is ordered by its input alone (the native
+when first measured); and the selections' stamp, made after the exchange, ran after the
+exchange's watched wait, which ``communication_stats()`` then counted as selection.
+:func:`time_after` is ordered by its input alone (the native
 ``SparseHvdTimeAfter``, ``kernels/time_after.cc``). Without the native kernels (a GPU visible,
 ``SPARSE_HVD_NATIVE=0``) it is ``tf.timestamp`` under a control dependency, with that order.
 """

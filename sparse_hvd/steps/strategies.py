@@ -51,15 +51,12 @@ class SynchronousStep:
         variables = [v for _, v in grads_and_vars]
         with tf.name_scope("sparse_exchange"):
             payload = preparation.make_payload(opt, grads_and_vars)  # Steps 1-3
-            # before a grouped exchange's ops (which wait for every selection anyway), not
-            # before a per-layer one's, whose collectives it would hold back (monitoring.stats)
-            stamps = None if opt._exchange.per_layer else opt._counters.selections_done(payload)
             with watchdog.one_wait():  # one watched wait for all of the step's collectives
                 averaged = self.exchange(payload, [g for g, _ in grads_and_vars])  # Step 4
             grads, state_updates = preparation.inner_gradients(opt, payload, averaged.gradients,
                                                                variables)
             opt._counters.record(payload, averaged.bytes_sent)
-            opt._counters.record_times(stamps or opt._counters.selections_done(payload), grads)
+            opt._counters.record_times(payload, grads)
             with tf.control_dependencies(grads):  # re-measure after this step's traffic
                 opt.density_policy.end_step(self.policy_step())
             # sparse allreduce: what was sent but not applied goes back to the residuals. Added
@@ -147,7 +144,7 @@ class DelayedStep(SynchronousStep):
             if grads_and_vars:
                 payload = preparation.make_payload(opt, grads_and_vars, keep_rows=False)
                 finite_here = payload.finite_here()
-                opt._counters.record_times(opt._counters.selections_done(payload))
+                opt._counters.record_times(payload)
                 # this rank's gradients were not finite: write nothing
                 tf.cond(finite_here, lambda: write_state(payload.state_updates, opt),
                         lambda: None)
