@@ -23,8 +23,13 @@ from helpers import classification_data, mlp
 
 SLEEP = 0.3  # seconds the late rank sleeps before each timed step
 TIMED_STEPS = 3
+needs_native_stamps = pytest.mark.skipif(
+    sparse_hvd.kernels.time_after() is None,
+    reason="without the native kernels the step's timestamps are tf.timestamp, which the "
+           "trace runs in order (runtime.stamps)")
 
 
+@needs_native_stamps
 @pytest.mark.parametrize("exchange", ["allgather", "sparse_allreduce", "auto"])
 def test_a_late_rank_is_counted_in_the_others_exchange_span(hvd, exchange):
     rank, size = hvd.rank(), hvd.size()
@@ -76,9 +81,7 @@ def ancestors(op):
     return seen
 
 
-@pytest.mark.skipif(sparse_hvd.kernels.time_after() is None,
-                    reason="without the native kernels the gradients' timestamps are "
-                           "tf.timestamp, which the trace runs in order (runtime.stamps)")
+@needs_native_stamps
 def test_per_layer_collectives_wait_only_for_their_own_gradient(hvd):
     """``grouping="layerwise"``: the output layer's collective (its gradient is backprop's
     first) does not wait for the input layer's gradient (backprop's last), so it overlaps the
