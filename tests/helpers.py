@@ -26,6 +26,39 @@ def classification_data(n=128, input_dim=20, classes=5, seed=0):
     return x, y
 
 
+def training_step(model, optimizer, x, y, seen=None):
+    """One training step as a ``tf.function`` (no XLA): the cross-entropy of ``(x, y)`` from
+    the model's logits, its gradients applied by ``optimizer``; returns the loss. ``seen`` (a
+    dict), when given, receives the gradients' ops as traced (``"gradients"``)."""
+    import tensorflow as tf
+
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function(jit_compile=False)
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        if seen is not None:
+            seen["gradients"] = [g.op for g in grads]
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step
+
+
+def ancestors(op):
+    """Every operation ``op`` waits for in its graph: its inputs' and control inputs', on."""
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
 def numpy_topk_indices(values, k):
     """Positions of the k largest |values|, ties to the lower index (an independent reference)."""
     order = np.lexsort((np.arange(values.size), -np.abs(values)))

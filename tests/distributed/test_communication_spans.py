@@ -15,11 +15,10 @@ import time
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import sparse_hvd
 from conftest import gather
-from helpers import classification_data, mlp
+from helpers import ancestors, classification_data, mlp, training_step
 
 SLEEP = 0.3  # seconds the late rank sleeps before each timed step
 TIMED_STEPS = 3
@@ -38,17 +37,8 @@ def test_a_late_rank_is_counted_in_the_others_exchange_span(hvd, exchange):
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(0.1), density=0.05, exchange=exchange, warmup_steps=0,
         name=f"spans_{exchange}")
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     x, y = classification_data(n=16, seed=rank)
-
-    @tf.function(jit_compile=False)
-    def step():
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
+    step = training_step(model, optimizer, x, y)
     for _ in range(2):  # traced, and the collectives set up
         step().numpy()
     before = optimizer.communication_stats()
@@ -69,18 +59,6 @@ def test_a_late_rank_is_counted_in_the_others_exchange_span(hvd, exchange):
     assert np.all(np.isfinite(everyone))
 
 
-def ancestors(op):
-    """Every operation ``op`` waits for in its graph: its inputs' and control inputs', on."""
-    seen, todo = set(), [op]
-    while todo:
-        current = todo.pop()
-        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                todo.append(parent)
-    return seen
-
-
 @needs_native_stamps
 def test_per_layer_collectives_wait_only_for_their_own_gradient(hvd):
     """``grouping="layerwise"``: the output layer's collective (its gradient is backprop's
@@ -92,25 +70,15 @@ def test_per_layer_collectives_wait_only_for_their_own_gradient(hvd):
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(0.1), density=0.05, exchange="allgather", grouping="layerwise",
         warmup_steps=0, name="spans_layerwise")
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     x, y = classification_data(n=16, input_dim=32, classes=32, seed=hvd.rank())
     made = {}
-
-    @tf.function(jit_compile=False)
-    def step():
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        made["first_layer"] = grads[0].op
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
+    step = training_step(model, optimizer, x, y, seen=made)
     step().numpy()
     graph = step.get_concrete_function().graph
     # named ...spans_layerwise.values.<variable>, ...indices.<variable>
     gathers = {".".join(op.name.split(".")[-2:]): op
                for op in graph.get_operations() if op.type == "HorovodAllgather"}
-    first_layer = graph.get_operation_by_name(made["first_layer"].name)
+    first_layer = graph.get_operation_by_name(made["gradients"][0].name)
     for kind in ("values", "indices"):
         assert first_layer in ancestors(gathers[f"{kind}.0"])
         assert first_layer not in ancestors(gathers[f"{kind}.2"]), f"{kind}.2 waits for it"
