@@ -1,12 +1,13 @@
 """Steps to dense's validation loss: does the sparse exchange train like dense, step for step?
 
 What it measures
-    For each workload (``workloads.py``: a character LSTM on the Python documentation, a CNN on
-    MNIST digits, the digits MLP), each number of workers and each method, ``--seeds`` training
-    runs under ``mpirun`` (``steps_worker.py``), each with the same steps, per-worker batch,
-    learning-rate schedule and inner optimizer (SGD with momentum 0.9 unless the method says
-    otherwise; the ``_adam`` workloads, ``charlm_adam`` and ``cnn_adam``, train the same models
-    with Adam). Rank 0 records the validation loss every ``--eval-every`` steps.
+    For each workload (``workloads.py``: a character LSTM and a transformer on the Python
+    documentation, a CNN and a residual network with batch norm on MNIST digits, the digits
+    MLP), each number of workers and each method, ``--seeds`` training runs under ``mpirun``
+    (``steps_worker.py``), each with the same steps, per-worker batch, learning-rate schedule and
+    inner optimizer (SGD with momentum 0.9 unless the method says otherwise; the ``_adam``
+    workloads, ``charlm_adam``, ``cnn_adam`` and ``resnet_adam``, train the same models with
+    Adam). Rank 0 records the validation loss every ``--eval-every`` steps.
 
 The target rule
     1. Each curve is smoothed: the validation loss at an evaluation point is the mean of it and
@@ -76,6 +77,11 @@ ADAM_CHARTF_LR = 0.003
 # the wide CNN's SGD learning rate, chosen the same way: 0.02 / 0.05 / 0.1 gave 0.063 / 0.047 /
 # 0.051
 CNN_WIDE_LR = 0.05
+# the residual network's, the same way (4 workers, seed 0): 0.02 / 0.05 / 0.1 gave 0.0574 /
+# 0.0474 / 0.0484
+RESNET_LR = 0.05
+# ... and with Adam: 0.001 / 0.003 / 0.01 gave 0.0551 / 0.0467 / 0.0485
+ADAM_RESNET_LR = 0.003
 
 # Per workload: the inner optimizer (tuned for dense at 4 workers: the best of 3 learning
 # rates), the run length and the evaluation interval; "model" names the data and model of
@@ -86,6 +92,8 @@ SETTINGS = {
                  "eval_every": 20},
     "charlm": {"inner": {"name": "sgd", "lr": 2.0, "momentum": 0.9, "clipnorm": 1.0},
                "steps": 800, "eval_every": 20},
+    "resnet": {"inner": {"name": "sgd", "lr": RESNET_LR, "momentum": 0.9}, "steps": 800,
+               "eval_every": 20},
     "mlp": {"inner": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "steps": 400, "eval_every": 10},
     # the same models trained with Adam, as many users would (learning rate: the best of 3)
     "charlm_adam": {"model": "charlm", "inner": {"name": "adam", "lr": ADAM_CHARLM_LR,
@@ -97,6 +105,8 @@ SETTINGS = {
     # learning rate (not tuned for it)
     "cnn_wide_adam": {"model": "cnn_wide", "inner": {"name": "adam", "lr": ADAM_CNN_LR},
                       "steps": 800, "eval_every": 20},
+    "resnet_adam": {"model": "resnet", "inner": {"name": "adam", "lr": ADAM_RESNET_LR},
+                    "steps": 800, "eval_every": 20},
     # a transformer trains with Adam: the best of 0.001 / 0.003 / 0.01 / 0.03 for dense
     "chartf": {"inner": {"name": "adam", "lr": ADAM_CHARTF_LR}, "steps": 800, "eval_every": 20},
     # ... or with AdamW, as most transformers are (GPT-style decay 0.1; Adam's rate, not tuned)
