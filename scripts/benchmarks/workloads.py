@@ -23,7 +23,7 @@ a batch sampler; the seed changes the initial weights and the batch order, never
   of DGC's image experiments): its step is bound by the exchange at 1 Gbit/s, where the other
   workloads' steps are bound by their compute, so it is the one that shows time saved.
 * ``resnet``: a small residual network with batch normalization on the same digits and shifts
-  (the model family of ResNet-50, which most image training runs): a 3x3 convolution of 32
+  (the model family of ResNet-50, the usual image baseline): a 3x3 convolution of 32
   channels, batch norm, ReLU and 2x2 max pooling, then residual blocks of two 3x3 convolutions
   with batch norm (32 channels at 14x14, a strided step to 64 at 7x7 with a 1x1 projection on
   its shortcut, 64), global average pooling and Dense(10); 151k parameters, convolutions
@@ -176,6 +176,8 @@ def build_cnn(data, width=128):
         keras.layers.Dense(10),
     ])
 
+
+# ---- resnet (the cnn's data) ----------------------------------------------------------------
 
 def build_resnet(data):
     import keras
