@@ -211,8 +211,9 @@ METHODS = {
                      "density": 0.01, "min_density": 0.001, "max_density": 0.1}},
                   "grouping": "layerwise"}),
     "sign": ("exchange='sign': every entry of each worker's compensated update (gradient for "
-             "a plain SGD) as its sign and one mean magnitude per variable, 1/32 of dense's "
-             "bytes sent", {"exchange": "sign"}),
+             "a plain SGD) as its sign and a mean magnitude per 64 entries (one per variable "
+             "before the twenty-sixth session), 1/26 of dense's bytes sent",
+             {"exchange": "sign"}),
     "sign_mean": ("exchange='sign' with second_moment='mean_estimate': each worker's Adam "
                   "second moment corrected for its N times smaller batch",
                   {"exchange": "sign", "second_moment": "mean_estimate"}),
