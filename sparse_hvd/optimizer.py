@@ -68,9 +68,11 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             whole model; ``"layer"``: each variable sends its own k. None (default): "model"
             with the grouped exchanges, "layer" with ``grouping="layerwise"`` or
             ``AdaptiveDensity`` (``selection.defaults``).
-        clipping: ``"after"`` (default): the inner optimizer's clipping acts on the average;
-            ``"local"``: each rank clips its own gradient before error feedback (norms times
-            N^-1/2, DGC's local clipping) and the average is not clipped again.
+        clipping: ``"after"`` (default): the inner optimizer's clipping acts where it
+            applies: on the average with ``sparsify="gradient"``, on each rank's own gradient
+            at the threshold as given with ``"update"``; ``"local"``: each rank clips its own
+            gradient before error feedback (norm thresholds times N^(1/2), DGC's local
+            clipping for an average) and the average is not clipped again.
         sparsifier: a registered name (``sparse_hvd.available_sparsifiers()``) or a configured
             sparsifier such as ``sparse_hvd.Threshold(threshold=0.01)``.
         error_feedback: keep and re-add what was not sent (default; False for experiments).

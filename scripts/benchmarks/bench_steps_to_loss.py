@@ -150,6 +150,10 @@ METHODS = {
                           "over 200 steps (WarmupDensity(0.01, 0.25, 200))",
                           {"density": {"class_name": "warmup", "config": {
                               "density": 0.01, "initial_density": 0.25, "warmup_steps": 200}}}),
+    "default_clipnorm_2": ("the defaults with the inner optimizer's clipnorm 2.0 (the LSTM's 1.0 "
+                           "times sqrt(4)): does the clipping of each worker's own gradient "
+                           "under the update cut hold the LSTM back?",
+                           {"density": 0.01, "inner": {"clipnorm": 2.0}}),
     "default_no_warmup": ("the defaults without the warm-up (warmup_steps=0): 1% from the first "
                           "step", {"density": 0.01, "warmup_steps": 0}),
     "default_margin_1.2": ("the defaults with auto's previous dense margin: a sparse step must "

@@ -9,11 +9,20 @@ is far larger than a gradient's, clipping scales the whole step down, and what i
 (it never returns to a residual). Locally:
 
 1. each rank clips its own gradient before it is added to the residual: ``clipnorm`` per
-   variable and ``global_clipnorm`` over the variables with the threshold times N^-1/2 (if the
-   ranks' gradients are independent, the norm of their sum grows as sqrt(N): the average then
-   stays within the threshold, DGC's rule); ``clipvalue`` element by element, unchanged;
+   variable and ``global_clipnorm`` over the variables with the threshold times N^(1/2);
+   ``clipvalue`` element by element, unchanged;
 2. the inner optimizer then applies the average without clipping it again (its clipping
    options are switched off while it applies, and kept in its config).
+
+Why N^(1/2): the user's threshold is meant for the gradient dense training applies, the
+average over the ranks. Where the ranks' gradients are independent (a gradient mostly noise),
+the average of N gradients of norm t has norm about t N^(-1/2), so each rank clips at the
+threshold times N^(1/2) and the average lands at the threshold, as dense's clipping of the
+average would put it. DGC states its rule for the *sum* of the nodes' gradients (threshold
+times N^(-1/2) per node); the sum is N times the average, so it is the same rule. Where the
+ranks' gradients agree the average can reach N^(1/2) times the threshold (DGC's rule shares
+that). Before this release the threshold was multiplied by N^(-1/2): the average of
+independent gradients was clipped to 1/N of the threshold.
 
 With one worker and density 1 both orders give the same update.
 """
@@ -34,7 +43,7 @@ def check(clipping):
 
 def clipped_locally(grads, optimizer, workers):
     """Step 1 of the module doc for a list of dense gradients (None kept)."""
-    scale = 1.0 / math.sqrt(workers)
+    scale = math.sqrt(workers)
     if optimizer.clipnorm and optimizer.clipnorm > 0:
         return [None if g is None else tf.clip_by_norm(g, optimizer.clipnorm * scale)
                 for g in grads]

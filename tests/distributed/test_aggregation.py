@@ -365,23 +365,30 @@ def test_dense_exchange_averages_are_the_rounded_quotient_of_the_sums(hvd, monke
     assert len(set(everyone)) == 1, "replicas differ"
 
 
-def test_local_clipping_clips_each_ranks_gradient_to_the_threshold_over_sqrt_n(hvd):
+def test_local_clipping_clips_each_ranks_gradient_to_the_threshold_times_sqrt_n(hvd):
     """clipping="local", clipnorm c: every rank applies the mean over ranks of each rank's
-    gradient clipped to c / sqrt(N) (NumPy), and the average is not clipped again."""
+    gradient clipped to c x sqrt(N) (NumPy), and the average is not clipped again; the ranks'
+    gradients are independent, so that average's norm is about c, where dense's clipping of
+    the average would put it."""
     rank, size = hvd.rank(), hvd.size()
     clipnorm, lr = 0.5, 0.1
 
     def gradient(r):
-        return (np.random.RandomState(70 + r).randn(*BIG) * (r + 1)).astype("float32")
+        return (np.random.RandomState(70 + r).randn(*BIG) * (r + 1)).astype("float64")
 
     variable = keras.Variable(np.ones(BIG, "float32"))
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(lr, clipnorm=clipnorm), density=1.0, min_elements=0,
         clipping="local", name="local_clip")
-    optimizer.apply([tf.constant(gradient(rank))], [variable])
-    threshold = clipnorm / math.sqrt(size)
-    clipped = [gradient(r).astype("float64") * min(1.0, threshold / np.linalg.norm(gradient(r)))
-               for r in range(size)]
-    np.testing.assert_allclose(variable.numpy(), 1 - lr * sum(clipped) / size, rtol=1e-5, atol=1e-6)
+    optimizer.apply([tf.constant(gradient(rank).astype("float32"))], [variable])
+    threshold = clipnorm * math.sqrt(size)
+    norms = [np.linalg.norm(gradient(r)) for r in range(size)]
+    assert min(norms) > threshold  # every rank's gradient is clipped
+    clipped = [gradient(r) * threshold / norm for r, norm in zip(range(size), norms)]
+    average = sum(clipped) / size
+    np.testing.assert_allclose(variable.numpy(), 1 - lr * average, rtol=1e-5, atol=1e-6)
+    moved = np.linalg.norm((1 - variable.numpy().astype("float64")) / lr)
+    # independent directions: |sum|^2 = N (c sqrt(N))^2 up to cross terms of order 1/sqrt(n)
+    assert moved == pytest.approx(clipnorm, rel=0.05)
     everyone = gather(hvd, digest([variable.numpy()]), "local_clip")
     assert len(set(everyone)) == 1, "replicas differ"
