@@ -4,6 +4,7 @@ Each raises a TypeError or ValueError whose message names the argument and says 
 at construction (or at build), before any collective could start and hang on a mistake.
 """
 
+import math
 import sys
 import warnings
 from typing import NamedTuple, Optional
@@ -148,6 +149,18 @@ def check_sparsify(sparsify, momentum_correction):
             "before the cut, which is what `momentum_correction` does for SGD: use one of them "
             "(sparsify='update' with SGD(lr, momentum=...) is momentum correction without "
             "masking)")
+
+
+def check_update_scale(update_scale, sparsify):
+    if isinstance(update_scale, bool) or not isinstance(update_scale, (int, float)):
+        raise TypeError(f"`update_scale` must be a number, got {update_scale!r}")
+    if not math.isfinite(update_scale) or update_scale <= 0:
+        raise ValueError(f"`update_scale` must be a positive finite number, got {update_scale!r}")
+    if update_scale != 1 and sparsify != "update":
+        raise ValueError(
+            f"`update_scale={update_scale!r}` scales the averaged *update* of the cut variables, "
+            f"which `sparsify={sparsify!r}` does not send (the inner optimizer steps on the "
+            "averaged gradient there): use sparsify='update'")
 
 
 def check_staleness(staleness, policy):
@@ -361,7 +374,7 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
                      momentum_masking, budget, clipping, grouping, nonfinite, staleness,
                      dense_fallback, exchange, compression, backward_passes_per_step,
                      average_aggregated_gradients, process_set, sparsify=None,
-                     second_moment=None) -> Settings:
+                     second_moment=None, update_scale=1.0) -> Settings:
     """Every check of ``SparseDistributedOptimizer``'s arguments, in the order their errors are
     raised, and the objects the arguments stand for."""
     from .exchanges.compression import Compression
@@ -384,6 +397,7 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     check_momentum_correction(momentum_correction, optimizer)
     sparsify = resolve_sparsify(sparsify, optimizer)
     check_sparsify(sparsify, momentum_correction)
+    check_update_scale(update_scale, sparsify)
     check_nonfinite(nonfinite)
     check_staleness(staleness, policy)
     check_boolean(error_feedback, "error_feedback")

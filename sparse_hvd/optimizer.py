@@ -40,7 +40,12 @@ from .wrapping import InnerOptimizerFacade, no_automatic_dependency_tracking, wr
 SETTINGS = ("density", "sparsifier", "min_elements", "error_feedback", "momentum_correction",
             "momentum_masking", "warmup_steps", "budget", "clipping", "grouping", "nonfinite",
             "staleness", "dense_fallback", "exchange", "compression", "backward_passes_per_step",
-            "average_aggregated_gradients", "sparsify", "second_moment")
+            "average_aggregated_gradients", "sparsify", "second_moment", "update_scale")
+
+# what a config written before an option (or its default) existed ran with
+BEFORE_THE_OPTION = {"warmup_steps": 0, "budget": "layer", "sparsify": "gradient",
+                     "second_moment": "own", "update_scale": 1.0}
+
 
 @keras.saving.register_keras_serializable(package="sparse_hvd")
 class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimizers.Optimizer):
@@ -68,11 +73,9 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             whole model; ``"layer"``: each variable sends its own k. None (default): "model"
             with the grouped exchanges, "layer" with ``grouping="layerwise"`` or
             ``AdaptiveDensity`` (``selection.defaults``).
-        clipping: ``"after"`` (default): the inner optimizer's clipping acts where it
-            applies: on the average with ``sparsify="gradient"``, on each rank's own gradient
-            at the threshold as given with ``"update"``; ``"local"``: each rank clips its own
-            gradient before error feedback (norm thresholds times N^(1/2), DGC's local
-            clipping for an average) and the average is not clipped again.
+        clipping: ``"after"`` (default): the inner optimizer's, where it steps (on the average;
+            under the update cut on each rank's gradient); ``"local"``: each rank's before error
+            feedback, norm thresholds times N^(1/2) (DGC's rule), the average not clipped again.
         sparsifier: a registered name (``sparse_hvd.available_sparsifiers()``) or a configured
             sparsifier such as ``sparse_hvd.Threshold(threshold=0.01)``.
         error_feedback: keep and re-add what was not sent (default; False for experiments).
@@ -112,6 +115,8 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             for a plain SGD, else "update" (``selection.defaults``).
         second_moment: Adam (AdamW too, not AMSGrad) under the update cut: ``"own"``,
             ``"mean_estimate"`` or ``"noise_estimate"`` (README).
+        update_scale: the update cut's averaged update is subtracted times this (dense steps
+            keep the inner optimizer's rate; README, "Converging like dense").
         process_set: a Horovod process set (or an mpi4py communicator registered with
             ``sparse_hvd.init(process_sets=[...])``); the whole job by default. Not serialised.
         name: the optimizer's name; it prefixes its collectives' names, so two of these
@@ -148,6 +153,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         average_aggregated_gradients=False,
         sparsify=None,
         second_moment=None,
+        update_scale=1.0,
         process_set=None,
         name=None,
         **kwargs,
@@ -161,7 +167,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             dense_fallback=dense_fallback, exchange=exchange, compression=compression,
             backward_passes_per_step=backward_passes_per_step,
             average_aggregated_gradients=average_aggregated_gradients, process_set=process_set,
-            sparsify=sparsify, second_moment=second_moment)
+            sparsify=sparsify, second_moment=second_moment, update_scale=update_scale)
         keras_accumulation, policy = settings.keras_accumulation, settings.policy
         process_set, wire_compression = settings.process_set, settings.compression
         candidates = settings.candidates
@@ -177,6 +183,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         self.momentum_correction = float(momentum_correction)
         self.momentum_masking = bool(momentum_masking)
         self.sparsify, self.second_moment = settings.sparsify, settings.second_moment
+        self.update_scale = float(update_scale)
         self.budget = settings.budget
         self.clipping = clipping
         self.nonfinite = nonfinite
@@ -386,11 +393,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        config.setdefault("warmup_steps", 0)  # written before the warm-up default existed
-        config.setdefault("budget", "layer")  # written before the model-wide default
-        config.setdefault("sparsify", "gradient")  # written before the options existed
-        config.setdefault("second_moment", "own")
+        config = {**BEFORE_THE_OPTION, **config}
         inner = keras.saving.deserialize_keras_object(
             config.pop("optimizer"), custom_objects=custom_objects
         )

@@ -352,3 +352,30 @@ def test_a_position_outside_the_variable_is_refused_naming_it_and_nothing_is_wri
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"positions\[1\] = 6 is not in \[0, 6\)"):
         kernels.subtract_at()(variable.handle, tf.constant([0, 6]), tf.constant([1.0, 1.0]))
     np.testing.assert_array_equal(variable.numpy().ravel(), np.arange(6))
+
+
+@pytest.mark.parametrize("value,error,message", [
+    (0, ValueError, "`update_scale` must be a positive finite number, got 0"),
+    (-1.5, ValueError, "`update_scale` must be a positive finite number, got -1.5"),
+    (float("nan"), ValueError, "`update_scale` must be a positive finite number, got nan"),
+    (True, TypeError, "`update_scale` must be a number, got True"),
+    ("1.5", TypeError, "`update_scale` must be a number, got '1.5'"),
+])
+def test_update_scale_is_checked(value, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                              update_scale=value)
+
+
+def test_update_scale_is_refused_where_no_update_is_cut_and_serialised_where_it_is():
+    with pytest.raises(ValueError, match=re.escape(
+            "`update_scale=1.5` scales the averaged *update* of the cut variables, which "
+            "`sparsify='gradient'` does not send")):
+        sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), update_scale=1.5)
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                                      update_scale=1.5)
+    config = optimizer.get_config()
+    assert config["update_scale"] == 1.5
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).update_scale == 1.5
+    del config["update_scale"]  # a config written before the option: as it ran then
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).update_scale == 1.0

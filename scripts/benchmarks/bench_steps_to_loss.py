@@ -177,6 +177,10 @@ METHODS = {
     "default_lr_x1.5": ("the defaults with the workload's learning rate times 1.5 (dense keeps "
                         "its own): does error feedback want a larger step?",
                         {"density": 0.01, "lr_scale": 1.5}),
+    "default_update_scale_1.5": ("the defaults with update_scale=1.5: the averaged sparse "
+                                 "update subtracted times 1.5 (the library's option; the same "
+                                 "arithmetic as default_lr_x1.5 under SGD's momentum)",
+                                 {"density": 0.01, "update_scale": 1.5}),
     "default_no_warmup": ("the defaults without the warm-up (warmup_steps=0): 1% from the first "
                           "step", {"density": 0.01, "warmup_steps": 0}),
     "default_margin_1.2": ("the defaults with auto's previous dense margin: a sparse step must "

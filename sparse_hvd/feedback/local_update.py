@@ -22,8 +22,8 @@ Each step, on every rank:
 3. the update is u = w - w', where w' are the weights it wrote; write w back and take back
    the inner optimizer's ``iterations`` increment (the step is counted when it is applied);
 4. u goes through error feedback and the exchange as a gradient would; what arrives, the
-   average of the sent updates, is subtracted from the weights (``apply_averages``), and the
-   step is counted then, so a skipped step counts nothing.
+   average of the sent updates (times ``update_scale``), is subtracted from the weights
+   (``apply_averages``), and the step is counted then, so a skipped step counts nothing.
 
 For a plain Keras Adam, AdamW or SGD, steps 1-3 are one native pass per variable that
 writes the optimizer's state and returns the update without touching the weights
@@ -164,6 +164,7 @@ def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_s
     for average, variable, sparse in zip(averages, variables, cut):
         if not sparse:
             continue
+        average = _scaled(average, opt.update_scale)
         if isinstance(average, tf.IndexedSlices):
             subtract_at_positions(opt, variable, average)
         else:
@@ -177,6 +178,16 @@ def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_s
     count_finite_step()
     moving_average_step(opt._clipper)
     opt.inner_optimizer.iterations.assign_add(1)
+
+
+def _scaled(average, scale):
+    """``average`` times the optimizer's ``update_scale`` (as it is where that is 1)."""
+    if scale == 1:
+        return average
+    if isinstance(average, tf.IndexedSlices):
+        return tf.IndexedSlices(average.values * tf.cast(scale, average.values.dtype),
+                                average.indices, average.dense_shape)
+    return average * tf.cast(scale, average.dtype)
 
 
 def subtract_at_positions(opt, variable, average):

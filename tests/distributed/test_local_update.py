@@ -95,3 +95,54 @@ def test_a_step_not_finite_on_one_rank_is_skipped_everywhere_and_counted_once(hv
     assert optimizer.communication_stats()["skipped_steps"] == 1
     moved = not np.array_equal(optimizer.inner_optimizer._momentums[0].numpy(), moments)
     assert moved == (rank != 1 % size)
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "dense"])
+def test_update_scale_multiplies_the_averaged_cut_update_and_nothing_else(hvd, exchange):
+    """``update_scale=1.5`` under SGD's momentum: every rank subtracts 1.5 x the mean of the
+    ranks' sent velocity steps from a cut variable; the residuals, the velocities and the dense
+    route (SGD on the averaged gradient) are what they are without it; a dense exchange, which
+    cuts nothing, is Horovod's step (NumPy, every rank's part computed on every rank)."""
+    rank, size = hvd.rank(), hvd.size()
+    lr, momentum, scale = 0.1, 0.9, 1.5
+    start = [np.linspace(-1, 1, math.prod(s)).astype("float32").reshape(s) for s in (BIG, SMALL)]
+    variables = [keras.Variable(w) for w in start]
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(lr, momentum=momentum), density=DENSITY, warmup_steps=0,
+        sparsify="update", exchange=exchange, budget="layer", update_scale=scale,
+        name=f"update_scale_{exchange}")
+
+    @tf.function(jit_compile=False)
+    def step(big, small):
+        optimizer.apply_gradients(zip([big, small], variables))
+
+    k = math.ceil(DENSITY * math.prod(BIG))
+    velocities = [np.zeros(math.prod(BIG)) for _ in range(size)]  # each rank's own
+    shared = [np.zeros(math.prod(s)) for s in (BIG, SMALL)]  # on the averages
+    residuals = [np.zeros(math.prod(BIG)) for _ in range(size)]
+    expected = [w.astype("float64").ravel() for w in start]
+    for number in range(STEPS):
+        step(*map(tf.constant, _gradients(rank, number)))
+        every = [_gradients(r, number) for r in range(size)]
+        mean_big, mean_small = (sum(g[i].astype("float64") for g in every).ravel() / size
+                                for i in (0, 1))
+        if exchange == "dense":
+            shared[0] = momentum * shared[0] - lr * mean_big
+            expected[0] = expected[0] + shared[0]
+        else:
+            sent_big = np.zeros_like(expected[0])
+            for r in range(size):
+                velocities[r] = momentum * velocities[r] - lr * every[r][0].ravel()
+                _, sent, residuals[r] = numpy_topk_split(-velocities[r] + residuals[r], k)
+                sent_big += sent
+            expected[0] = expected[0] - scale * sent_big / size
+        shared[1] = momentum * shared[1] - lr * mean_small
+        expected[1] = expected[1] + shared[1]
+    for variable, value in zip(variables, expected):
+        np.testing.assert_allclose(variable.numpy().ravel(), value, rtol=0, atol=5e-6,
+                                   err_msg=f"rank {rank}")
+    if exchange == "allgather":
+        np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residuals[rank],
+                                   rtol=0, atol=5e-6, err_msg=f"rank {rank}")
+    digests = gather(hvd, digest([v.numpy() for v in variables]), name=f"scale.{exchange}")
+    assert all(d == digests[0] for d in digests), digests
