@@ -175,12 +175,18 @@ METHODS = {
     "default_momentum_0.8": ("the defaults with the inner SGD's momentum 0.8 instead of 0.9",
                              {"density": 0.01, "inner": {"momentum": 0.8}}),
     "default_lr_x1.5": ("the defaults with the workload's learning rate times 1.5 (dense keeps "
-                        "its own): does error feedback want a larger step?",
+                        "its own; the dense route's variables step at 1.5x too): does error "
+                        "feedback want a larger step?",
                         {"density": 0.01, "lr_scale": 1.5}),
     "default_update_scale_1.5": ("the defaults with update_scale=1.5: the averaged sparse "
-                                 "update subtracted times 1.5 (the library's option; the same "
-                                 "arithmetic as default_lr_x1.5 under SGD's momentum)",
+                                 "update subtracted times 1.5 (the library's option; the "
+                                 "variables on the dense route keep the rate)",
                                  {"density": 0.01, "update_scale": 1.5}),
+    "default_update_scale_1.5_all_cut": ("update_scale=1.5 with min_elements=64: every "
+                                         "variable cut, so every step scaled (under SGD's "
+                                         "momentum default_lr_x1.5's arithmetic)",
+                                         {"density": 0.01, "update_scale": 1.5,
+                                          "min_elements": 64}),
     "default_no_warmup": ("the defaults without the warm-up (warmup_steps=0): 1% from the first "
                           "step", {"density": 0.01, "warmup_steps": 0}),
     "default_margin_1.2": ("the defaults with auto's previous dense margin: a sparse step must "
