@@ -39,6 +39,8 @@ def main(argv=None):
 
     settings = bench_steps_to_loss.SETTINGS[args.workload]
     spec = settings["inner"]
+    if spec["name"] != "sgd":
+        raise SystemExit(f"{args.workload} trains with {spec['name']}; this probe runs SGD only")
     model_name = settings.get("model", args.workload)
     workload = workloads.WORKLOADS[model_name]
     data = workload.load(0, 1)
