@@ -16,6 +16,7 @@ instead, because there it must run.
 """
 
 import os
+import random
 import re
 import shutil
 import shlex
@@ -61,7 +62,24 @@ def run(argv, timeout=30, **kwargs):
 
 
 def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port free now and below the kernel's ephemeral range: an ephemeral one (bind to 0) can
+    be taken by any process's outgoing connection before slurmd binds it, which failed a CI run
+    ("Unable to bind listen port (43863): Address already in use") while rank tests ran beside."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, ephemeral_low))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no luck: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
