@@ -23,6 +23,17 @@ def _gradients(rank, step):
     return [rng.randn(*BIG).astype("float32"), rng.randn(*SMALL).astype("float32")]
 
 
+def _assert_applied(optimizer, variables, expected, residual, rank, atol):
+    """This rank's weights are ``expected`` (NumPy, flat), and its residual of the first variable
+    ``residual`` unless that is None."""
+    for variable, value in zip(variables, expected):
+        np.testing.assert_allclose(variable.numpy().ravel(), value, rtol=0, atol=atol,
+                                   err_msg=f"rank {rank}")
+    if residual is not None:
+        np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residual, rtol=0,
+                                   atol=atol, err_msg=f"rank {rank}")
+
+
 @pytest.mark.parametrize("exchange", ["allgather", "dense"])
 def test_the_mean_of_every_ranks_cut_adam_update_is_applied_on_every_rank(hvd, exchange):
     rank, size = hvd.rank(), hvd.size()
@@ -56,12 +67,9 @@ def test_the_mean_of_every_ranks_cut_adam_update_is_applied_on_every_rank(hvd, e
                 sent_big += sent
             expected[0] = expected[0] - sent_big / size
         expected[1] = expected[1] - shared[1].update(mean_small)  # the dense route
-    for variable, value in zip(variables, expected):
-        np.testing.assert_allclose(variable.numpy().ravel(), value, rtol=0, atol=2e-6,
-                                   err_msg=f"rank {rank}")
+    _assert_applied(optimizer, variables, expected,
+                    residuals[rank] if exchange == "allgather" else None, rank, atol=2e-6)
     if exchange == "allgather":
-        np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residuals[rank],
-                                   rtol=0, atol=2e-6, err_msg=f"rank {rank}")
         # the averaged updates came back at their positions and were subtracted in place
         assert optimizer._exchange._at_positions
     # with the cut each rank's Adam followed its own gradients; sent whole, the average
@@ -138,11 +146,7 @@ def test_update_scale_multiplies_the_averaged_cut_update_and_nothing_else(hvd, e
             expected[0] = expected[0] - scale * sent_big / size
         shared[1] = momentum * shared[1] - lr * mean_small
         expected[1] = expected[1] + shared[1]
-    for variable, value in zip(variables, expected):
-        np.testing.assert_allclose(variable.numpy().ravel(), value, rtol=0, atol=5e-6,
-                                   err_msg=f"rank {rank}")
-    if exchange == "allgather":
-        np.testing.assert_allclose(optimizer.residuals[0].numpy().ravel(), residuals[rank],
-                                   rtol=0, atol=5e-6, err_msg=f"rank {rank}")
+    _assert_applied(optimizer, variables, expected,
+                    residuals[rank] if exchange == "allgather" else None, rank, atol=5e-6)
     digests = gather(hvd, digest([v.numpy() for v in variables]), name=f"scale.{exchange}")
     assert all(d == digests[0] for d in digests), digests
