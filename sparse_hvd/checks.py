@@ -152,6 +152,8 @@ def check_sparsify(sparsify, momentum_correction):
 
 
 def check_update_scale(update_scale, sparsify):
+    if update_scale is None:  # resolved once the code is known (defaults.resolve_update_scale)
+        return
     if isinstance(update_scale, bool) or not isinstance(update_scale, (int, float)):
         raise TypeError(f"`update_scale` must be a number, got {update_scale!r}")
     if not math.isfinite(update_scale) or update_scale <= 0:
@@ -244,6 +246,14 @@ def check_signs_of_rest(exchange, grouping, momentum_correction, dense_fallback)
             raise ValueError(
                 f"exchange={exchange!r} sends the sign of every entry the selection leaves, "
                 f"so it cannot be combined with `{setting}`: {instead}.")
+
+
+def cut_code(exchange, grouping, code) -> str:
+    """What the sparse steps average: ``code`` (``defaults.code_by_default``) for
+    ``exchange="auto"``, else the named exchange's own (known to exist by now)."""
+    from .exchanges import exchange_class
+
+    return code if exchange == "auto" else exchange_class(exchange, grouping).code
 
 
 def sends_signs(exchange) -> bool:
@@ -367,6 +377,7 @@ class Settings(NamedTuple):
     selector: object  # what selects each step: the sparsifier, or the exchange's own code
     exchange: str  # "auto" or the exchange named
     code: str  # what exchange=None averages: entries, signs or both (``defaults.code_by_default``)
+    update_scale: float  # the factor on every sparse step (``defaults.resolve_update_scale``)
 
 
 def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_steps,
@@ -374,7 +385,7 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
                      momentum_masking, budget, clipping, grouping, nonfinite, staleness,
                      dense_fallback, exchange, compression, backward_passes_per_step,
                      average_aggregated_gradients, process_set, sparsify=None,
-                     second_moment=None, update_scale=1.0) -> Settings:
+                     second_moment=None, update_scale=None) -> Settings:
     """Every check of ``SparseDistributedOptimizer``'s arguments, in the order their errors are
     raised, and the objects the arguments stand for."""
     from .exchanges.compression import Compression
@@ -383,7 +394,7 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
     from .runtime import startup
     from .selection.defaults import (code_by_default, resolve_budget,
                                      resolve_density, resolve_exchange, resolve_second_moment,
-                                     resolve_sparsify)
+                                     resolve_sparsify, resolve_update_scale)
     from .selection.sparsifiers import get_sparsifier
 
     check_backend()
@@ -415,6 +426,8 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
                                           signs=signs or sends_signs(exchange))
     candidates = exchange_candidates(exchange, grouping, staleness, policy, wire_compression,
                                      code)
+    update_scale = resolve_update_scale(update_scale, optimizer, sparsify, density,
+                                        cut_code(exchange, grouping, code))
     check_boolean(average_aggregated_gradients, "average_aggregated_gradients")
     check_signs_of_rest(exchange, grouping, momentum_correction, dense_fallback)
     selector = chosen_sparsifier
@@ -427,4 +440,5 @@ def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_s
         budget, policy = "layer", ConstantDensity(policy.final_density)  # nothing to warm up
     budget = resolve_budget(budget, grouping, policy)
     return Settings(keras_accumulation, chosen_sparsifier, policy, process_set, wire_compression,
-                    candidates, budget, sparsify, second_moment, selector, exchange, code)
+                    candidates, budget, sparsify, second_moment, selector, exchange, code,
+                    update_scale)

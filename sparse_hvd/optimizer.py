@@ -66,7 +66,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         optimizer: the Keras 3 optimizer that applies the averaged gradients (SGD, Adam, ...).
         density: fraction of each variable's entries a worker sends per step, in (0, 1], or a
             density policy (``sparse_hvd.WarmupDensity(...)``, ``AdaptiveDensity``, ...).
-        warmup_steps: a numeric ``density`` below 25% starts at 25% and decays exponentially
+        warmup_steps: a numeric ``density`` below 10% starts at 10% and decays exponentially
             to it over this many steps (None: 200; ``selection.defaults``); 0 keeps it
             constant from the first step. Ignored for a policy object.
         budget: ``"model"``: the sum of the variables' k spent on the largest entries of the
@@ -115,8 +115,9 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             for a plain SGD, else "update" (``selection.defaults``).
         second_moment: Adam (AdamW too, not AMSGrad) under the update cut: ``"own"``,
             ``"mean_estimate"`` or ``"noise_estimate"`` (README).
-        update_scale: the update cut's averaged update is subtracted times this (dense steps
-            keep the inner optimizer's rate; README, "Converging like dense").
+        update_scale: a step with a cut variable is taken this many times larger (dense
+            steps keep the rate). None (default): 1.5 with a Keras SGD with momentum at the
+            default density, else 1.0 (``selection.defaults``; README, "Converging like dense").
         process_set: a Horovod process set (or an mpi4py communicator registered with
             ``sparse_hvd.init(process_sets=[...])``); the whole job by default. Not serialised.
         name: the optimizer's name; it prefixes its collectives' names, so two of these
@@ -153,7 +154,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         average_aggregated_gradients=False,
         sparsify=None,
         second_moment=None,
-        update_scale=1.0,
+        update_scale=None,
         process_set=None,
         name=None,
         **kwargs,
@@ -183,7 +184,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         self.momentum_correction = float(momentum_correction)
         self.momentum_masking = bool(momentum_masking)
         self.sparsify, self.second_moment = settings.sparsify, settings.second_moment
-        self.update_scale = float(update_scale)
+        self.update_scale = float(settings.update_scale)
         self.budget = settings.budget
         self.clipping = clipping
         self.nonfinite = nonfinite
@@ -197,8 +198,7 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         self._exchange_candidates = candidates  # exchange="auto" chooses among them at build
         self._exchange = create_exchange(candidates[0], grouping, name=self._prefix,
                                          process_set=process_set, compression=wire_compression)
-        self._feedback = ErrorFeedback(self.error_feedback, self.momentum_correction,
-                                       self.momentum_masking)
+        self._feedback = ErrorFeedback(error_feedback, momentum_correction, momentum_masking)
         self._second_moment = SecondMoment(self.second_moment)
         self._loss_scaling = LossScaling(optimizer)
         # how a step runs (sparse_hvd.steps), chosen once

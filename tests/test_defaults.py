@@ -344,3 +344,32 @@ def test_the_default_cuts_the_update_of_every_optimizer_with_state_and_plain_sgd
     del config["sparsify"], config["second_moment"]  # written before the options existed:
     # it reloads as it ran
     assert sparse_hvd.SparseDistributedOptimizer.from_config(config).sparsify == "gradient"
+
+
+@pytest.mark.convergence_defaults
+def test_the_default_takes_sgd_momentums_sparse_steps_larger_and_nothing_elses():
+    from sparse_hvd.selection.defaults import SGD_UPDATE_SCALE
+
+    def scale(inner, **options):
+        return sparse_hvd.SparseDistributedOptimizer(inner, **options).update_scale
+
+    momentum = keras.optimizers.SGD(0.1, momentum=0.9)
+    assert SGD_UPDATE_SCALE > 1
+    assert scale(momentum) == SGD_UPDATE_SCALE
+    assert scale(keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)) == SGD_UPDATE_SCALE
+    assert scale(keras.optimizers.LossScaleOptimizer(momentum)) == SGD_UPDATE_SCALE
+    assert scale(momentum, exchange="sparse_allreduce", warmup_steps=0) == SGD_UPDATE_SCALE
+    # what was not measured keeps every step at the rate
+    assert scale(momentum, density=0.001) == 1.0
+    assert scale(momentum, exchange="sign") == 1.0  # every entry's sign, not the top entries
+    assert scale(momentum, exchange="topk_sign") == 1.0
+    assert scale(keras.optimizers.SGD(0.1)) == 1.0  # the gradient cut
+    assert scale(keras.optimizers.Adam()) == 1.0
+    assert scale(keras.optimizers.RMSprop()) == 1.0
+    assert scale(momentum, update_scale=1.0) == 1.0  # the behaviour before the default
+    # the resolved factor is saved; a config written before the option reloads at 1.0
+    config = sparse_hvd.SparseDistributedOptimizer(momentum).get_config()
+    assert config["update_scale"] == SGD_UPDATE_SCALE
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).update_scale == SGD_UPDATE_SCALE
+    del config["update_scale"]
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).update_scale == 1.0

@@ -379,3 +379,23 @@ def test_update_scale_is_refused_where_no_update_is_cut_and_serialised_where_it_
     assert sparse_hvd.SparseDistributedOptimizer.from_config(config).update_scale == 1.5
     del config["update_scale"]  # a config written before the option: as it ran then
     assert sparse_hvd.SparseDistributedOptimizer.from_config(config).update_scale == 1.0
+
+
+def test_update_scale_grows_from_1_over_the_density_warm_up():
+    """At step t of a warm-up of W steps the factor is 1 + (scale - 1) * min(1, t / W): a
+    variable on the dense route (SGD without momentum, so its step is the rate times its
+    constant gradient) moves by the rate times the sum of the factors; without a warm-up by
+    the factor from the first step."""
+    lr, scale, warmup, steps = 0.1, 2.0, 4, 6
+    for warmup_steps, factors in ((warmup, [1 + (scale - 1) * min(1, t / warmup)
+                                            for t in range(steps)]),
+                                  (0, [scale] * steps)):
+        cut, small = keras.Variable(np.zeros(2000, "float32")), keras.Variable(np.zeros(8, "float32"))
+        optimizer = sparse_hvd.SparseDistributedOptimizer(
+            keras.optimizers.SGD(lr), density=0.01, warmup_steps=warmup_steps, sparsify="update",
+            update_scale=scale, exchange="allgather", name=f"ramp_{warmup_steps}")
+        gradients = [tf.constant(np.linspace(1, 2, 2000, dtype="float32")), tf.ones(8)]
+        for _ in range(steps):
+            optimizer.apply_gradients(zip(gradients, [cut, small]))
+        np.testing.assert_allclose(small.numpy(), -lr * sum(factors), rtol=1e-5)
+        assert optimizer.layer_stats()[cut.path]["route"] == "sparse"

@@ -180,6 +180,9 @@ METHODS = {
                         "its own; the dense route's variables step at 1.5x too): does error "
                         "feedback want a larger step?",
                         {"density": 0.01, "lr_scale": 1.5}),
+    "default_lr_x1.25": ("the defaults with the workload's learning rate times 1.25 (dense keeps "
+                         "its own): default_lr_x1.5's question at a smaller factor",
+                         {"density": 0.01, "lr_scale": 1.25}),
     "default_update_scale_1.5": ("the defaults with update_scale=1.5: the averaged sparse "
                                  "update subtracted times 1.5 (the library's option; the "
                                  "variables on the dense route keep the rate)",

@@ -158,13 +158,19 @@ def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_s
     variables' averaged gradients to ``apply_inner`` (the inner optimizer, as without
     sparse_hvd), and count the step once: by ``apply_inner``, or else by
     ``count_finite_step`` (an inner LossScaleOptimizer's count toward a larger scale) and the
-    step count."""
+    step count.
+
+    ``update_scale`` scales the whole step where anything is cut: the averaged updates and
+    the inner optimizer's step on the dense-route variables alike (for SGD, with or without
+    momentum, the step at ``update_scale`` times the rate). A step with nothing cut (a trial's
+    dense turn, every route held) is dense's, at the rate."""
     chosen = [routes[opt._get_variable_index(v)] for v in variables]
     cut = [route.sparse or route.flushed for route in chosen]
+    scale = step_scale(opt) if any(cut) else 1.0
     for average, variable, sparse in zip(averages, variables, cut):
         if not sparse:
             continue
-        average = _scaled(average, opt.update_scale)
+        average = _scaled(average, scale)
         if isinstance(average, tf.IndexedSlices):
             subtract_at_positions(opt, variable, average)
         else:
@@ -173,21 +179,52 @@ def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_s
             opt.assign(variable, variable.constraint(variable))
     whole = [(g, v) for g, v, sparse in zip(averages, variables, cut) if not sparse]
     if whole:  # the inner optimizer counts the step (and moves its EMA of every variable)
-        apply_inner([g for g, _ in whole], [v for _, v in whole])
+        _scaled_step(opt, scale, apply_inner, [g for g, _ in whole], [v for _, v in whole])
         return
     count_finite_step()
     moving_average_step(opt._clipper)
     opt.inner_optimizer.iterations.assign_add(1)
 
 
+def step_scale(opt):
+    """The factor on this step: ``update_scale``, reached over the density's warm-up (where
+    the density is high and a held entry waits little, the step stays near the rate): at step
+    t (from 0) of a warm-up of W steps, ``1 + (update_scale - 1) * min(1, t / W)``."""
+    if opt.update_scale == 1 or not opt.warmup_steps:
+        return opt.update_scale
+    progress = tf.minimum(tf.cast(opt.iterations, tf.float32) / float(opt.warmup_steps), 1.0)
+    return 1.0 + (opt.update_scale - 1.0) * progress
+
+
+def _scaled_step(opt, scale, apply_inner, grads, variables):
+    """``apply_inner(grads, variables)``, each variable's step then taken ``scale`` times (its
+    constraint applied again after)."""
+    if _is_one(scale):
+        apply_inner(grads, variables)
+        return
+    before = [tf.identity(v) for v in variables]
+    with tf.control_dependencies(before):
+        apply_inner(grads, variables)
+    for variable, value in zip(variables, before):
+        stepped = tf.convert_to_tensor(variable)
+        opt.assign(variable, value + tf.cast(scale, variable.dtype) * (stepped - value))
+        if getattr(variable, "constraint", None) is not None:
+            opt.assign(variable, variable.constraint(variable))
+
+
 def _scaled(average, scale):
-    """``average`` times the optimizer's ``update_scale`` (as it is where that is 1)."""
-    if scale == 1:
+    """``average`` times ``scale`` (as it is where that is 1)."""
+    if _is_one(scale):
         return average
     if isinstance(average, tf.IndexedSlices):
         return tf.IndexedSlices(average.values * tf.cast(scale, average.values.dtype),
                                 average.indices, average.dense_shape)
     return average * tf.cast(scale, average.dtype)
+
+
+def _is_one(scale):
+    """``scale`` is the number 1 (not a tensor: a warming-up factor)."""
+    return isinstance(scale, (int, float)) and scale == 1
 
 
 def subtract_at_positions(opt, variable, average):

@@ -220,6 +220,27 @@ def resolve_sparsify(sparsify, optimizer) -> str:
     return "gradient" if plain_sgd else "update"
 
 
+# what update_scale=None means with a Keras SGD with momentum under the update cut at the
+# default density (top-k of the entries); 1.0 everywhere else (see resolve_update_scale)
+SGD_UPDATE_SCALE = 1.5
+
+
+def resolve_update_scale(update_scale, optimizer, sparsify, density, code) -> float:
+    """The factor on every sparse step for the optimizer's ``update_scale`` argument: a number
+    as given; None is :data:`SGD_UPDATE_SCALE` with a Keras SGD with momentum (inside a
+    LossScaleOptimizer too) under the update cut at the default density, where the entries
+    are cut (``code == "entries"``), and 1.0 otherwise (nothing else was measured)."""
+    if update_scale is not None:
+        return update_scale
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    momentum_sgd = (isinstance(optimizer, keras.optimizers.SGD)
+                    and float(optimizer.momentum) > 0.0)
+    if momentum_sgd and sparsify == "update" and code == "entries" and _is_default_density(density):
+        return SGD_UPDATE_SCALE
+    return 1.0
+
+
 SECOND_MOMENT = "own"  # what second_moment=None means where a correction can act ...
 SECOND_MOMENT_WITH_SIGNS = "noise_estimate"  # ... and where every entry's sign is sent
 

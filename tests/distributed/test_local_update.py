@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
+from sparse_hvd.selection import defaults
 from conftest import digest, gather
 from helpers import NumpyAdam, numpy_topk_split
 
@@ -105,26 +106,32 @@ def test_a_step_not_finite_on_one_rank_is_skipped_everywhere_and_counted_once(hv
     assert moved == (rank != 1 % size)
 
 
-@pytest.mark.parametrize("exchange", ["allgather", "dense"])
-def test_update_scale_multiplies_the_averaged_cut_update_and_nothing_else(hvd, exchange):
-    """``update_scale=1.5`` under SGD's momentum: every rank subtracts 1.5 x the mean of the
-    ranks' sent velocity steps from a cut variable; the residuals, the velocities and the dense
-    route (SGD on the averaged gradient) are what they are without it; a dense exchange, which
-    cuts nothing, is Horovod's step (NumPy, every rank's part computed on every rank)."""
+@pytest.mark.parametrize("exchange, update_scale, density", [
+    ("allgather", 1.5, DENSITY), ("dense", 1.5, DENSITY),
+    ("allgather", None, defaults.DENSITY)])
+def test_update_scale_multiplies_every_step_that_cuts(hvd, exchange, update_scale, density):
+    """``update_scale`` under SGD's momentum: every rank subtracts the factor times the mean of
+    the ranks' sent velocity steps from a cut variable and takes the factor times SGD's step on
+    the averaged gradient on the dense route; the residuals and the velocities are what they
+    are without it; a dense exchange, which cuts nothing, is Horovod's step. None at the
+    default density is ``SGD_UPDATE_SCALE`` (NumPy, every rank's part computed on every
+    rank)."""
     rank, size = hvd.rank(), hvd.size()
-    lr, momentum, scale = 0.1, 0.9, 1.5
+    lr, momentum = 0.1, 0.9
+    scale = defaults.SGD_UPDATE_SCALE if update_scale is None else update_scale
     start = [np.linspace(-1, 1, math.prod(s)).astype("float32").reshape(s) for s in (BIG, SMALL)]
     variables = [keras.Variable(w) for w in start]
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(lr, momentum=momentum), density=DENSITY, warmup_steps=0,
-        sparsify="update", exchange=exchange, budget="layer", update_scale=scale,
-        name=f"update_scale_{exchange}")
+        keras.optimizers.SGD(lr, momentum=momentum), density=density, warmup_steps=0,
+        sparsify="update", exchange=exchange, budget="layer", update_scale=update_scale,
+        name=f"update_scale_{exchange}_{update_scale}")
+    assert optimizer.update_scale == scale
 
     @tf.function(jit_compile=False)
     def step(big, small):
         optimizer.apply_gradients(zip([big, small], variables))
 
-    k = math.ceil(DENSITY * math.prod(BIG))
+    k = math.ceil(density * math.prod(BIG))
     velocities = [np.zeros(math.prod(BIG)) for _ in range(size)]  # each rank's own
     shared = [np.zeros(math.prod(s)) for s in (BIG, SMALL)]  # on the averages
     residuals = [np.zeros(math.prod(BIG)) for _ in range(size)]
@@ -134,9 +141,11 @@ def test_update_scale_multiplies_the_averaged_cut_update_and_nothing_else(hvd, e
         every = [_gradients(r, number) for r in range(size)]
         mean_big, mean_small = (sum(g[i].astype("float64") for g in every).ravel() / size
                                 for i in (0, 1))
+        shared[1] = momentum * shared[1] - lr * mean_small
         if exchange == "dense":
             shared[0] = momentum * shared[0] - lr * mean_big
             expected[0] = expected[0] + shared[0]
+            expected[1] = expected[1] + shared[1]
         else:
             sent_big = np.zeros_like(expected[0])
             for r in range(size):
@@ -144,9 +153,9 @@ def test_update_scale_multiplies_the_averaged_cut_update_and_nothing_else(hvd, e
                 _, sent, residuals[r] = numpy_topk_split(-velocities[r] + residuals[r], k)
                 sent_big += sent
             expected[0] = expected[0] - scale * sent_big / size
-        shared[1] = momentum * shared[1] - lr * mean_small
-        expected[1] = expected[1] + shared[1]
+            expected[1] = expected[1] + scale * shared[1]
     _assert_applied(optimizer, variables, expected,
                     residuals[rank] if exchange == "allgather" else None, rank, atol=5e-6)
-    digests = gather(hvd, digest([v.numpy() for v in variables]), name=f"scale.{exchange}")
+    digests = gather(hvd, digest([v.numpy() for v in variables]),
+                     name=f"scale.{exchange}.{update_scale}")
     assert all(d == digests[0] for d in digests), digests
