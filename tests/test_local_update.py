@@ -381,13 +381,13 @@ def test_update_scale_is_refused_where_no_update_is_cut_and_serialised_where_it_
     assert sparse_hvd.SparseDistributedOptimizer.from_config(config).update_scale == 1.0
 
 
-def test_update_scale_grows_from_1_over_the_density_warm_up():
-    """At step t of a warm-up of W steps the factor is 1 + (scale - 1) * min(1, t / W): a
-    variable on the dense route (SGD without momentum, so its step is the rate times its
+def test_update_scale_grows_from_1_over_the_first_quarter_of_the_density_warm_up():
+    """At step t of a warm-up of W steps the factor is 1 + (scale - 1) * min(1, t / (W // 4)):
+    a variable on the dense route (SGD without momentum, so its step is the rate times its
     constant gradient) moves by the rate times the sum of the factors; without a warm-up by
     the factor from the first step."""
-    lr, scale, warmup, steps = 0.1, 2.0, 4, 6
-    for warmup_steps, factors in ((warmup, [1 + (scale - 1) * min(1, t / warmup)
+    lr, scale, warmup, steps = 0.1, 2.0, 16, 6
+    for warmup_steps, factors in ((warmup, [1 + (scale - 1) * min(1, t / 4)
                                             for t in range(steps)]),
                                   (0, [scale] * steps)):
         cut, small = keras.Variable(np.zeros(2000, "float32")), keras.Variable(np.zeros(8, "float32"))

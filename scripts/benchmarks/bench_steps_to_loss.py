@@ -183,9 +183,13 @@ METHODS = {
     "default_lr_x1.25": ("the defaults with the workload's learning rate times 1.25 (dense keeps "
                          "its own): default_lr_x1.5's question at a smaller factor",
                          {"density": 0.01, "lr_scale": 1.25}),
-    "default_update_scale_1.5": ("the defaults with update_scale=1.5: the averaged sparse "
-                                 "update subtracted times 1.5 (the library's option; the "
-                                 "variables on the dense route keep the rate)",
+    "default_0.001_update_scale_1.5": ("the defaults at density=0.001 with update_scale=1.5 "
+                                       "(the factor the default takes at 1% only)",
+                                       {"density": 0.001, "update_scale": 1.5}),
+    "default_update_scale_1.5": ("the defaults with update_scale=1.5 (its runs in "
+                                 "docs/steps_to_loss_update_scale.md: the averaged sparse "
+                                 "update alone, no ramp; since, the whole step reached over "
+                                 "the warm-up, and the default under SGD's momentum)",
                                  {"density": 0.01, "update_scale": 1.5}),
     "default_update_scale_1.5_all_cut": ("update_scale=1.5 with min_elements=64: every "
                                          "variable cut, so every step scaled (under SGD's "
