@@ -177,12 +177,12 @@ METHODS = {
     "default_momentum_0.8": ("the defaults with the inner SGD's momentum 0.8 instead of 0.9",
                              {"density": 0.01, "inner": {"momentum": 0.8}}),
     "default_lr_x1.5": ("the defaults with the workload's learning rate times 1.5 (dense keeps "
-                        "its own; the dense route's variables step at 1.5x too): does error "
-                        "feedback want a larger step?",
-                        {"density": 0.01, "lr_scale": 1.5}),
-    "default_lr_x1.25": ("the defaults with the workload's learning rate times 1.25 (dense keeps "
-                         "its own): default_lr_x1.5's question at a smaller factor",
-                         {"density": 0.01, "lr_scale": 1.25}),
+                        "its own; the dense route's variables step at 1.5x too) and "
+                        "update_scale=1.0 (the defaults before it): does error feedback want "
+                        "a larger step?",
+                        {"density": 0.01, "lr_scale": 1.5, "update_scale": 1.0}),
+    "default_lr_x1.25": ("default_lr_x1.5 at the factor 1.25 (update_scale=1.0)",
+                         {"density": 0.01, "lr_scale": 1.25, "update_scale": 1.0}),
     "default_0.001_update_scale_1.5": ("the defaults at density=0.001 with update_scale=1.5 "
                                        "(the factor the default takes at 1% only)",
                                        {"density": 0.001, "update_scale": 1.5}),

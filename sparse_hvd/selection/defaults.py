@@ -51,8 +51,8 @@ the user says otherwise:
   late) and stays stable where dense does not: at the LSTM's rate x2 the default ended below
   dense's best loss. Measured at 4 and 8 workers, 3 seeds
   (``docs/steps_to_loss_sgd_step_scale.md``): the LSTM from 1.21 and 1.23x dense's steps to
-  0.97 and STEPS8, ending below dense's loss; the CNN 1.16 and CNN8 (was 1.18 and 0.83), the
-  residual network 1.05 and RES8 (was 1.01 and 1.01).
+  0.97 and 0.94, ending below dense's loss; the CNN 1.16 and 0.96 (was 1.18 and 0.83), the
+  residual network 1.05 and 1.01 (was 1.01 and 1.01).
 * **With Adam, every entry's sign** (``exchange=None``, :func:`one_bit_by_default`): with a
   Keras Adam or AdamW under the update cut at the default density, each worker sends the
   sign of every entry of its compensated update and a scale per 64 entries
