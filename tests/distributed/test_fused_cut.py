@@ -1,7 +1,8 @@
 """The update cut with a plain SGD and one budget for the model, on every rank: the local step,
 error feedback and the model-wide cut in one native pass (``sparse_hvd.feedback.fused_cut``)
 against NumPy's float32 arithmetic of every rank's step: each rank's velocity and residual bit
-for bit, the weights the mean of what every rank sent, the replicas identical."""
+for bit, the weights the mean of what every rank sent (times the default's factor on SGD's
+sparse steps, ``update_scale``), the replicas identical."""
 
 import math
 
@@ -11,6 +12,7 @@ import tensorflow as tf
 
 import sparse_hvd
 from sparse_hvd import kernels
+from sparse_hvd.selection.defaults import SGD_UPDATE_SCALE
 from conftest import digest, gather
 from helpers import native_op
 
@@ -31,6 +33,7 @@ def test_every_rank_sends_its_local_steps_entries_at_the_model_wide_cut(hvd):
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         keras.optimizers.SGD(RATE, momentum=MOMENTUM), density=DENSITY, warmup_steps=0,
         budget="model", exchange="allgather", name="fused_cut_ranks")
+    assert optimizer.update_scale == SGD_UPDATE_SCALE  # the default at this density
 
     @tf.function
     def step(g0, g1):
@@ -59,7 +62,7 @@ def test_every_rank_sends_its_local_steps_entries_at_the_model_wide_cut(hvd):
                 residuals[r][i] = c.copy()
                 residuals[r][i][sent] = 0.0
         for i in range(len(SHAPES)):
-            weights[i] = (weights[i] - summed[i] / size).astype("float32")
+            weights[i] = (weights[i] - SGD_UPDATE_SCALE * summed[i] / size).astype("float32")
             np.testing.assert_allclose(variables[i].numpy().ravel(), weights[i], rtol=1e-6,
                                        atol=1e-7, err_msg=f"rank {rank}, step {t}")
             weights[i] = variables[i].numpy().ravel().copy()  # go on from the applied bits
