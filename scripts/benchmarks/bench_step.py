@@ -27,9 +27,11 @@ Methods (``--methods``, comma-separated):
   ``sign_per_variable@<d>``: ``exchange="sign_per_variable"`` (one scale per variable);
   ``<sparsifier>_model@<d>``: with one budget for the whole model (``budget="model"``, the
   default of the grouped exchanges); ``<...>_update@<d>`` (last): with ``sparsify="update"``
-  (each worker's inner optimizer step is cut, ``feedback.local_update``). Every sparse row
-  has ``budget="layer"`` unless it says ``_model``, and no warm-up (``warmup_steps=0``): the
-  step of the steady state is timed;
+  (each worker's inner optimizer step is cut, ``feedback.local_update``);
+  ``<...>_unscaled@<d>`` (after all others): with ``update_scale=1.0`` (every row else has
+  the default, 1.5 under ``--inner momentum`` at 1% where the cut keeps top-k's entries).
+  Every sparse row has ``budget="layer"`` unless it says ``_model``, and no warm-up
+  (``warmup_steps=0``): the step of the steady state is timed;
 * ``auto@<d>``: the default exchange (``exchange="auto"``: the candidates timed on the job's
   first steps, ``steps.measured``) with the default model-wide budget and the default cut
   (``sparsify=None``: the update's under ``--inner momentum`` or Adam, so ``auto`` is compared
@@ -211,7 +213,10 @@ def worker(args):
         sparse, second_moment = None, None
         if name not in DENSE_METHODS:
             grouping, policy, sparsifier, exchange = "grouped", density, name, "allgather"
-            budget, sparsify = "layer", "gradient"
+            budget, sparsify, update_scale = "layer", "gradient", None
+            if name.endswith("_unscaled"):  # the sparse step at the rate (update_scale=1.0)
+                update_scale, name = 1.0, name[:-len("_unscaled")]
+                sparsifier = name
             if name.endswith("_update"):  # the inner optimizer's update is cut (sparsify)
                 sparsify, name = "update", name[:-len("_update")]
                 sparsifier = name
@@ -258,7 +263,7 @@ def worker(args):
             sparse = sparse_hvd.SparseDistributedOptimizer(
                 inner, density=policy, sparsifier=sparsifier, grouping=grouping, exchange=exchange,
                 warmup_steps=0, budget=budget, nonfinite=nonfinite, sparsify=sparsify,
-                second_moment=second_moment,
+                second_moment=second_moment, update_scale=update_scale,
                 name=label or f"bench_{method.replace('@', '_').replace('.', '_')}")
         optimizer = sparse if sparse is not None else inner
         optimizer.build(variables)

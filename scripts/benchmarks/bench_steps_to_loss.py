@@ -186,6 +186,16 @@ METHODS = {
     "default_0.001_update_scale_1.5": ("the defaults at density=0.001 with update_scale=1.5 "
                                        "(the factor the default takes at 1% only)",
                                        {"density": 0.001, "update_scale": 1.5}),
+    "default_update_scale_1": ("the defaults with update_scale=1.0 (the default before the "
+                               "larger sparse step under SGD's momentum), to time the factor's "
+                               "own work beside the default",
+                               {"density": 0.01, "update_scale": 1.0}),
+    "default_0.001_update_scale_2": ("the defaults at density=0.001 with update_scale=2.0: "
+                                     "does a lower density, whose held entries wait longer, "
+                                     "want a larger factor?",
+                                     {"density": 0.001, "update_scale": 2.0}),
+    "default_0.001_update_scale_3": ("the defaults at density=0.001 with update_scale=3.0",
+                                     {"density": 0.001, "update_scale": 3.0}),
     "default_update_scale_1.5": ("the defaults with update_scale=1.5 (its runs in "
                                  "docs/steps_to_loss_update_scale.md: the averaged sparse "
                                  "update alone, no ramp; since, the whole step reached over "
