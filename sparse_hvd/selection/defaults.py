@@ -51,8 +51,11 @@ the user says otherwise:
   late) and stays stable where dense does not: at the LSTM's rate x2 the default ended below
   dense's best loss. Measured at 4 and 8 workers, 3 seeds
   (``docs/steps_to_loss_sgd_step_scale.md``): the LSTM from 1.21 and 1.23x dense's steps to
-  0.97 and 0.94, ending below dense's loss; the CNN 1.16 and 0.96 (was 1.18 and 0.83), the
-  residual network 1.05 and 1.01 (was 1.01 and 1.01).
+  0.97 and 0.94, ending below dense's loss; the CNN 1.16 and 0.96 (was 1.18 and 0.83; at 4
+  workers 1.09 over six seeds, ``docs/steps_to_loss_cnn_six_seeds.md``), the residual network
+  1.05 and 1.01 (was 1.01 and 1.01). At 0.1% it stays 1.0: 2.0 there took the LSTM from never
+  to 1.39x dense's steps but slowed the CNN and the residual network
+  (``docs/steps_to_loss_0001_update_scale_2.md``).
 * **With Adam, every entry's sign** (``exchange=None``, :func:`one_bit_by_default`): with a
   Keras Adam or AdamW under the update cut at the default density, each worker sends the
   sign of every entry of its compensated update and a scale per 64 entries
@@ -239,7 +242,8 @@ def resolve_update_scale(update_scale, optimizer, sparsify, density, code) -> fl
     """The factor on every sparse step for the optimizer's ``update_scale`` argument: a number
     as given; None is :data:`SGD_UPDATE_SCALE` with a Keras SGD with momentum (inside a
     LossScaleOptimizer too) under the update cut at the default density, where the entries
-    are cut (``code == "entries"``), and 1.0 otherwise (nothing else was measured)."""
+    are cut (``code == "entries"``), and 1.0 otherwise (at 0.1% a factor of 2 slowed the
+    image models; nothing else was measured)."""
     if update_scale is not None:
         return update_scale
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
