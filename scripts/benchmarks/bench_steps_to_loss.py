@@ -196,6 +196,10 @@ METHODS = {
                                      {"density": 0.001, "update_scale": 2.0}),
     "default_0.001_update_scale_3": ("the defaults at density=0.001 with update_scale=3.0",
                                      {"density": 0.001, "update_scale": 3.0}),
+    "default_scale_follows_rate": ("the defaults with the factor's excess over 1 times the "
+                                   "schedule's rate over its peak (a probe: the factor falls "
+                                   "back to 1 as the cosine schedule's rate falls to 0)",
+                                   {"density": 0.01, "scale_follows_rate": True}),
     "default_update_scale_1.5": ("the defaults with update_scale=1.5 (its runs in "
                                  "docs/steps_to_loss_update_scale.md: the averaged sparse "
                                  "update alone, no ramp; since, the whole step reached over "
@@ -355,7 +359,8 @@ def resolve_steps(value, steps):
 
 # exchange="auto"'s settings a method may set (steps_worker applies them before the build)
 AUTO_SETTINGS = ("dense_within", "noise_within", "first_decision", "early_recheck",
-                 "hopeless_retimes", "sign_dense_within", "hold_within")
+                 "hopeless_retimes", "sign_dense_within", "hold_within",
+                 "scale_follows_rate")
 
 
 def options_for(workload, method, steps):

@@ -91,6 +91,26 @@ def force_first_decision_dense(measured):
     measured.decide = decide
 
 
+def factor_follows_rate(sparse_hvd, peak):
+    """A probe of a schedule for ``update_scale``: the library's factor on this step (its ramp
+    included), its excess over 1 times the inner optimizer's rate over the schedule's ``peak``,
+    so that it falls back to 1 as a cosine schedule's rate falls to 0."""
+    import tensorflow as tf
+
+    from sparse_hvd.feedback import local_update
+
+    library = local_update.step_scale
+
+    def step_scale(opt):
+        scale = library(opt)
+        if local_update._is_one(scale):
+            return scale
+        rate = tf.cast(opt.inner_optimizer.learning_rate, tf.float32) / float(peak)
+        return 1.0 + (tf.cast(scale, tf.float32) - 1.0) * tf.minimum(rate, 1.0)
+
+    local_update.step_scale = step_scale
+
+
 def learning_rate(keras, peak, steps):
     """Linear warm-up over the first 5% of the steps, then cosine decay to 0."""
     warmup = max(1, steps // 20)
@@ -176,6 +196,8 @@ def main(argv=None):
         sparse_hvd.steps.measured.HOPELESS_RETIMES = options["hopeless_retimes"]
     if "hold_within" in options:  # how much a re-check's incumbent counts faster
         sparse_hvd.steps.measured.HOLD_WITHIN = options["hold_within"]
+    if options.get("scale_follows_rate"):
+        factor_follows_rate(sparse_hvd, options["inner"]["lr"])
     workload = WORKLOADS[args.workload]
     data = workload.load(rank, size)
 
