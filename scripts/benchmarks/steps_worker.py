@@ -91,10 +91,11 @@ def force_first_decision_dense(measured):
     measured.decide = decide
 
 
-def factor_follows_rate(sparse_hvd, peak):
+def factor_follows_rate(sparse_hvd, peak, against=False):
     """A probe of a schedule for ``update_scale``: the library's factor on this step (its ramp
     included), its excess over 1 times the inner optimizer's rate over the schedule's ``peak``,
-    so that it falls back to 1 as a cosine schedule's rate falls to 0."""
+    so that it falls back to 1 as a cosine schedule's rate falls to 0; ``against``: times
+    2 - rate/peak instead, so that its excess doubles as the rate falls to 0."""
     import tensorflow as tf
 
     from sparse_hvd.feedback import local_update
@@ -105,8 +106,10 @@ def factor_follows_rate(sparse_hvd, peak):
         scale = library(opt)
         if local_update._is_one(scale):
             return scale
-        rate = tf.cast(opt.inner_optimizer.learning_rate, tf.float32) / float(peak)
-        return 1.0 + (tf.cast(scale, tf.float32) - 1.0) * tf.minimum(rate, 1.0)
+        rate = tf.minimum(tf.cast(opt.inner_optimizer.learning_rate, tf.float32) / float(peak),
+                          1.0)
+        weight = 2.0 - rate if against else rate
+        return 1.0 + (tf.cast(scale, tf.float32) - 1.0) * weight
 
     local_update.step_scale = step_scale
 
@@ -197,7 +200,8 @@ def main(argv=None):
     if "hold_within" in options:  # how much a re-check's incumbent counts faster
         sparse_hvd.steps.measured.HOLD_WITHIN = options["hold_within"]
     if options.get("scale_follows_rate"):
-        factor_follows_rate(sparse_hvd, options["inner"]["lr"])
+        factor_follows_rate(sparse_hvd, options["inner"]["lr"],
+                            against=options["scale_follows_rate"] == "against")
     workload = WORKLOADS[args.workload]
     data = workload.load(rank, size)
 
