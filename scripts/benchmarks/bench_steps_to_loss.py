@@ -361,7 +361,8 @@ def resolve_steps(value, steps):
     return value
 
 
-# exchange="auto"'s settings a method may set (steps_worker applies them before the build)
+# settings a method may set that steps_worker applies before the build: exchange="auto"'s, and
+# the factor's schedule of the probes (scale_follows_rate)
 AUTO_SETTINGS = ("dense_within", "noise_within", "first_decision", "early_recheck",
                  "hopeless_retimes", "sign_dense_within", "hold_within",
                  "scale_follows_rate")
