@@ -154,11 +154,21 @@ def check_sparsify(sparsify, momentum_correction):
 def check_update_scale(update_scale, sparsify):
     if update_scale is None:  # resolved once the code is known (defaults.resolve_update_scale)
         return
-    if isinstance(update_scale, bool) or not isinstance(update_scale, (int, float)):
-        raise TypeError(f"`update_scale` must be a number, got {update_scale!r}")
-    if not math.isfinite(update_scale) or update_scale <= 0:
-        raise ValueError(f"`update_scale` must be a positive finite number, got {update_scale!r}")
-    if update_scale != 1 and sparsify != "update":
+    pair = isinstance(update_scale, (tuple, list))
+    factors = tuple(update_scale) if pair else (update_scale,)
+    if pair and len(factors) != 2:
+        raise ValueError(
+            "`update_scale` as a pair is (the factor at the largest learning rate seen so far, "
+            f"the factor as the rate falls to 0), got {update_scale!r}")
+    for factor in factors:
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise TypeError(
+                f"`update_scale` must be a number or a pair of numbers, got {update_scale!r}")
+        if not math.isfinite(factor) or factor <= 0:
+            each = " (each of the pair)" if pair else ""
+            raise ValueError(
+                f"`update_scale` must be a positive finite number{each}, got {update_scale!r}")
+    if any(factor != 1 for factor in factors) and sparsify != "update":
         raise ValueError(
             f"`update_scale={update_scale!r}` scales the averaged *update* of the cut variables, "
             f"which `sparsify={sparsify!r}` does not send (the inner optimizer steps on the "
@@ -377,7 +387,7 @@ class Settings(NamedTuple):
     selector: object  # what selects each step: the sparsifier, or the exchange's own code
     exchange: str  # "auto" or the exchange named
     code: str  # what exchange=None averages: entries, signs or both (``defaults.code_by_default``)
-    update_scale: float  # the factor on every sparse step (``defaults.resolve_update_scale``)
+    update_scale: object  # the factor on sparse steps: a float or a pair (``feedback.step_factor``)
 
 
 def checked_settings(optimizer, wrapper_type, base_options, *, density, warmup_steps,

@@ -28,6 +28,7 @@ from .feedback.loss_scaling import LossScaling
 from .feedback.preparation import with_tensor_parts
 from .feedback.second_moment import SecondMoment
 from .feedback.state import LocalState
+from .feedback.step_factor import StepFactor
 from .monitoring.stats import EMPTY, CommunicationCounters, layer_stats
 from .runtime import allocator, consistency, lockstep
 from .selection.density import serialize_density_policy
@@ -115,9 +116,10 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             for a plain SGD, else "update" (``selection.defaults``).
         second_moment: Adam (AdamW too, not AMSGrad) under the update cut: ``"own"``,
             ``"mean_estimate"`` or ``"noise_estimate"`` (README).
-        update_scale: a step with a cut variable is taken this many times larger (dense
-            steps keep the rate). None (default): 1.5 with a Keras SGD with momentum at the
-            default density, else 1.0 (``selection.defaults``; README, "Converging like dense").
+        update_scale: a step that cuts is taken this many times larger (dense steps keep the
+            rate), or a pair (at the largest rate so far, as the rate falls to 0). None
+            (default): (1.5, 2.0) with a Keras SGD with momentum at the default density, else
+            1.0 (``feedback.step_factor``; README, "Converging like dense").
         process_set: a Horovod process set (or an mpi4py communicator registered with
             ``sparse_hvd.init(process_sets=[...])``); the whole job by default. Not serialised.
         name: the optimizer's name; it prefixes its collectives' names, so two of these
@@ -184,7 +186,8 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         self.momentum_correction = float(momentum_correction)
         self.momentum_masking = bool(momentum_masking)
         self.sparsify, self.second_moment = settings.sparsify, settings.second_moment
-        self.update_scale = float(settings.update_scale)
+        self.update_scale = settings.update_scale  # a float, or a pair (feedback.step_factor)
+        self._step_factor = StepFactor(self.update_scale)
         self.budget = settings.budget
         self.clipping = clipping
         self.nonfinite = nonfinite
@@ -224,13 +227,14 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
     @no_automatic_dependency_tracking
     def build(self, var_list):
         """Make the optimizer's variables (their order is the checkpoint format: residuals,
-        velocities, the residuals' worker count, the second moment's, the staleness slots, then
-        the inner optimizer's, then a density policy's), fix each variable's route, and check
-        that every rank builds the same."""
+        velocities, the residuals' worker count, the second moment's, the factor's peak rate,
+        the staleness slots, the inner optimizer's, a density policy's), fix each variable's
+        route, and check that every rank builds the same."""
         checks.check_not_wrapped_in_loss_scaling(self)
         var_list = list(var_list)
         self._feedback.build(self, var_list, self.process_set)
         self._second_moment.build(self, var_list)
+        self._step_factor.build(self)
         self._routes = self._exchange.routes_for(var_list, self.density, self.min_elements)
         checks.check_index_range(var_list, self._routes)
         allocator.note_if_unpooled(self._routes, self.process_set)
@@ -278,13 +282,6 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
     @property
     def variables(self):
         return self._variables + self.inner_optimizer.variables
-
-    def finalize_variable_values(self, var_list):
-        # Keras calls this at the end of fit: with staleness, the last tau averages go in now;
-        # and a rank whose data ran out early must not leave the others waiting in a step.
-        self.apply_pending()
-        self.assert_same_step(lockstep.FINISHED)
-        self.inner_optimizer.finalize_variable_values(var_list)
 
     def assert_same_step(self, state=lockstep.EPOCH_END):
         """Raise on every rank unless every rank has taken the same number of steps and calls

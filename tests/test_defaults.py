@@ -354,7 +354,7 @@ def test_the_default_takes_sgd_momentums_sparse_steps_larger_and_nothing_elses()
         return sparse_hvd.SparseDistributedOptimizer(inner, **options).update_scale
 
     momentum = keras.optimizers.SGD(0.1, momentum=0.9)
-    assert SGD_UPDATE_SCALE > 1
+    assert SGD_UPDATE_SCALE == (1.5, 2.0)  # larger at the peak rate, larger still as it falls
     assert scale(momentum) == SGD_UPDATE_SCALE
     assert scale(keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)) == SGD_UPDATE_SCALE
     assert scale(keras.optimizers.LossScaleOptimizer(momentum)) == SGD_UPDATE_SCALE
@@ -367,6 +367,7 @@ def test_the_default_takes_sgd_momentums_sparse_steps_larger_and_nothing_elses()
     assert scale(keras.optimizers.Adam()) == 1.0
     assert scale(keras.optimizers.RMSprop()) == 1.0
     assert scale(momentum, update_scale=1.0) == 1.0  # the behaviour before the default
+    assert scale(momentum, update_scale=1.5) == 1.5  # the previous release's default
     # the resolved factor is saved; a config written before the option reloads at 1.0
     config = sparse_hvd.SparseDistributedOptimizer(momentum).get_config()
     assert config["update_scale"] == SGD_UPDATE_SCALE

@@ -358,8 +358,13 @@ def test_a_position_outside_the_variable_is_refused_naming_it_and_nothing_is_wri
     (0, ValueError, "`update_scale` must be a positive finite number, got 0"),
     (-1.5, ValueError, "`update_scale` must be a positive finite number, got -1.5"),
     (float("nan"), ValueError, "`update_scale` must be a positive finite number, got nan"),
-    (True, TypeError, "`update_scale` must be a number, got True"),
-    ("1.5", TypeError, "`update_scale` must be a number, got '1.5'"),
+    (True, TypeError, "`update_scale` must be a number or a pair of numbers, got True"),
+    ("1.5", TypeError, "`update_scale` must be a number or a pair of numbers, got '1.5'"),
+    ((1.5, "2"), TypeError, "`update_scale` must be a number or a pair of numbers, got (1.5, '2')"),
+    ((1.5, 0.0), ValueError,
+     "`update_scale` must be a positive finite number (each of the pair), got (1.5, 0.0)"),
+    ((1.5, 2.0, 2.5), ValueError, "`update_scale` as a pair is (the factor at the largest "
+     "learning rate seen so far, the factor as the rate falls to 0), got (1.5, 2.0, 2.5)"),
 ])
 def test_update_scale_is_checked(value, error, message):
     with pytest.raises(error, match=re.escape(message)):
@@ -399,3 +404,93 @@ def test_update_scale_grows_from_1_over_the_first_quarter_of_the_density_warm_up
             optimizer.apply_gradients(zip(gradients, [cut, small]))
         np.testing.assert_allclose(small.numpy(), -lr * sum(factors), rtol=1e-5)
         assert optimizer.layer_stats()[cut.path]["route"] == "sparse"
+
+
+# a schedule that rises, then falls: the peak is the largest rate so far, not the first
+RATES, BOUNDARIES = (0.05, 0.1, 0.025, 0.075), (2, 4, 6)
+
+
+def _expected_factors(at_peak, at_end, steps, ramp=None):
+    """The closed form of ``feedback.step_factor``: at step t, r the schedule's rate, p the
+    largest rate up to t, f = at_peak + (at_end - at_peak) * (1 - r / p), then the ramp."""
+    factors, peak = [], 0.0
+    for t in range(steps):
+        rate = RATES[sum(t > b for b in BOUNDARIES)]
+        peak = max(peak, rate)
+        factor = at_peak + (at_end - at_peak) * (1 - rate / peak)
+        factors.append(1 + (factor - 1) * min(1, t / ramp) if ramp else factor)
+    return factors
+
+
+def _rate_following_optimizer(update_scale, warmup_steps, name):
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay(list(BOUNDARIES), list(RATES))
+    return sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(schedule), density=0.01, warmup_steps=warmup_steps,
+        sparsify="update", update_scale=update_scale, exchange="allgather", name=name)
+
+
+def test_a_pair_grows_the_factor_as_the_rate_falls_below_its_peak():
+    """``update_scale=(a, b)``: a variable on the dense route (SGD without momentum: its step
+    is the rate times its constant gradient) moves by the sum of each step's rate times the
+    closed-form factor, the ramp of the density's warm-up included; the peak is the largest
+    rate seen, and the pair is serialised as it is."""
+    steps = 9
+    for warmup_steps, ramp in ((0, None), (16, 4)):
+        cut, small = keras.Variable(np.zeros(2000, "float32")), keras.Variable(np.zeros(8, "float32"))
+        optimizer = _rate_following_optimizer((1.5, 2.0), warmup_steps, f"pair_{warmup_steps}")
+        gradients = [tf.constant(np.linspace(1, 2, 2000, dtype="float32")), tf.ones(8)]
+        for _ in range(steps):
+            optimizer.apply_gradients(zip(gradients, [cut, small]))
+        rates = [RATES[sum(t > b for b in BOUNDARIES)] for t in range(steps)]
+        factors = _expected_factors(1.5, 2.0, steps, ramp)
+        assert factors[-1] > 1.5  # the rate fell below the peak: the factor grew
+        np.testing.assert_allclose(small.numpy(), -sum(r * f for r, f in zip(rates, factors)),
+                                   rtol=1e-5)
+        assert float(optimizer._step_factor.peak.numpy()) == pytest.approx(max(rates))
+    config = optimizer.get_config()
+    assert tuple(config["update_scale"]) == (1.5, 2.0)
+    config["update_scale"] = list(config["update_scale"])  # as JSON brings it back
+    assert sparse_hvd.SparseDistributedOptimizer.from_config(config).update_scale == (1.5, 2.0)
+    assert sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(0.1), sparsify="update", update_scale=(1.5, 1.5)).update_scale == 1.5
+
+
+def test_the_peak_is_checkpointed_and_a_checkpoint_without_it_restarts_it_at_the_rate():
+    """The peak is saved with the optimizer: restored after 5 steps, 4 more steps move the
+    dense-route variable as 9 uninterrupted ones do. A checkpoint written without a peak (a
+    constant factor, or before the pair existed) loads with the peak at 0: the first step
+    after it takes its own rate as the peak (a factor of exactly ``at_peak``)."""
+    gradients = [tf.constant(np.linspace(1, 2, 2000, dtype="float32")), tf.ones(8)]
+
+    def run(optimizer, variables, steps):
+        for _ in range(steps):
+            optimizer.apply_gradients(zip(gradients, variables))
+
+    def fresh():
+        return [keras.Variable(np.zeros(2000, "float32")), keras.Variable(np.zeros(8, "float32"))]
+
+    whole = fresh()
+    run(_rate_following_optimizer((1.5, 2.0), 0, "whole"), whole, 9)
+    first, variables = _rate_following_optimizer((1.5, 2.0), 0, "first"), fresh()
+    run(first, variables, 5)
+    store = {}
+    first.save_own_variables(store)
+    resumed = _rate_following_optimizer((1.5, 2.0), 0, "resumed")
+    resumed.build(variables)
+    resumed.load_own_variables(store)
+    assert float(resumed._step_factor.peak.numpy()) == pytest.approx(0.1)
+    run(resumed, variables, 4)
+    np.testing.assert_allclose(variables[1].numpy(), whole[1].numpy(), rtol=1e-6)
+
+    at = [v is first._step_factor.peak for v in first.variables].index(True)
+    older = [store[str(i)] for i in range(len(store)) if i != at]
+    legacy = _rate_following_optimizer((1.5, 2.0), 0, "legacy")
+    variables = [keras.Variable(v) for v in variables]
+    before = variables[1].numpy().copy()
+    legacy.build(variables)
+    legacy.load_own_variables({str(i): v for i, v in enumerate(older)})
+    assert float(legacy._step_factor.peak.numpy()) == 0.0
+    assert int(legacy.iterations.numpy()) == 5
+    run(legacy, variables, 1)  # step 5: its rate 0.025 becomes the peak (restored: 0.1, 1.875)
+    np.testing.assert_allclose(variables[1].numpy(), before - 0.025 * 1.5, rtol=1e-6)
+    assert float(legacy._step_factor.peak.numpy()) == pytest.approx(0.025)

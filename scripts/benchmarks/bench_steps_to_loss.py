@@ -199,15 +199,18 @@ METHODS = {
     "default_scale_follows_rate": ("the defaults with the factor's excess over 1 times the "
                                    "schedule's rate over its peak (a probe: the factor falls "
                                    "back to 1 as the cosine schedule's rate falls to 0)",
-                                   {"density": 0.01, "scale_follows_rate": True}),
+                                   {"density": 0.01, "update_scale": 1.5,
+                                    "scale_follows_rate": True}),
     "default_scale_against_rate": ("the defaults with the factor's excess over 1 times 2 - the "
                                    "schedule's rate over its peak (a probe: 1.5 at the peak, "
                                    "2.0 as the rate falls to 0)",
-                                   {"density": 0.01, "scale_follows_rate": "against"}),
+                                   {"density": 0.01, "update_scale": 1.5,
+                                    "scale_follows_rate": "against"}),
     "default_update_scale_1.5": ("the defaults with update_scale=1.5 (its runs in "
                                  "docs/steps_to_loss_update_scale.md: the averaged sparse "
                                  "update alone, no ramp; since, the whole step reached over "
-                                 "the warm-up, and the default under SGD's momentum)",
+                                 "the warm-up, and the default under SGD's momentum until it "
+                                 "grew as the rate falls)",
                                  {"density": 0.01, "update_scale": 1.5}),
     "default_update_scale_1.5_all_cut": ("update_scale=1.5 with min_elements=64: every "
                                          "variable cut, so every step scaled (under SGD's "

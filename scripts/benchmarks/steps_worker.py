@@ -92,18 +92,21 @@ def force_first_decision_dense(measured):
 
 
 def factor_follows_rate(sparse_hvd, peak, against=False):
-    """A probe of a schedule for ``update_scale``: the library's factor on this step (its ramp
-    included), its excess over 1 times the inner optimizer's rate over the schedule's ``peak``,
-    so that it falls back to 1 as a cosine schedule's rate falls to 0; ``against``: times
-    2 - rate/peak instead, so that its excess doubles as the rate falls to 0."""
+    """A probe of a schedule for ``update_scale`` (run with a constant ``update_scale``): the
+    library's factor on this step (its ramp included), its excess over 1 times the inner
+    optimizer's rate over the schedule's ``peak``, so that it falls back to 1 as a cosine
+    schedule's rate falls to 0; ``against``: times 2 - rate/peak instead, so that its excess
+    doubles as the rate falls to 0 (what the library's pair does since, with the peak read
+    as the largest rate so far)."""
     import tensorflow as tf
 
     from sparse_hvd.feedback import local_update
+    from sparse_hvd.feedback.step_factor import StepFactor
 
-    library = local_update.step_scale
+    library = StepFactor.on_step
 
-    def step_scale(opt):
-        scale = library(opt)
+    def on_step(self, opt, cuts):
+        scale = library(self, opt, cuts)
         if local_update._is_one(scale):
             return scale
         rate = tf.minimum(tf.cast(opt.inner_optimizer.learning_rate, tf.float32) / float(peak),
@@ -111,7 +114,7 @@ def factor_follows_rate(sparse_hvd, peak, against=False):
         weight = 2.0 - rate if against else rate
         return 1.0 + (tf.cast(scale, tf.float32) - 1.0) * weight
 
-    local_update.step_scale = step_scale
+    StepFactor.on_step = on_step
 
 
 def learning_rate(keras, peak, steps):

@@ -22,7 +22,7 @@ Each step, on every rank:
 3. the update is u = w - w', where w' are the weights it wrote; write w back and take back
    the inner optimizer's ``iterations`` increment (the step is counted when it is applied);
 4. u goes through error feedback and the exchange as a gradient would; what arrives, the
-   average of the sent updates (times the step's factor, :func:`step_scale`), is subtracted
+   average of the sent updates (times the step's factor, :mod:`.step_factor`), is subtracted
    from the weights (``apply_averages``), and the step is counted then, so a skipped step
    counts nothing.
 
@@ -162,13 +162,13 @@ def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_s
     ``count_finite_step`` (an inner LossScaleOptimizer's count toward a larger scale) and the
     step count.
 
-    ``update_scale`` scales the whole step where anything is cut: the averaged updates and
-    the inner optimizer's step on the dense-route variables alike (for SGD, with or without
-    momentum, the step at ``update_scale`` times the rate). A step with nothing cut (a trial's
+    The step's factor (``update_scale``, :mod:`.step_factor`) scales the whole step where
+    anything is cut: the averaged updates and the inner optimizer's step on the dense-route
+    variables alike (for SGD, with or without momentum, the step at the factor times the rate). A step with nothing cut (a trial's
     dense turn, every route held) is dense's, at the rate."""
     chosen = [routes[opt._get_variable_index(v)] for v in variables]
     cut = [route.sparse or route.flushed for route in chosen]
-    scale = step_scale(opt) if any(cut) else 1.0
+    scale = opt._step_factor.on_step(opt, any(cut))
     for average, variable, sparse in zip(averages, variables, cut):
         if not sparse:
             continue
@@ -186,24 +186,6 @@ def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_s
     count_finite_step()
     moving_average_step(opt._clipper)
     opt.inner_optimizer.iterations.assign_add(1)
-
-
-RAMP_SHARE = 4  # the factor is reached over the first 1/RAMP_SHARE of the density's warm-up
-
-
-def step_scale(opt):
-    """The factor on this step: ``update_scale``, reached over the first quarter of the
-    density's warm-up, where the density is high, a held entry waits little and a larger step
-    is a larger rate for what is nearly dense training (at the full factor from the first
-    step, one seed of the LSTM at 8 workers fell into the slow regime dense falls into at
-    1.5x its rate; reached over the whole warm-up, the LSTM at 4 workers needed 1.02x dense's
-    steps, over its first quarter 0.97x). At step t (from 0) of a warm-up of W steps, with
-    R = max(1, W // 4): ``1 + (update_scale - 1) * min(1, t / R)``."""
-    if opt.update_scale == 1 or not opt.warmup_steps:
-        return opt.update_scale
-    ramp = max(1, opt.warmup_steps // RAMP_SHARE)
-    progress = tf.minimum(tf.cast(opt.iterations, tf.float32) / float(ramp), 1.0)
-    return 1.0 + (opt.update_scale - 1.0) * progress
 
 
 def _scaled_step(opt, scale, apply_inner, grads, variables):

@@ -13,6 +13,7 @@ from typing import List
 
 import keras
 
+from ..runtime import lockstep
 from ..runtime.broadcast import average_variables
 from ..wrapping import without_legacy_ema_copy
 from . import local_update
@@ -71,6 +72,7 @@ class LocalState:
             store = without_legacy_ema_copy(store, len(self.variables), self._legacy_ema_at,
                                             len(self._trainable_variables))
         store, without_q = self._second_moment.with_missing_filled(store, self.variables)
+        store = self._step_factor.with_missing_filled(store, self.variables)
         super().load_own_variables(store)
         if without_q:
             self._second_moment.start_from(self._loss_scaling.base_optimizer)
@@ -96,6 +98,13 @@ class LocalState:
         variables, so a checkpoint holds them (Keras' saving calls it; call it before
         ``tf.train.Checkpoint.save``). Eager; no collective."""
         self._step.hold_pending()
+
+    def finalize_variable_values(self, var_list):
+        # Keras calls this at the end of fit: with staleness, the last tau averages go in now;
+        # and a rank whose data ran out early must not leave the others waiting in a step.
+        self.apply_pending()
+        self.assert_same_step(lockstep.FINISHED)
+        self.inner_optimizer.finalize_variable_values(var_list)
 
     def apply_pending(self):
         """Apply every delayed average not applied yet, oldest first (eager, on every rank;

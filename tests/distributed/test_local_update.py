@@ -106,26 +106,35 @@ def test_a_step_not_finite_on_one_rank_is_skipped_everywhere_and_counted_once(hv
     assert moved == (rank != 1 % size)
 
 
-@pytest.mark.parametrize("exchange, update_scale, density", [
-    ("allgather", 1.5, DENSITY), ("dense", 1.5, DENSITY),
-    ("allgather", None, defaults.DENSITY)])
-def test_update_scale_multiplies_every_step_that_cuts(hvd, exchange, update_scale, density):
+@pytest.mark.parametrize("exchange, update_scale, density, falling", [
+    ("allgather", 1.5, DENSITY, False), ("dense", 1.5, DENSITY, False),
+    ("allgather", None, defaults.DENSITY, False), ("allgather", None, defaults.DENSITY, True)])
+def test_update_scale_multiplies_every_step_that_cuts(hvd, exchange, update_scale, density,
+                                                      falling):
     """``update_scale`` under SGD's momentum: every rank subtracts the factor times the mean of
     the ranks' sent velocity steps from a cut variable and takes the factor times SGD's step on
     the averaged gradient on the dense route; the residuals and the velocities are what they
     are without it; a dense exchange, which cuts nothing, is Horovod's step. None at the
-    default density is ``SGD_UPDATE_SCALE`` (NumPy, every rank's part computed on every
-    rank)."""
+    default density is ``SGD_UPDATE_SCALE``: 1.5 at a constant rate, and under a ``falling``
+    schedule 1.5 + 0.5 * (1 - r / peak) at the step's rate r (NumPy, every rank's part
+    computed on every rank)."""
     rank, size = hvd.rank(), hvd.size()
     lr, momentum = 0.1, 0.9
-    scale = defaults.SGD_UPDATE_SCALE if update_scale is None else update_scale
+    rates = [lr * (0.5 ** (t // 2) if falling else 1.0) for t in range(STEPS)]
+    at_peak, at_end = (defaults.SGD_UPDATE_SCALE if update_scale is None
+                       else (update_scale, update_scale))
+    factors = [at_peak + (at_end - at_peak) * (1 - r / max(rates[:t + 1]))
+               for t, r in enumerate(rates)]
     start = [np.linspace(-1, 1, math.prod(s)).astype("float32").reshape(s) for s in (BIG, SMALL)]
     variables = [keras.Variable(w) for w in start]
+    schedule = (keras.optimizers.schedules.PiecewiseConstantDecay([1, 3], rates[0:6:2])
+                if falling else lr)  # steps 0-1 at lr, 2-3 at lr / 2, then lr / 4
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.SGD(lr, momentum=momentum), density=density, warmup_steps=0,
+        keras.optimizers.SGD(schedule, momentum=momentum), density=density, warmup_steps=0,
         sparsify="update", exchange=exchange, budget="layer", update_scale=update_scale,
-        name=f"update_scale_{exchange}_{update_scale}")
-    assert optimizer.update_scale == scale
+        name=f"update_scale_{exchange}_{update_scale}_{falling}")
+    assert optimizer.update_scale == (defaults.SGD_UPDATE_SCALE if update_scale is None
+                                      else update_scale)
 
     @tf.function(jit_compile=False)
     def step(big, small):
@@ -136,26 +145,28 @@ def test_update_scale_multiplies_every_step_that_cuts(hvd, exchange, update_scal
     shared = [np.zeros(math.prod(s)) for s in (BIG, SMALL)]  # on the averages
     residuals = [np.zeros(math.prod(BIG)) for _ in range(size)]
     expected = [w.astype("float64").ravel() for w in start]
-    for number in range(STEPS):
+    for number, (rate, factor) in enumerate(zip(rates, factors)):
         step(*map(tf.constant, _gradients(rank, number)))
         every = [_gradients(r, number) for r in range(size)]
         mean_big, mean_small = (sum(g[i].astype("float64") for g in every).ravel() / size
                                 for i in (0, 1))
-        shared[1] = momentum * shared[1] - lr * mean_small
+        shared[1] = momentum * shared[1] - rate * mean_small
         if exchange == "dense":
-            shared[0] = momentum * shared[0] - lr * mean_big
+            shared[0] = momentum * shared[0] - rate * mean_big
             expected[0] = expected[0] + shared[0]
             expected[1] = expected[1] + shared[1]
         else:
             sent_big = np.zeros_like(expected[0])
             for r in range(size):
-                velocities[r] = momentum * velocities[r] - lr * every[r][0].ravel()
+                velocities[r] = momentum * velocities[r] - rate * every[r][0].ravel()
                 _, sent, residuals[r] = numpy_topk_split(-velocities[r] + residuals[r], k)
                 sent_big += sent
-            expected[0] = expected[0] - scale * sent_big / size
-            expected[1] = expected[1] + scale * shared[1]
+            expected[0] = expected[0] - factor * sent_big / size
+            expected[1] = expected[1] + factor * shared[1]
+    if falling:
+        assert factors[-1] == 1.875  # the rate at a quarter of its peak
     _assert_applied(optimizer, variables, expected,
                     residuals[rank] if exchange == "allgather" else None, rank, atol=5e-6)
     digests = gather(hvd, digest([v.numpy() for v in variables]),
-                     name=f"scale.{exchange}.{update_scale}")
+                     name=f"scale.{exchange}.{update_scale}.{falling}")
     assert all(d == digests[0] for d in digests), digests

@@ -1,0 +1,97 @@
+"""The factor on a step that cuts a variable (``update_scale``), and the one state it keeps.
+
+Error feedback moves the weights less per step than dense training at the same rate (an entry
+held in a residual arrives late) and stays stable at rates where dense does not, so under the
+update cut a step that cuts anything can be taken larger than dense's (steps that cut nothing
+keep the rate; ``local_update.apply_averages``). ``update_scale`` is that factor: a number, or
+a pair ``(at_peak, at_end)`` whose factor grows as the learning rate falls below the largest
+rate seen so far. The default under SGD's momentum is such a pair
+(``selection.defaults.SGD_UPDATE_SCALE``): late in a decaying schedule the residuals hold more
+of what is owed per step taken, and a larger factor then lowered the final loss (measured in
+the README's "Converging like dense").
+
+The factor at step t, on every rank alike (the rate is the schedule's, the same everywhere):
+
+1. the rate r of the inner optimizer at this step and the peak p = max(p, r), a variable
+   saved with the optimizer (it starts at 0: the first step's rate is its first peak);
+2. f = at_peak + (at_end - at_peak) * (1 - r / p) (at_peak where p is 0);
+3. over the first quarter of the density's warm-up of W steps (R = max(1, W // 4)):
+   ``1 + (f - 1) * min(1, t / R)``, so that a nearly dense start is not taken at a larger
+   rate (at the full factor from the first step, one seed of the LSTM at 8 workers fell into
+   the slow regime dense falls into at 1.5x its rate).
+"""
+
+import tensorflow as tf
+
+RAMP_SHARE = 4  # the factor is reached over the first 1/RAMP_SHARE of the density's warm-up
+
+
+def as_pair(update_scale):
+    """``(at_peak, at_end)`` for an ``update_scale`` (a number: the same factor at any rate)."""
+    if isinstance(update_scale, (tuple, list)):
+        return float(update_scale[0]), float(update_scale[1])
+    return float(update_scale), float(update_scale)
+
+
+def normalized(update_scale):
+    """The ``update_scale`` an optimizer keeps: a float, or a pair of floats where the factor
+    follows the rate."""
+    at_peak, at_end = as_pair(update_scale)
+    return at_peak if at_peak == at_end else (at_peak, at_end)
+
+
+class StepFactor:
+    """The factor of one optimizer's steps (see the module docstring)."""
+
+    def __init__(self, update_scale):
+        self.at_peak, self.at_end = as_pair(update_scale)
+        self.peak = None  # the largest learning rate seen so far, where the factor follows it
+
+    @property
+    def follows_rate(self) -> bool:
+        return self.at_end != self.at_peak
+
+    @property
+    def is_one(self) -> bool:
+        return self.at_peak == 1 and self.at_end == 1
+
+    def build(self, optimizer):
+        """Create the peak as a variable of ``optimizer`` (after the second moment's in the
+        checkpoint; none where the factor does not follow the rate)."""
+        if self.follows_rate:
+            self.peak = optimizer.add_variable((), dtype="float32", initializer="zeros",
+                                               name="peak_learning_rate")
+
+    def with_missing_filled(self, store, variables):
+        """A checkpoint's ``store`` of the optimizer's ``variables`` with a 0 where the peak
+        would be when it was written without one (before this release, or with a constant
+        factor): the first step after the restore then reads its rate as the peak."""
+        if self.peak is None or len(store.keys()) != len(variables) - 1:
+            return store
+        saved = iter([store[str(i)] for i in range(len(store.keys()))])
+        return {str(i): tf.zeros((), "float32") if v is self.peak else next(saved)
+                for i, v in enumerate(variables)}
+
+    def on_step(self, opt, cuts):
+        """This step's factor (step 1's peak noted whether or not the step ``cuts``): a tensor
+        where it varies, a float where it is constant, 1.0 for a step that cuts nothing."""
+        factor = self._at_rate(opt)
+        if not cuts:
+            return 1.0
+        if self.is_one:
+            return 1.0
+        if not opt.warmup_steps:
+            return factor
+        ramp = max(1, opt.warmup_steps // RAMP_SHARE)
+        progress = tf.minimum(tf.cast(opt.iterations, tf.float32) / float(ramp), 1.0)
+        return 1.0 + (tf.cast(factor, tf.float32) - 1.0) * progress
+
+    def _at_rate(self, opt):
+        """Steps 1-2: the factor at this step's rate (noting the peak)."""
+        if not self.follows_rate:
+            return self.at_peak
+        rate = tf.cast(opt._loss_scaling.base_optimizer.learning_rate, tf.float32)
+        peak = tf.maximum(tf.convert_to_tensor(self.peak), rate)
+        opt.assign(self.peak, peak)
+        below = tf.where(peak > 0, 1.0 - rate / tf.where(peak > 0, peak, 1.0), 0.0)
+        return self.at_peak + (self.at_end - self.at_peak) * below
