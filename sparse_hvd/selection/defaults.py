@@ -244,10 +244,10 @@ SGD_UPDATE_SCALE = (1.5, 2.0)
 
 def resolve_update_scale(update_scale, optimizer, sparsify, density, code):
     """The factor on every sparse step for the optimizer's ``update_scale`` argument: a number
-    or a pair as given (``feedback.step_factor.normalized``); None is :data:`SGD_UPDATE_SCALE` with a Keras SGD with momentum (inside a
-    LossScaleOptimizer too) under the update cut at the default density, where the entries
-    are cut (``code == "entries"``), and 1.0 otherwise (at 0.1% a factor of 2 slowed the
-    image models; nothing else was measured)."""
+    or a pair as given (``feedback.step_factor.normalized``); None is :data:`SGD_UPDATE_SCALE`
+    with a Keras SGD with momentum (inside a LossScaleOptimizer too) under the update cut at
+    the default density, where the entries are cut (``code == "entries"``), and 1.0
+    otherwise (at 0.1% a factor of 2 slowed the image models; nothing else was measured)."""
     if update_scale is not None:
         return normalized(update_scale)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
