@@ -196,6 +196,14 @@ METHODS = {
                                      {"density": 0.001, "update_scale": 2.0}),
     "default_0.001_update_scale_3": ("the defaults at density=0.001 with update_scale=3.0",
                                      {"density": 0.001, "update_scale": 3.0}),
+    "default_0.001_update_scale_grows": ("the defaults at density=0.001 with the 1% "
+                                         "default's factor, update_scale=(1.5, 2.0): 1.5 at "
+                                         "the largest rate so far, 2.0 as the rate falls to 0",
+                                         {"density": 0.001, "update_scale": [1.5, 2.0]}),
+    "default_0.001_update_scale_1_to_2": ("the defaults at density=0.001 with "
+                                          "update_scale=(1.0, 2.0): dense's step at the peak "
+                                          "rate, twice it as the rate falls to 0",
+                                          {"density": 0.001, "update_scale": [1.0, 2.0]}),
     "default_scale_follows_rate": ("the defaults with the factor's excess over 1 times the "
                                    "schedule's rate over its peak (a probe: the factor falls "
                                    "back to 1 as the cosine schedule's rate falls to 0)",
