@@ -204,6 +204,10 @@ METHODS = {
                                           "update_scale=(1.0, 2.0): dense's step at the peak "
                                           "rate, twice it as the rate falls to 0",
                                           {"density": 0.001, "update_scale": [1.0, 2.0]}),
+    "default_scale_grows_late": ("the defaults with the pair's factor growing only once the "
+                                 "rate falls below half its peak: 1.5 down to half the peak "
+                                 "rate, then linearly to 2.0 at 0 (step_factor.GROWS_BELOW = "
+                                 "0.5)", {"density": 0.01, "scale_grows_below": 0.5}),
     "default_scale_follows_rate": ("the defaults with the factor's excess over 1 times the "
                                    "schedule's rate over its peak (a probe: the factor falls "
                                    "back to 1 as the cosine schedule's rate falls to 0)",
@@ -373,10 +377,10 @@ def resolve_steps(value, steps):
 
 
 # settings a method may set that steps_worker applies before the build: exchange="auto"'s, and
-# the factor's schedule of the probes (scale_follows_rate)
+# the factor's schedule of the probes (scale_follows_rate, scale_grows_below)
 AUTO_SETTINGS = ("dense_within", "noise_within", "first_decision", "early_recheck",
                  "hopeless_retimes", "sign_dense_within", "hold_within",
-                 "scale_follows_rate")
+                 "scale_follows_rate", "scale_grows_below")
 
 
 def options_for(workload, method, steps):

@@ -184,6 +184,7 @@ def main(argv=None):
     rank, size = sparse_hvd.rank(), sparse_hvd.size()
     options = json.loads(args.options)
     import sparse_hvd.exchanges
+    import sparse_hvd.feedback.step_factor
     import sparse_hvd.steps.measured
 
     if "dense_within" in options:  # auto's dense margin, read when the optimizer is built
@@ -202,6 +203,8 @@ def main(argv=None):
         sparse_hvd.steps.measured.HOPELESS_RETIMES = options["hopeless_retimes"]
     if "hold_within" in options:  # how much a re-check's incumbent counts faster
         sparse_hvd.steps.measured.HOLD_WITHIN = options["hold_within"]
+    if "scale_grows_below" in options:  # where a pair's factor starts growing
+        sparse_hvd.feedback.step_factor.GROWS_BELOW = options["scale_grows_below"]
     if options.get("scale_follows_rate"):
         factor_follows_rate(sparse_hvd, options["inner"]["lr"],
                             against=options["scale_follows_rate"] == "against")

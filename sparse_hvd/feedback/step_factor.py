@@ -14,7 +14,9 @@ The factor at step t, on every rank alike (the rate is the schedule's, the same 
 
 1. the rate r of the inner optimizer at this step and the peak p = max(p, r), a variable
    saved with the optimizer (it starts at 0: the first step's rate is its first peak);
-2. f = at_peak + (at_end - at_peak) * (1 - r / p) (at_peak where p is 0);
+2. f = at_peak + (at_end - at_peak) * g, g = clip(1 - r / (s p), 0, 1): growing from
+   ``at_peak`` once r falls below the share s of the peak (:data:`GROWS_BELOW`) to
+   ``at_end`` at r = 0 (``at_peak`` where p is 0);
 3. over the first quarter of the density's warm-up of W steps (R = max(1, W // 4)):
    ``1 + (f - 1) * min(1, t / R)``, so that a nearly dense start is not taken at a larger
    rate (at the full factor from the first step, one seed of the LSTM at 8 workers fell into
@@ -24,6 +26,8 @@ The factor at step t, on every rank alike (the rate is the schedule's, the same 
 import tensorflow as tf
 
 RAMP_SHARE = 4  # the factor is reached over the first 1/RAMP_SHARE of the density's warm-up
+# a pair's factor starts growing once the rate falls below this share of its peak
+GROWS_BELOW = 1.0
 
 
 def as_pair(update_scale):
@@ -93,5 +97,6 @@ class StepFactor:
         rate = tf.cast(opt._loss_scaling.base_optimizer.learning_rate, tf.float32)
         peak = tf.maximum(tf.convert_to_tensor(self.peak), rate)
         opt.assign(self.peak, peak)
-        below = tf.where(peak > 0, 1.0 - rate / tf.where(peak > 0, peak, 1.0), 0.0)
+        share = GROWS_BELOW * tf.where(peak > 0, peak, 1.0)
+        below = tf.where(peak > 0, tf.clip_by_value(1.0 - rate / share, 0.0, 1.0), 0.0)
         return self.at_peak + (self.at_end - self.at_peak) * below
