@@ -1,6 +1,7 @@
 """``sparsify="update"`` in one process: the inner optimizer's update, not the gradient, is
 cut and error-fed (``sparse_hvd.feedback.local_update``)."""
 
+import contextlib
 import math
 import re
 
@@ -10,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import sparse_hvd
+from sparse_hvd.feedback import step_factor
 from helpers import NumpyAdam, numpy_topk_split
 
 SHAPE = (50, 40)  # 2000 entries: the sparse route
@@ -410,16 +412,27 @@ def test_update_scale_grows_from_1_over_the_first_quarter_of_the_density_warm_up
 RATES, BOUNDARIES = (0.05, 0.1, 0.025, 0.075), (2, 4, 6)
 
 
-def _expected_factors(at_peak, at_end, steps, ramp=None):
+def _expected_factors(at_peak, at_end, steps, ramp=None, share=1.0):
     """The closed form of ``feedback.step_factor``: at step t, r the schedule's rate, p the
-    largest rate up to t, f = at_peak + (at_end - at_peak) * (1 - r / p), then the ramp."""
+    largest rate up to t, f = at_peak + (at_end - at_peak) * g with g = 1 - r / (share p)
+    clipped to [0, 1], then the ramp."""
     factors, peak = [], 0.0
     for t in range(steps):
         rate = RATES[sum(t > b for b in BOUNDARIES)]
         peak = max(peak, rate)
-        factor = at_peak + (at_end - at_peak) * (1 - rate / peak)
+        factor = at_peak + (at_end - at_peak) * min(1.0, max(0.0, 1 - rate / (share * peak)))
         factors.append(1 + (factor - 1) * min(1, t / ramp) if ramp else factor)
     return factors
+
+
+@contextlib.contextmanager
+def _grows_below(share):
+    """``step_factor.GROWS_BELOW`` at ``share`` (read when a step is traced)."""
+    saved, step_factor.GROWS_BELOW = step_factor.GROWS_BELOW, share
+    try:
+        yield
+    finally:
+        step_factor.GROWS_BELOW = saved
 
 
 def _rate_following_optimizer(update_scale, warmup_steps, name):
@@ -432,18 +445,22 @@ def _rate_following_optimizer(update_scale, warmup_steps, name):
 def test_a_pair_grows_the_factor_as_the_rate_falls_below_its_peak():
     """``update_scale=(a, b)``: a variable on the dense route (SGD without momentum: its step
     is the rate times its constant gradient) moves by the sum of each step's rate times the
-    closed-form factor, the ramp of the density's warm-up included; the peak is the largest
-    rate seen, and the pair is serialised as it is."""
+    closed-form factor, the ramp of the density's warm-up included, growing from the peak or
+    from a share of it (``GROWS_BELOW``); the peak is the largest rate seen, and the pair is
+    serialised as it is."""
     steps = 9
-    for warmup_steps, ramp in ((0, None), (16, 4)):
+    for warmup_steps, ramp, share in ((0, None, step_factor.GROWS_BELOW), (16, 4, 1.0),
+                                      (0, None, 0.5)):
         cut, small = keras.Variable(np.zeros(2000, "float32")), keras.Variable(np.zeros(8, "float32"))
-        optimizer = _rate_following_optimizer((1.5, 2.0), warmup_steps, f"pair_{warmup_steps}")
-        gradients = [tf.constant(np.linspace(1, 2, 2000, dtype="float32")), tf.ones(8)]
-        for _ in range(steps):
-            optimizer.apply_gradients(zip(gradients, [cut, small]))
+        with _grows_below(share):
+            optimizer = _rate_following_optimizer((1.5, 2.0), warmup_steps,
+                                                  f"pair_{warmup_steps}_{share}")
+            gradients = [tf.constant(np.linspace(1, 2, 2000, dtype="float32")), tf.ones(8)]
+            for _ in range(steps):
+                optimizer.apply_gradients(zip(gradients, [cut, small]))
         rates = [RATES[sum(t > b for b in BOUNDARIES)] for t in range(steps)]
-        factors = _expected_factors(1.5, 2.0, steps, ramp)
-        assert factors[-1] > 1.5  # the rate fell below the peak: the factor grew
+        factors = _expected_factors(1.5, 2.0, steps, ramp, share)
+        assert max(factors) > 1.5  # the rate fell below the peak's share: the factor grew
         np.testing.assert_allclose(small.numpy(), -sum(r * f for r, f in zip(rates, factors)),
                                    rtol=1e-5)
         assert float(optimizer._step_factor.peak.numpy()) == pytest.approx(max(rates))
