@@ -164,8 +164,9 @@ def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_s
 
     The step's factor (``update_scale``, :mod:`.step_factor`) scales the whole step where
     anything is cut: the averaged updates and the inner optimizer's step on the dense-route
-    variables alike (for SGD, with or without momentum, the step at the factor times the rate). A step with nothing cut (a trial's
-    dense turn, every route held) is dense's, at the rate."""
+    variables alike (for SGD, with or without momentum, the step at the factor times the
+    rate). A step with nothing cut (a trial's dense turn, every route held) is dense's, at the
+    rate."""
     chosen = [routes[opt._get_variable_index(v)] for v in variables]
     cut = [route.sparse or route.flushed for route in chosen]
     scale = opt._step_factor.on_step(opt, any(cut))
