@@ -511,3 +511,44 @@ def test_the_peak_is_checkpointed_and_a_checkpoint_without_it_restarts_it_at_the
     run(legacy, variables, 1)  # step 5: its rate 0.025 becomes the peak (restored: 0.1, 1.875)
     np.testing.assert_allclose(variables[1].numpy(), before - 0.025 * 1.5, rtol=1e-6)
     assert float(legacy._step_factor.peak.numpy()) == pytest.approx(0.025)
+
+
+def test_a_checkpoint_written_before_q_and_the_peak_loads_with_both_filled():
+    """Adam with the noise estimate's q and a factor that follows the rate: a checkpoint
+    without the peak (the previous release) loads with q as saved and the peak at 0; one
+    without both (before q existed) loads with the peak at 0 and q restarted from Adam's v;
+    every other variable is restored as saved, in place."""
+    def build(name):
+        optimizer = sparse_hvd.SparseDistributedOptimizer(
+            keras.optimizers.Adam(LR, epsilon=EPSILON), density=0.05, warmup_steps=0,
+            sparsify="update", update_scale=(1.5, 2.0), second_moment="noise_estimate",
+            exchange="allgather", name=name)
+        optimizer.build([keras.Variable(np.zeros(SHAPE, "float32"))])
+        return optimizer
+
+    saved = build("saved")
+    variable = saved._trainable_variables[0]
+    rng = np.random.RandomState(5)
+    for _ in range(3):
+        saved.apply_gradients([(tf.constant(rng.randn(*SHAPE).astype("float32")), variable)])
+    store = {}
+    saved.save_own_variables(store)
+    q, peak = saved._second_moment.variables[0], saved._step_factor.peak
+    at = {id(v): i for i, v in enumerate(saved.variables)}
+    velocity = saved.inner_optimizer._velocities[0].numpy()
+    assert float(peak.numpy()) == pytest.approx(LR) and np.any(q.numpy() != velocity)
+    for left_out in ([peak], [q, peak]):
+        dropped = {at[id(v)] for v in left_out}
+        older = [store[str(i)] for i in range(len(store)) if i not in dropped]
+        restored = build(f"restored_{len(left_out)}")
+        restored.load_own_variables({str(i): v for i, v in enumerate(older)})
+        expected_q = velocity if len(left_out) == 2 else q.numpy()
+        np.testing.assert_array_equal(restored._second_moment.variables[0].numpy(), expected_q)
+        assert float(restored._step_factor.peak.numpy()) == 0.0
+        for i, v in enumerate(restored.variables):
+            if i not in dropped and i != at[id(q)]:
+                np.testing.assert_array_equal(v.numpy(), np.asarray(store[str(i)]),
+                                              err_msg=v.path)
+    short = [store[str(i)] for i in range(len(store) - 3)]  # no release wrote that few
+    with pytest.warns(UserWarning, match="Skipping variable loading"):
+        restored.load_own_variables({str(i): v for i, v in enumerate(short)})

@@ -106,17 +106,6 @@ class SecondMoment:
             self.variables = [optimizer.add_variable_from_reference(v, name="explained_moment")
                               for v in var_list]
 
-    def with_missing_filled(self, store, variables):
-        """A checkpoint's ``store`` of the optimizer's ``variables``, with zeros where q would
-        be when it was written without q (before this release, or with another second
-        moment: its values then are the rest, in order), and whether it was."""
-        missing = {id(q) for q in self.variables}
-        if not missing or len(store.keys()) != len(variables) - len(missing):
-            return store, False
-        saved = iter([store[str(i)] for i in range(len(store.keys()))])
-        return {str(i): tf.zeros(v.shape, v.dtype) if id(v) in missing else next(saved)
-                for i, v in enumerate(variables)}, True
-
     def start_from(self, adam):
         """q after a checkpoint without it: Adam's v, so that the step starts as ``"own"`` (no
         noise found) and the estimate forms over v's horizon, as from the first step."""

@@ -9,14 +9,44 @@ are never broadcast, a checkpoint written by one rank holds that rank's, and
 workers they are rescaled so that their sum over the ranks is kept.
 """
 
-from typing import List
+from typing import List, Sequence, Set, Tuple
 
 import keras
+import tensorflow as tf
 
 from ..runtime import lockstep
 from ..runtime.broadcast import average_variables
 from ..wrapping import without_legacy_ema_copy
 from . import local_update
+
+
+def filled_where_missing(store, variables: Sequence, additions: Sequence[Sequence]
+                         ) -> Tuple[dict, Set[int]]:
+    """A checkpoint's ``store`` of the optimizer's ``variables`` (Keras keeps them by position),
+    with zeros for those it was written without, and the ids of the variables filled.
+
+    ``additions`` are the groups of variables that releases added, oldest first, each absent
+    where it does not apply (an empty group). A checkpoint written before a group existed
+    lacks it and every newer one, so:
+
+    1. the shortfall is the number of variables less the number of values stored;
+    2. the newest groups are taken one by one until their sizes add up to the shortfall;
+    3. those variables get zeros, the stored values the other positions, in order.
+
+    Where no run of newest groups accounts for the shortfall the store is returned as it is
+    (Keras then warns that it skips the optimizer's variables).
+    """
+    shortfall = len(variables) - len(store.keys())
+    missing: Set[int] = set()
+    for group in reversed(additions):
+        if len(missing) >= shortfall:
+            break
+        missing |= {id(v) for v in group}
+    if not shortfall or len(missing) != shortfall:
+        return store, set()
+    saved = iter([store[str(i)] for i in range(len(store.keys()))])
+    return {str(i): tf.zeros(v.shape, v.dtype) if id(v) in missing else next(saved)
+            for i, v in enumerate(variables)}, missing
 
 
 class LocalState:
@@ -71,10 +101,11 @@ class LocalState:
         if self.built and self.use_ema:
             store = without_legacy_ema_copy(store, len(self.variables), self._legacy_ema_at,
                                             len(self._trainable_variables))
-        store, without_q = self._second_moment.with_missing_filled(store, self.variables)
-        store = self._step_factor.with_missing_filled(store, self.variables)
+        # oldest first: q (the noise estimate's), then the peak of a factor that follows the rate
+        additions = [self._second_moment.variables, self._step_factor.variables]
+        store, filled = filled_where_missing(store, self.variables, additions)
         super().load_own_variables(store)
-        if without_q:
+        if any(id(q) in filled for q in self._second_moment.variables):
             self._second_moment.start_from(self._loss_scaling.base_optimizer)
         self._feedback.restored = True  # restored residuals: compare their worker count
 

@@ -66,15 +66,12 @@ class StepFactor:
             self.peak = optimizer.add_variable((), dtype="float32", initializer="zeros",
                                                name="peak_learning_rate")
 
-    def with_missing_filled(self, store, variables):
-        """A checkpoint's ``store`` of the optimizer's ``variables`` with a 0 where the peak
-        would be when it was written without one (before this release, or with a constant
-        factor): the first step after the restore then reads its rate as the peak."""
-        if self.peak is None or len(store.keys()) != len(variables) - 1:
-            return store
-        saved = iter([store[str(i)] for i in range(len(store.keys()))])
-        return {str(i): tf.zeros((), "float32") if v is self.peak else next(saved)
-                for i, v in enumerate(variables)}
+    @property
+    def variables(self):
+        """The state saved with the optimizer: the peak, where the factor follows the rate
+        (a checkpoint without it loads with the peak at 0, and the first step after the
+        restore then reads its rate as the peak)."""
+        return [self.peak] if self.peak is not None else []
 
     def on_step(self, opt, cuts):
         """This step's factor (step 1's peak noted whether or not the step ``cuts``): a tensor
