@@ -296,9 +296,12 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
     def communication_stats(self):
         """This rank's totals since the optimizer was built (the keys are explained in
         ``sparse_hvd.monitoring.stats``); ``measurement_bytes``: what the density policy sent
-        for its own measurements (``AdaptiveDensity``'s probes), on top of ``bytes_sent``."""
+        for its own measurements (``AdaptiveDensity``'s probes), on top of ``bytes_sent``;
+        ``update_factor``: the factor the next step that cuts a variable takes
+        (``update_scale``; 1.0 where it is 1)."""
         stats = dict(EMPTY) if self._counters is None else self._counters.as_dict()
         stats["measurement_bytes"] = self.density_policy.measurement_bytes()
+        stats["update_factor"] = self._step_factor.next_factor(self)
         return stats
 
     exchange_decisions = property(lambda self: list(getattr(self._step, "decisions", ())), doc=(

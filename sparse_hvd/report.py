@@ -21,6 +21,7 @@ COLUMNS = [
     ("sparsify_ms_per_step", "sparsify ms", "{:.2f}"),
     ("exchange_ms_per_step", "exchange ms", "{:.2f}"),
     ("skipped_steps", "skipped", "{:d}"),
+    ("update_factor", "factor", "{:.2f}"),  # logs written before it have none: "-"
 ]
 
 
@@ -35,7 +36,8 @@ def table(records):
     for record in records:
         values = dict(record, epoch=record["epoch"] + 1,
                       density_last_step=100 * record["density_last_step"])
-        rows.append([fmt.format(values[key]) for key, _, fmt in COLUMNS])
+        rows.append([fmt.format(values[key]) if key in values else "-"
+                     for key, _, fmt in COLUMNS])
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
 

@@ -456,10 +456,14 @@ def test_a_pair_grows_the_factor_as_the_rate_falls_below_its_peak():
             optimizer = _rate_following_optimizer((1.5, 2.0), warmup_steps,
                                                   f"pair_{warmup_steps}_{share}")
             gradients = [tf.constant(np.linspace(1, 2, 2000, dtype="float32")), tf.ones(8)]
+            reported = []  # what the logs show before each step: that step's factor
             for _ in range(steps):
+                reported.append(optimizer.communication_stats()["update_factor"])
                 optimizer.apply_gradients(zip(gradients, [cut, small]))
+            reported.append(optimizer.communication_stats()["update_factor"])
         rates = [RATES[sum(t > b for b in BOUNDARIES)] for t in range(steps)]
-        factors = _expected_factors(1.5, 2.0, steps, ramp, share)
+        factors = _expected_factors(1.5, 2.0, steps + 1, ramp, share)
+        np.testing.assert_allclose(reported, factors, rtol=1e-6)
         assert max(factors) > 1.5  # the rate fell below the peak's share: the factor grew
         np.testing.assert_allclose(small.numpy(), -sum(r * f for r, f in zip(rates, factors)),
                                    rtol=1e-5)

@@ -37,9 +37,29 @@ def test_one_record_per_epoch_with_closed_form_bytes(tmp_path, capsys):
         assert record["density_last_step"] == pytest.approx(13 / 1280)
         assert record["sparsify_ms_per_step"] > 0 and record["skipped_steps"] == 0
         assert len(record["layers"]) == 4
+        assert record["update_factor"] == 1.0  # SGD without momentum: no larger step
     expected_norm = math.sqrt(sum(float((r.numpy().astype("float64") ** 2).sum()) for r in optimizer.residuals))
     assert records[-1]["residual_norm"] == pytest.approx(expected_norm)
-    assert capsys.readouterr().err.count("sparse_hvd: epoch") == 3
+    printed = capsys.readouterr().err
+    assert printed.count("sparse_hvd: epoch") == 3 and "step factor" not in printed
+
+
+def test_the_record_shows_the_factor_of_the_default_under_sgds_momentum(tmp_path, capsys):
+    """Under SGD's momentum the default takes the sparse steps larger: each epoch's record and
+    line show the factor of the next step (the pair's ``at_peak`` at a constant rate, once
+    the ramp over the first quarter of the warm-up is done)."""
+    model = mlp(input_dim=20, hidden=64, classes=5)
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), warmup_steps=8)
+    model.compile(optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)
+    path = tmp_path / "comm.jsonl"
+    x, y = classification_data()
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+              callbacks=[sparse_hvd.CommunicationLogger(path=str(path))])
+    at_peak = sparse_hvd.selection.defaults.SGD_UPDATE_SCALE[0]
+    assert [r["update_factor"] for r in report.read(str(path))] == pytest.approx([at_peak] * 2)
+    assert capsys.readouterr().err.count(f"step factor {at_peak:.2f}") == 2
 
 
 def test_report_prints_a_table_and_writes_a_plot(tmp_path, capsys):
@@ -47,6 +67,9 @@ def test_report_prints_a_table_and_writes_a_plot(tmp_path, capsys):
     assert report.main([str(path), "--out", str(tmp_path / "plots")]) == 0
     out = capsys.readouterr().out
     assert "B/step" in out and len(out.strip().splitlines()) >= 3
+    assert out.strip().splitlines()[1].split()[-1] == "1.00"  # the factor
+    older = [{k: v for k, v in r.items() if k != "update_factor"} for r in report.read(str(path))]
+    assert report.table(older).splitlines()[1].split()[-1] == "-"  # a log from before it
     assert (tmp_path / "plots" / "communication.png").stat().st_size > 1000
 
 

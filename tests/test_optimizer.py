@@ -113,7 +113,8 @@ def test_communication_stats_count_values_indices_and_dense_fallbacks():
     optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), density=0.01)
     assert optimizer.communication_stats() == {
         "steps": 0, "bytes_sent": 0, "dense_bytes": 0, "capped_selections": 0, "skipped_steps": 0,
-        "sparsify_seconds": 0.0, "exchange_seconds": 0.0, "measurement_bytes": 0}
+        "sparsify_seconds": 0.0, "exchange_seconds": 0.0, "measurement_bytes": 0,
+        "update_factor": 1.0}
     _fit(model, optimizer, epochs=1)  # 128 samples / 16 = 8 steps
     sizes = [20 * 64, 64, 64 * 5, 5]
     k_first = math.ceil(0.01 * sizes[0])
@@ -127,6 +128,7 @@ def test_communication_stats_count_values_indices_and_dense_fallbacks():
         "capped_selections": 0,
         "skipped_steps": 0,
         "measurement_bytes": 0,  # a constant density measures nothing
+        "update_factor": 1.0,  # SGD without momentum: no larger step
     }
     layers = optimizer.layer_stats()
     assert [v["route"] for v in layers.values()] == ["sparse", "dense", "dense", "dense"]

@@ -76,24 +76,43 @@ class StepFactor:
     def on_step(self, opt, cuts):
         """This step's factor (step 1's peak noted whether or not the step ``cuts``): a tensor
         where it varies, a float where it is constant, 1.0 for a step that cuts nothing."""
-        factor = self._at_rate(opt)
-        if not cuts:
+        rate, peak = None, None
+        if self.follows_rate:  # step 1
+            rate = _rate(opt)
+            peak = tf.maximum(tf.convert_to_tensor(self.peak), rate)
+            opt.assign(self.peak, peak)
+        if not cuts or self.is_one:
             return 1.0
+        return self._factor(opt, rate, peak)
+
+    def next_factor(self, opt) -> float:
+        """Eager, for the logs (``communication_stats()["update_factor"]``): the factor the
+        next step that cuts a variable will take, at the rate and the step count of now (the
+        peak as that step will note it)."""
         if self.is_one:
             return 1.0
+        rate, peak = None, None
+        if self.follows_rate:
+            rate = _rate(opt)
+            noted = 0.0 if self.peak is None else tf.convert_to_tensor(self.peak)
+            peak = tf.maximum(noted, rate)
+        return float(self._factor(opt, rate, peak))
+
+    def _factor(self, opt, rate, peak):
+        """Steps 2-3: the factor at ``rate`` below ``peak`` (both None for a constant one),
+        ramped over the density's warm-up."""
+        factor = self.at_peak
+        if self.follows_rate:
+            share = GROWS_BELOW * tf.where(peak > 0, peak, 1.0)
+            below = tf.where(peak > 0, tf.clip_by_value(1.0 - rate / share, 0.0, 1.0), 0.0)
+            factor = self.at_peak + (self.at_end - self.at_peak) * below
         if not opt.warmup_steps:
             return factor
         ramp = max(1, opt.warmup_steps // RAMP_SHARE)
         progress = tf.minimum(tf.cast(opt.iterations, tf.float32) / float(ramp), 1.0)
         return 1.0 + (tf.cast(factor, tf.float32) - 1.0) * progress
 
-    def _at_rate(self, opt):
-        """Steps 1-2: the factor at this step's rate (noting the peak)."""
-        if not self.follows_rate:
-            return self.at_peak
-        rate = tf.cast(opt._loss_scaling.base_optimizer.learning_rate, tf.float32)
-        peak = tf.maximum(tf.convert_to_tensor(self.peak), rate)
-        opt.assign(self.peak, peak)
-        share = GROWS_BELOW * tf.where(peak > 0, peak, 1.0)
-        below = tf.where(peak > 0, tf.clip_by_value(1.0 - rate / share, 0.0, 1.0), 0.0)
-        return self.at_peak + (self.at_end - self.at_peak) * below
+
+def _rate(opt):
+    """The inner optimizer's learning rate at its current step, as float32."""
+    return tf.cast(opt._loss_scaling.base_optimizer.learning_rate, tf.float32)

@@ -50,6 +50,7 @@ def epoch_record(optimizer, epoch, previous, per_layer=False):
         "exchange_ms_per_step": 1000 * (now["exchange_seconds"] - previous["exchange_seconds"]) / steps,
         "skipped_steps": now["skipped_steps"] - previous["skipped_steps"],
         "capped_selections": now["capped_selections"] - previous["capped_selections"],
+        "update_factor": now["update_factor"],
     }
     if per_layer:
         record["layers"] = layers
@@ -57,8 +58,9 @@ def epoch_record(optimizer, epoch, previous, per_layer=False):
 
 
 class CommunicationLogger(keras.callbacks.Callback):
-    """Logs bytes sent vs dense, achieved density, residual norm and time in sparsification and
-    exchange, once per epoch, on rank 0 only.
+    """Logs bytes sent vs dense, achieved density, residual norm, time in sparsification and
+    exchange, and the factor of the next step that cuts (``update_scale``), once per epoch, on
+    rank 0 only.
 
     Args:
         path: a JSON-lines file to append one record per epoch to (``python -m sparse_hvd.report``
@@ -119,5 +121,7 @@ class CommunicationLogger(keras.callbacks.Callback):
                 f"{100 * record['density_last_step']:.2f}%, residual norm "
                 f"{record['residual_norm']:.3g}, sparsify {record['sparsify_ms_per_step']:.2f} ms, "
                 f"exchange {record['exchange_ms_per_step']:.2f} ms per step"
+                + (f", step factor {record['update_factor']:.2f}"
+                   if record["update_factor"] != 1 else "")
                 + (f", {record['skipped_steps']} skipped" if record["skipped_steps"] else ""),
             )

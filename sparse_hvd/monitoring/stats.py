@@ -12,7 +12,7 @@ from ..runtime.stamps import time_after
 
 EMPTY = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "capped_selections": 0,
          "skipped_steps": 0, "sparsify_seconds": 0.0, "exchange_seconds": 0.0,
-         "measurement_bytes": 0}
+         "measurement_bytes": 0, "update_factor": 1.0}
 
 
 class CommunicationCounters:
