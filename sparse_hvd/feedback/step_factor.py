@@ -76,10 +76,8 @@ class StepFactor:
     def on_step(self, opt, cuts):
         """This step's factor (step 1's peak noted whether or not the step ``cuts``): a tensor
         where it varies, a float where it is constant, 1.0 for a step that cuts nothing."""
-        rate, peak = None, None
-        if self.follows_rate:  # step 1
-            rate = _rate(opt)
-            peak = tf.maximum(tf.convert_to_tensor(self.peak), rate)
+        rate, peak = self._rate_and_peak(opt)
+        if peak is not None:
             opt.assign(self.peak, peak)
         if not cuts or self.is_one:
             return 1.0
@@ -91,12 +89,16 @@ class StepFactor:
         peak as that step will note it)."""
         if self.is_one:
             return 1.0
-        rate, peak = None, None
-        if self.follows_rate:
-            rate = _rate(opt)
-            noted = 0.0 if self.peak is None else tf.convert_to_tensor(self.peak)
-            peak = tf.maximum(noted, rate)
-        return float(self._factor(opt, rate, peak))
+        return float(self._factor(opt, *self._rate_and_peak(opt)))
+
+    def _rate_and_peak(self, opt):
+        """Step 1: the rate now and the peak as a step now notes it (None, None for a constant
+        factor; a peak not yet built counts as 0)."""
+        if not self.follows_rate:
+            return None, None
+        rate = _rate(opt)
+        noted = 0.0 if self.peak is None else tf.convert_to_tensor(self.peak)
+        return rate, tf.maximum(noted, rate)
 
     def _factor(self, opt, rate, peak):
         """Steps 2-3: the factor at ``rate`` below ``peak`` (both None for a constant one),
