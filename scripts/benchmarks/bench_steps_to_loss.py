@@ -204,6 +204,10 @@ METHODS = {
                                           "update_scale=(1.0, 2.0): dense's step at the peak "
                                           "rate, twice it as the rate falls to 0",
                                           {"density": 0.001, "update_scale": [1.0, 2.0]}),
+    "default_ramp_whole_warmup": ("the defaults with the factor reached over the whole "
+                                  "density warm-up (200 steps), not its first quarter, so it "
+                                  "grows as the density falls (step_factor.RAMP_SHARE = 1)",
+                                  {"density": 0.01, "scale_ramp_share": 1}),
     "default_scale_grows_late": ("the defaults with the pair's factor growing only once the "
                                  "rate falls below half its peak: 1.5 down to half the peak "
                                  "rate, then linearly to 2.0 at 0 (step_factor.GROWS_BELOW = "

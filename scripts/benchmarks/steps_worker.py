@@ -205,6 +205,8 @@ def main(argv=None):
         sparse_hvd.steps.measured.HOLD_WITHIN = options["hold_within"]
     if "scale_grows_below" in options:  # where a pair's factor starts growing
         sparse_hvd.feedback.step_factor.GROWS_BELOW = options["scale_grows_below"]
+    if "scale_ramp_share" in options:  # the factor reached over 1/this of the warm-up
+        sparse_hvd.feedback.step_factor.RAMP_SHARE = options["scale_ramp_share"]
     if options.get("scale_follows_rate"):
         factor_follows_rate(sparse_hvd, options["inner"]["lr"],
                             against=options["scale_follows_rate"] == "against")
