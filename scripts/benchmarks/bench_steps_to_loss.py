@@ -381,10 +381,10 @@ def resolve_steps(value, steps):
 
 
 # settings a method may set that steps_worker applies before the build: exchange="auto"'s, and
-# the factor's schedule of the probes (scale_follows_rate, scale_grows_below)
+# the factor's schedule of the probes (scale_follows_rate, scale_grows_below, scale_ramp_share)
 AUTO_SETTINGS = ("dense_within", "noise_within", "first_decision", "early_recheck",
                  "hopeless_retimes", "sign_dense_within", "hold_within",
-                 "scale_follows_rate", "scale_grows_below")
+                 "scale_follows_rate", "scale_grows_below", "scale_ramp_share")
 
 
 def options_for(workload, method, steps):
