@@ -204,6 +204,10 @@ METHODS = {
                                           "update_scale=(1.0, 2.0): dense's step at the peak "
                                           "rate, twice it as the rate falls to 0",
                                           {"density": 0.001, "update_scale": [1.0, 2.0]}),
+    "default_update_scale_1.25_to_2": ("the defaults with update_scale=(1.25, 2.0): a smaller "
+                                       "factor at the peak rate (where the CNN lags), the "
+                                       "same 2.0 as the rate falls to 0",
+                                       {"density": 0.01, "update_scale": [1.25, 2.0]}),
     "default_ramp_whole_warmup": ("the defaults with the factor reached over the whole "
                                   "density warm-up (200 steps), not its first quarter, so it "
                                   "grows as the density falls (step_factor.RAMP_SHARE = 1)",
