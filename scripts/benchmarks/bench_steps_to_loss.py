@@ -208,6 +208,10 @@ METHODS = {
                                        "factor at the peak rate (where the CNN lags), the "
                                        "same 2.0 as the rate falls to 0",
                                        {"density": 0.01, "update_scale": [1.25, 2.0]}),
+    "default_update_scale_1.5_to_1.75": ("the defaults with update_scale=(1.5, 1.75): the "
+                                         "factor at the peak rate as the default's, growing "
+                                         "to 1.75, not 2.0, as the rate falls to 0",
+                                         {"density": 0.01, "update_scale": [1.5, 1.75]}),
     "default_ramp_whole_warmup": ("the defaults with the factor reached over the whole "
                                   "density warm-up (200 steps), not its first quarter, so it "
                                   "grows as the density falls (step_factor.RAMP_SHARE = 1)",
