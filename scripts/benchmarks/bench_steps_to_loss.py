@@ -202,6 +202,11 @@ METHODS = {
                                                 "400-step warm-up and update_scale=2.0",
                                                 {"density": 0.001, "warmup_steps": 400,
                                                  "update_scale": 2.0}),
+    "default_0.001_warmup_400_scale_grows": ("the defaults at density=0.001 with the 400-step "
+                                             "warm-up and the 1% default's factor, "
+                                             "update_scale=(1.5, 2.0)",
+                                             {"density": 0.001, "warmup_steps": 400,
+                                              "update_scale": [1.5, 2.0]}),
     "default_0.001_update_scale_3": ("the defaults at density=0.001 with update_scale=3.0",
                                      {"density": 0.001, "update_scale": 3.0}),
     "default_0.001_update_scale_grows": ("the defaults at density=0.001 with the 1% "
