@@ -58,6 +58,12 @@ def test_resolution_of_density_and_warmup_steps():
     assert resolve_density(0.01, None).get_config() == {
         "density": 0.01, "initial_density": 0.1, "warmup_steps": 200}
     assert resolve_density(0.001, 50).get_config()["warmup_steps"] == 50
+    # below 1%, 200 steps for each tenfold fall from 10%: the same pace at any density
+    assert resolve_density(0.001, None).get_config() == {
+        "density": 0.001, "initial_density": 0.1, "warmup_steps": 400}
+    assert resolve_density(0.0001, None).get_config()["warmup_steps"] == 600
+    assert resolve_density(0.005, None).get_config()["warmup_steps"] == round(200 * math.log10(20))
+    assert resolve_density(0.05, None).get_config()["warmup_steps"] == 200  # never shorter
     assert type(resolve_density(0.01, 0)) is ConstantDensity
     # a density at or above the warm-up's start needs none
     assert type(resolve_density(0.1, None)) is ConstantDensity
@@ -359,8 +365,16 @@ def test_the_default_takes_sgd_momentums_sparse_steps_larger_and_nothing_elses()
     assert scale(keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)) == SGD_UPDATE_SCALE
     assert scale(keras.optimizers.LossScaleOptimizer(momentum)) == SGD_UPDATE_SCALE
     assert scale(momentum, exchange="sparse_allreduce", warmup_steps=0) == SGD_UPDATE_SCALE
-    # what was not measured keeps every step at the rate
-    assert scale(momentum, density=0.001) == 1.0
+    # below 1% the factor at the peak rate rises to the end's 2.0 at 0.1%, linearly in the
+    # density's logarithm; the warm-up get_config writes for a number counts as the number
+    assert scale(momentum, density=0.001) == 2.0
+    assert scale(momentum, density=0.0001) == 2.0
+    assert scale(momentum, density=0.005) == (round(1.5 + 0.5 * math.log10(2), 2), 2.0)
+    assert scale(momentum, density=WarmupDensity(0.001, 0.1, 400)) == 2.0
+    # what was not measured keeps every step at the rate: above 1%, a policy of one's own
+    assert scale(momentum, density=0.05) == 1.0
+    assert scale(momentum, density=WarmupDensity(0.001, 0.1, 300)) == 1.0
+    assert scale(momentum, density=0.001, update_scale=1.0) == 1.0  # the behaviour before
     assert scale(momentum, exchange="sign") == 1.0  # every entry's sign, not the top entries
     assert scale(momentum, exchange="topk_sign") == 1.0
     assert scale(keras.optimizers.SGD(0.1)) == 1.0  # the gradient cut
@@ -374,3 +388,7 @@ def test_the_default_takes_sgd_momentums_sparse_steps_larger_and_nothing_elses()
     assert sparse_hvd.SparseDistributedOptimizer.from_config(config).update_scale == SGD_UPDATE_SCALE
     del config["update_scale"]
     assert sparse_hvd.SparseDistributedOptimizer.from_config(config).update_scale == 1.0
+    config = sparse_hvd.SparseDistributedOptimizer(momentum, density=0.001).get_config()
+    assert config["update_scale"] == 2.0
+    restored = sparse_hvd.SparseDistributedOptimizer.from_config(config)
+    assert restored.update_scale == 2.0 and restored.warmup_steps == 400

@@ -5,12 +5,14 @@ measures it: on a character LSTM at 1% it never reached dense's mid-run loss in 
 Of the aids measured there (``scripts/benchmarks/bench_steps_to_loss.py``), these are on unless
 the user says otherwise:
 
-* **Warm-up** (``warmup_steps``, default :data:`WARMUP_STEPS`): a numeric ``density`` below
-  :data:`WARMUP_INITIAL_DENSITY` becomes ``WarmupDensity(density, 0.10, warmup_steps)``: the
-  density decays exponentially from 10% to ``density`` over the first steps, where gradients
-  change fastest (Deep Gradient Compression's warm-up, Lin et al., ICLR 2018, starts at 25%).
-  It costs about ``0.08 x warmup_steps`` dense steps' worth of bytes in all (the mean density
-  of the decay from 10% to 1% is 3.9%, and a sparse entry is a value and an index).
+* **Warm-up** (``warmup_steps``, default :func:`default_warmup_steps`): a numeric ``density``
+  below :data:`WARMUP_INITIAL_DENSITY` becomes ``WarmupDensity(density, 0.10, warmup_steps)``:
+  the density decays exponentially from 10% to ``density`` over the first steps, where
+  gradients change fastest (Deep Gradient Compression's warm-up, Lin et al., ICLR 2018, starts
+  at 25%), over :data:`WARMUP_STEPS` (200) steps for each tenfold fall and at least 200: 200 at
+  1%, 400 at 0.1%. At 1% it costs about ``0.08 x warmup_steps`` dense steps' worth of bytes in
+  all (the mean density of the decay from 10% to 1% is 3.9%, and a sparse entry is a value
+  and an index); at 0.1% about ``0.04 x warmup_steps`` (a mean of 2.1%).
   ``warmup_steps=0`` keeps the density constant from the first step. A numeric density only:
   a policy object is used as given.
 
@@ -56,9 +58,11 @@ the user says otherwise:
   dense's spread; growing to 2 (``docs/steps_to_loss_scale_grows.md``) lowered every final
   loss or left it (the LSTM 1.3637 against 1.3777 at 4 workers, the residual network 0.0501
   against 0.0528 at 8, inside dense's spread), and took the CNN at 4 workers from 1.07 to 1.15x
-  dense's steps over twelve seeds. At 0.1% it stays 1.0: 2.0 there took the LSTM from never to
-  1.39x dense's steps but slowed the CNN and the residual network
-  (``docs/steps_to_loss_0001_update_scale_2.md``).
+  dense's steps over twelve seeds. Below 1% the factor at the peak rate rises to 2.0 at 0.1%
+  and below (:func:`sgd_update_scale`): at 0.1% with the 200-step warm-up a constant 2.0 took
+  the LSTM from never reaching dense's half-run loss to 1.39x dense's steps but slowed the CNN
+  and the residual network (``docs/steps_to_loss_0001_update_scale_2.md``); with the 400-step
+  warm-up it brought all three to about dense's steps (``docs/steps_to_loss_0001_warmup.md``).
 * **With Adam, every entry's sign** (``exchange=None``, :func:`one_bit_by_default`): with a
   Keras Adam or AdamW under the update cut at the default density, each worker sends the
   sign of every entry of its compensated update and a scale per 64 entries
@@ -98,12 +102,16 @@ LAGS' adaptive density (it follows the cost of communication, not the gradients:
 it sent 1.6% of dense's bytes and trained far slower).
 """
 
+import math
+
 import keras
 
 from ..feedback.step_factor import normalized
 from .density import ConstantDensity, DensityPolicy, WarmupDensity, get_density_policy
 
-WARMUP_STEPS = 200  # what warmup_steps=None means
+# what warmup_steps=None means at the default density and above; below it, this many steps
+# for each tenfold fall of the density from its start (default_warmup_steps)
+WARMUP_STEPS = 200
 WARMUP_INITIAL_DENSITY = 0.10  # 0.25 before this release (see the docstring)
 BUDGET = "model"  # what budget=None means with the grouped exchanges
 BUDGETS = ("layer", "model")
@@ -176,16 +184,24 @@ def code_by_default(exchange, optimizer, sparsify, density, sparsifier, budget, 
 def _is_default_density(density) -> bool:
     """``density`` is the constructor's default: :data:`DENSITY`, or the warm-up to it that
     ``get_config`` writes for it (so that a saved optimizer comes back with the same code)."""
+    return _as_number(density) == DENSITY
+
+
+def _as_number(density):
+    """The number d where ``density`` is d, or the warm-up to d that ``get_config`` writes for
+    a numeric d under the default warm-up; None for any other policy."""
     if isinstance(density, (int, float)) and not isinstance(density, bool):
-        return density == DENSITY
+        return float(density)
     from .density import serialize_density_policy
 
     try:
         policy = get_density_policy(density)
+        written = resolve_density(policy.final_density, None)
     except (TypeError, ValueError):
-        return False
-    return (serialize_density_policy(policy)
-            == serialize_density_policy(resolve_density(DENSITY, None)))
+        return None
+    if serialize_density_policy(policy) == serialize_density_policy(written):
+        return policy.final_density
+    return None
 
 
 def is_default_sparsifier(sparsifier) -> bool:
@@ -196,16 +212,31 @@ def is_default_sparsifier(sparsifier) -> bool:
     return serialize_sparsifier(sparsifier) == serialize_sparsifier(get_sparsifier("topk"))
 
 
+def default_warmup_steps(density: float) -> int:
+    """What ``warmup_steps=None`` means for a constant ``density`` below the warm-up's start:
+    :data:`WARMUP_STEPS` for each tenfold fall from :data:`WARMUP_INITIAL_DENSITY` to
+    ``density``, never fewer than :data:`WARMUP_STEPS` (200 steps at 1% and above, 400 at 0.1%),
+    so that the density falls at the default's pace at any density. At 0.1% the 200-step
+    warm-up falls a hundredfold where the 1% default's falls tenfold, and the LSTM never
+    reached dense's half-run loss; with 400 steps (and the factor, :func:`resolve_update_scale`)
+    it did (the README's "Converging like dense")."""
+    tenfold_falls = math.log10(WARMUP_INITIAL_DENSITY / density)
+    return max(WARMUP_STEPS, int(round(WARMUP_STEPS * tenfold_falls)))
+
+
 def resolve_density(density, warmup_steps) -> DensityPolicy:
     """The density policy for the optimizer's ``density`` and ``warmup_steps`` arguments."""
     policy = get_density_policy(density)
-    if warmup_steps is None:
-        warmup_steps = WARMUP_STEPS
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+    if warmup_steps is not None and (isinstance(warmup_steps, bool)
+                                     or not isinstance(warmup_steps, int) or warmup_steps < 0):
         raise ValueError(f"`warmup_steps` must be a non-negative int, got {warmup_steps!r}")
     if (type(policy) is not ConstantDensity or warmup_steps == 0
             or policy.density >= WARMUP_INITIAL_DENSITY):
         return policy
+    if warmup_steps is None:
+        warmup_steps = default_warmup_steps(policy.density)
+        if warmup_steps == 0:  # WARMUP_STEPS = 0: no warm-up by default
+            return policy
     return WarmupDensity(policy.density, initial_density=WARMUP_INITIAL_DENSITY,
                          warmup_steps=warmup_steps)
 
@@ -239,24 +270,44 @@ def resolve_sparsify(sparsify, optimizer) -> str:
 
 # what update_scale=None means with a Keras SGD with momentum under the update cut at the
 # default density (top-k of the entries): the factor at the largest rate seen so far and as the
-# rate falls to 0 (feedback.step_factor); 1.0 everywhere else (see resolve_update_scale)
+# rate falls to 0 (feedback.step_factor); below it see sgd_update_scale; 1.0 everywhere else
 SGD_UPDATE_SCALE = (1.5, 2.0)
+# at this density and below, the factor at the peak rate is the pair's end too (a constant 2.0)
+LOW_DENSITY = 0.001
+
+
+def sgd_update_scale(density: float):
+    """The default factor under SGD's momentum at a density at or below the default:
+    :data:`SGD_UPDATE_SCALE` at 1%, its end (2.0) at every rate at :data:`LOW_DENSITY` (0.1%)
+    and below, and between the two the factor at the peak rate moving linearly in the
+    density's logarithm (1.65 at 0.5%; to two decimals). A lower density holds each entry
+    back longer; at 0.1% with the warm-up of :func:`default_warmup_steps` the constant 2.0
+    took the LSTM, the CNN and the residual network to dense's loss in about dense's steps
+    where the 1% pair trailed on each (the README's "Converging like dense"); in between
+    nothing was measured."""
+    at_peak, at_end = SGD_UPDATE_SCALE
+    share = math.log10(DENSITY / density) / math.log10(DENSITY / LOW_DENSITY)
+    share = min(1.0, max(0.0, share))
+    return normalized((round(at_peak + (at_end - at_peak) * share, 2), at_end))
 
 
 def resolve_update_scale(update_scale, optimizer, sparsify, density, code):
     """The factor on every sparse step for the optimizer's ``update_scale`` argument: a number
-    or a pair as given (``feedback.step_factor.normalized``); None is :data:`SGD_UPDATE_SCALE`
-    with a Keras SGD with momentum (inside a LossScaleOptimizer too) under the update cut at
-    the default density, where the entries are cut (``code == "entries"``), and 1.0
-    otherwise (at 0.1% a factor of 2 slowed the image models; nothing else was measured)."""
+    or a pair as given (``feedback.step_factor.normalized``); None is
+    :func:`sgd_update_scale` with a Keras SGD with momentum (inside a LossScaleOptimizer too)
+    under the update cut at the default density or below (a number, or the warm-up
+    ``get_config`` writes for one), where the entries are cut (``code == "entries"``), and
+    1.0 otherwise (above 1% and with other optimizers nothing was measured)."""
     if update_scale is not None:
         return normalized(update_scale)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
     momentum_sgd = (isinstance(optimizer, keras.optimizers.SGD)
                     and float(optimizer.momentum) > 0.0)
-    if momentum_sgd and sparsify == "update" and code == "entries" and _is_default_density(density):
-        return SGD_UPDATE_SCALE
+    number = _as_number(density)
+    if (momentum_sgd and sparsify == "update" and code == "entries" and number is not None
+            and number <= DENSITY):
+        return sgd_update_scale(number)
     return 1.0
 
 
