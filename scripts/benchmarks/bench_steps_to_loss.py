@@ -168,6 +168,10 @@ METHODS = {
                           "over 200 steps (WarmupDensity(0.01, 0.25, 200))",
                           {"density": {"class_name": "warmup", "config": {
                               "density": 0.01, "initial_density": 0.25, "warmup_steps": 200}}}),
+    "default_warmup_steps_400": ("the defaults with a 400-step warm-up at 1% (10% -> 1%, "
+                                 "warmup_steps=400): does the slower fall that carried the "
+                                 "factor at 0.1% help at 1% too?",
+                                 {"density": 0.01, "warmup_steps": 400}),
     "default_clipnorm_2": ("the defaults with the inner optimizer's clipnorm 2.0 (the LSTM's 1.0 "
                            "times sqrt(4)): does the clipping of each worker's own gradient "
                            "under the update cut hold the LSTM back?",
