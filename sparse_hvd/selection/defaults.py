@@ -230,13 +230,12 @@ def resolve_density(density, warmup_steps) -> DensityPolicy:
     if warmup_steps is not None and (isinstance(warmup_steps, bool)
                                      or not isinstance(warmup_steps, int) or warmup_steps < 0):
         raise ValueError(f"`warmup_steps` must be a non-negative int, got {warmup_steps!r}")
-    if (type(policy) is not ConstantDensity or warmup_steps == 0
-            or policy.density >= WARMUP_INITIAL_DENSITY):
+    if type(policy) is not ConstantDensity or policy.density >= WARMUP_INITIAL_DENSITY:
         return policy
     if warmup_steps is None:
         warmup_steps = default_warmup_steps(policy.density)
-        if warmup_steps == 0:  # WARMUP_STEPS = 0: no warm-up by default
-            return policy
+    if warmup_steps == 0:
+        return policy
     return WarmupDensity(policy.density, initial_density=WARMUP_INITIAL_DENSITY,
                          warmup_steps=warmup_steps)
 
