@@ -33,13 +33,13 @@ def _sent_per_step(optimizer, variable, steps, seed=0):
 
 
 @pytest.mark.convergence_defaults
-def test_a_numeric_density_warms_up_from_10_percent_over_200_steps():
+def test_a_numeric_density_warms_up_from_10_percent_over_400_steps():
     variable = keras.Variable(np.zeros(SHAPE, "float32"))
     optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), density=0.01)
     assert isinstance(optimizer.density_policy, WarmupDensity)
-    assert optimizer.warmup_steps == 200
+    assert optimizer.warmup_steps == 400
     sent = _sent_per_step(optimizer, variable, 4)
-    assert sent == [_warmup_k(t, 0.01, 10_000) for t in range(4)]
+    assert sent == [_warmup_k(t, 0.01, 10_000, steps=400) for t in range(4)]
     assert sent[0] == 1000
     assert optimizer.density == 0.01  # the density it settles at
 
@@ -56,14 +56,17 @@ def test_warmup_steps_zero_keeps_the_density_constant_from_the_first_step():
 @pytest.mark.convergence_defaults
 def test_resolution_of_density_and_warmup_steps():
     assert resolve_density(0.01, None).get_config() == {
-        "density": 0.01, "initial_density": 0.1, "warmup_steps": 200}
+        "density": 0.01, "initial_density": 0.1, "warmup_steps": 400}
     assert resolve_density(0.001, 50).get_config()["warmup_steps"] == 50
-    # below 1%, 200 steps for each tenfold fall from 10%: the same pace at any density
+    # 400 steps at 0.1% and above, whatever the fall
     assert resolve_density(0.001, None).get_config() == {
         "density": 0.001, "initial_density": 0.1, "warmup_steps": 400}
+    assert resolve_density(0.005, None).get_config()["warmup_steps"] == 400
+    assert resolve_density(0.05, None).get_config()["warmup_steps"] == 400
+    # below 0.1%, 0.1%'s pace: 200 steps for each tenfold fall from 10%
     assert resolve_density(0.0001, None).get_config()["warmup_steps"] == 600
-    assert resolve_density(0.005, None).get_config()["warmup_steps"] == round(200 * math.log10(20))
-    assert resolve_density(0.05, None).get_config()["warmup_steps"] == 200  # never shorter
+    assert resolve_density(0.00003, None).get_config()["warmup_steps"] == round(
+        200 * math.log10(0.1 / 0.00003))
     assert type(resolve_density(0.01, 0)) is ConstantDensity
     # a density at or above the warm-up's start needs none
     assert type(resolve_density(0.1, None)) is ConstantDensity
@@ -80,11 +83,17 @@ def test_resolution_of_density_and_warmup_steps():
 def test_the_resolved_warmup_round_trips_and_an_old_config_keeps_its_constant_density():
     optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.SGD(0.1), density=0.01)
     config = optimizer.get_config()
-    assert config["warmup_steps"] == 200
+    assert config["warmup_steps"] == 400
     assert config["density"] == {"class_name": "warmup", "config": {
-        "density": 0.01, "initial_density": 0.1, "warmup_steps": 200}}
+        "density": 0.01, "initial_density": 0.1, "warmup_steps": 400}}
     again = sparse_hvd.SparseDistributedOptimizer.from_config(config)
     assert again.density_policy.get_config() == optimizer.density_policy.get_config()
+    # written by the release whose warm-up at 1% was 200 steps: it reloads as it ran
+    previous = dict(config, warmup_steps=200, density={"class_name": "warmup", "config": {
+        "density": 0.01, "initial_density": 0.1, "warmup_steps": 200}})
+    reloaded = sparse_hvd.SparseDistributedOptimizer.from_config(previous)
+    assert reloaded.warmup_steps == 200
+    assert reloaded.density_policy.get_config()["warmup_steps"] == 200
     # written when the warm-up started at 25%: it reloads as it ran
     older = dict(config, density={"class_name": "warmup", "config": {
         "density": 0.01, "initial_density": 0.25, "warmup_steps": 200}})

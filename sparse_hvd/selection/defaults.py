@@ -9,10 +9,17 @@ the user says otherwise:
   below :data:`WARMUP_INITIAL_DENSITY` becomes ``WarmupDensity(density, 0.10, warmup_steps)``:
   the density decays exponentially from 10% to ``density`` over the first steps, where
   gradients change fastest (Deep Gradient Compression's warm-up, Lin et al., ICLR 2018, starts
-  at 25%), over :data:`WARMUP_STEPS` (200) steps for each tenfold fall and at least 200: 200 at
-  1%, 400 at 0.1%. At 1% it costs about ``0.08 x warmup_steps`` dense steps' worth of bytes in
-  all (the mean density of the decay from 10% to 1% is 3.9%, and a sparse entry is a value
-  and an index); at 0.1% about ``0.04 x warmup_steps`` (a mean of 2.1%).
+  at 25%), over :data:`WARMUP_STEPS` (400) steps at 0.1% and above, and below 0.1% at 0.1%'s
+  pace (200 steps for each tenfold fall: 600 at 0.01%). At 1% it costs about ``0.08 x
+  warmup_steps`` dense steps' worth of bytes in all (the mean density of the decay from 10% to
+  1% is 3.9%, and a sparse entry is a value and an index); at 0.1% about ``0.04 x
+  warmup_steps`` (a mean of 2.1%). Why 400 at 1% (200 before this release): measured under
+  SGD's momentum (``docs/steps_to_loss_warmup_400.md``), the longer fall took fewer steps to
+  dense's loss on the LSTM, the CNN and the residual network at 4 workers (the CNN 1.08x
+  dense's steps over twelve seeds against 1.15x) and on the LSTM at 8, the image models at 8
+  the same within their seeds' spread, for about 1.4x the run's bytes (0.05-0.06 of dense's);
+  timed on the wide CNN at 1 Gbit/s it reached dense's loss as soon
+  (``docs/time_to_loss_1gbit_epyc_warmup_400.md``).
   ``warmup_steps=0`` keeps the density constant from the first step. A numeric density only:
   a policy object is used as given.
 
@@ -49,7 +56,8 @@ the user says otherwise:
   default :func:`resolve_update_scale`): with a Keras SGD with momentum under the update cut
   at the default density, every step that cuts a variable is taken 1.5 times larger at the
   largest learning rate seen so far, growing linearly to 2 as the rate falls to 0
-  (:data:`SGD_UPDATE_SCALE`, ``feedback.step_factor``), reached over the first 50 steps. Error
+  (:data:`SGD_UPDATE_SCALE`, ``feedback.step_factor``), reached over the warm-up's first quarter
+  (100 steps at 1%; 50 with the 200-step warm-up it was measured with). Error
   feedback moves the weights less per step than dense at the same rate (a held entry arrives
   late) and stays stable where dense does not: at the LSTM's rate x2 the default ended below
   dense's best loss. Measured at 4 and 8 workers, 3 seeds, a constant 1.5
@@ -109,9 +117,9 @@ import keras
 from ..feedback.step_factor import normalized
 from .density import ConstantDensity, DensityPolicy, WarmupDensity, get_density_policy
 
-# what warmup_steps=None means at the default density and above; below it, this many steps
-# for each tenfold fall of the density from its start (default_warmup_steps)
-WARMUP_STEPS = 200
+# what warmup_steps=None means at 0.1% and above (200 before this release); below 0.1%, half
+# this many steps for each tenfold fall of the density from its start (default_warmup_steps)
+WARMUP_STEPS = 400
 WARMUP_INITIAL_DENSITY = 0.10  # 0.25 before this release (see the docstring)
 BUDGET = "model"  # what budget=None means with the grouped exchanges
 BUDGETS = ("layer", "model")
@@ -214,14 +222,15 @@ def is_default_sparsifier(sparsifier) -> bool:
 
 def default_warmup_steps(density: float) -> int:
     """What ``warmup_steps=None`` means for a constant ``density`` below the warm-up's start:
-    :data:`WARMUP_STEPS` for each tenfold fall from :data:`WARMUP_INITIAL_DENSITY` to
-    ``density``, never fewer than :data:`WARMUP_STEPS` (200 steps at 1% and above, 400 at 0.1%),
-    so that the density falls at the default's pace at any density. At 0.1% the 200-step
-    warm-up falls a hundredfold where the 1% default's falls tenfold, and the LSTM never
-    reached dense's half-run loss; with 400 steps (and the factor, :func:`resolve_update_scale`)
-    it did (the README's "Converging like dense")."""
+    :data:`WARMUP_STEPS` (400) at 0.1% and above, and below 0.1% half of it for each tenfold
+    fall from :data:`WARMUP_INITIAL_DENSITY` (600 at 0.01%), the pace of 0.1%'s warm-up. Both
+    lengths are measured (the README's "Converging like dense"): at 0.1% the 200-step warm-up
+    fell a hundredfold where 1%'s fell tenfold and the LSTM never reached dense's half-run
+    loss, 400 steps (with the factor, :func:`resolve_update_scale`) took it there in about
+    dense's steps; at 1% 400 steps took fewer than 200 at 4 workers on every workload
+    measured. Below 0.1% nothing was run: the pace is kept rather than the length."""
     tenfold_falls = math.log10(WARMUP_INITIAL_DENSITY / density)
-    return max(WARMUP_STEPS, int(round(WARMUP_STEPS * tenfold_falls)))
+    return max(WARMUP_STEPS, int(round(WARMUP_STEPS / 2 * tenfold_falls)))
 
 
 def resolve_density(density, warmup_steps) -> DensityPolicy:
