@@ -68,10 +68,9 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
         density: fraction of each variable's entries a worker sends per step, in (0, 1], or a
             density policy (``sparse_hvd.WarmupDensity(...)``, ``AdaptiveDensity``, ...).
         warmup_steps: a numeric ``density`` below 10% starts at 10% and decays exponentially
-            to it over this many steps (None: 400 at 0.1% and above, 200 before this
-            release; below 0.1%, 200 for each tenfold fall: 600 at 0.01%;
-            ``selection.defaults``); 0 keeps it constant from the first step. Ignored for a
-            policy object.
+            to it over this many steps (None: 400 at 0.1% and above, was 200 at 1%; below
+            0.1%, 200 a tenfold fall: 600 at 0.01%; ``selection.defaults``); 0 keeps it
+            constant from the first step. Ignored for a policy object.
         budget: ``"model"``: the sum of the variables' k spent on the largest entries of the
             whole model; ``"layer"``: each variable sends its own k. None (default): "model"
             with the grouped exchanges, "layer" with ``grouping="layerwise"`` or

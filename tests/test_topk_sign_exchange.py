@@ -66,7 +66,7 @@ def test_with_signs_of_rest_on_sgd_momentum_chooses_between_topk_sign_and_dense(
     assert optimizer._exchange_candidates == ("topk_sign", "dense")
     assert optimizer._exchange.method == "topk_sign" and optimizer.sparsify == "update"
     # the top-k part keeps the defaults' warm-up and model-wide budget
-    assert optimizer.budget == "model" and optimizer.warmup_steps == 200
+    assert optimizer.budget == "model" and optimizer.warmup_steps == 400
     config = optimizer.get_config()
     assert config["exchange"] is None
     clone = sparse_hvd.SparseDistributedOptimizer.from_config(config)

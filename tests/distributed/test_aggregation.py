@@ -274,8 +274,8 @@ def test_the_default_warmup_and_a_model_wide_budget_apply_the_mean_of_every_sele
     residuals = [[np.zeros(n, "float32") for n in sizes] for _ in range(size)]
     expected = [np.zeros(n, "float64") for n in sizes]
     for t in range(4):
-        # WarmupDensity(0.01, 0.1, 200)'s k, computed independently
-        ks = [math.ceil(n * 0.1 * 0.1 ** (t / 200) - 1e-9) for n in sizes]
+        # WarmupDensity(0.01, 0.1, 400)'s k (the default warm-up), computed independently
+        ks = [math.ceil(n * 0.1 * 0.1 ** (t / 400) - 1e-9) for n in sizes]
         grads = lambda r: [_gradient(r, t, s) * (1 + 3 * i) for i, s in enumerate(shapes)]  # noqa: E731
         step(*[tf.constant(g) for g in grads(rank)])
         summed = [np.zeros(n, "float64") for n in sizes]
