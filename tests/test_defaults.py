@@ -16,7 +16,7 @@ from helpers import numpy_topk_indices
 SHAPE = (100, 100)  # 10,000 entries: sparse route
 
 
-def _warmup_k(step, density, n, steps=200, initial=WARMUP_INITIAL_DENSITY):
+def _warmup_k(step, density, n, steps, initial=WARMUP_INITIAL_DENSITY):
     """WarmupDensity's k, computed independently: ceil(n * initial * (d/initial)^(t/T))."""
     if step >= steps:
         return math.ceil(density * n)
