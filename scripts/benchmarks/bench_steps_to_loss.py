@@ -146,6 +146,9 @@ METHODS = {
                 "warm-up and one budget for the whole model)", {"density": 0.01}),
     "default_0.001": ("the defaults at density=0.001", {"density": 0.001}),
     "default_0.1": ("the defaults at density=0.1 (no warm-up: it starts at 10%)", {"density": 0.1}),
+    "default_0.005": ("the defaults at density=0.005, between the measured 1% and 0.1%: the "
+                      "400-step warm-up and the factor (1.65, 2.0), both interpolated",
+                      {"density": 0.005}),
     "gradient": ("the defaults with sparsify='gradient': the averaged sparse gradient goes to "
                  "the inner optimizer (the default before sparsify existed)",
                  {"density": 0.01, "sparsify": "gradient"}),
