@@ -117,6 +117,33 @@ def factor_follows_rate(sparse_hvd, peak, against=False):
     StepFactor.on_step = on_step
 
 
+def flushed_losses(sparse, hvd, variables, validation):
+    """The validation loss at the end of the run with the ranks' mean residual applied too
+    (every rank takes part in one allreduce; rank 0 evaluates): at the factor 1 and at the
+    factor the next cutting step would take. Error feedback's analyses bound the loss of the
+    weights less the residuals' mean (the "virtual" iterate, Stich et al. 2018); what this
+    returns says how much of the end's gap to dense is steps still held in the residuals. The
+    weights are put back before the function returns. None under the gradient cut (its
+    residuals hold gradients, not steps) or where ranks hold no residuals."""
+    import numpy as np
+
+    if sparse.sparsify != "update" or not sparse.residuals:
+        return None
+    means = hvd.grouped_allreduce([np.asarray(r.numpy()) for r in sparse.residuals],
+                                  op=hvd.Average, name="steps.flush")
+    factor = sparse._step_factor.next_factor(sparse)
+    kept = [v.numpy() for v in variables]
+    result = {"factor": factor, "residual_norm": float(np.sqrt(sum(
+        float(np.sum(np.square(m.numpy()))) for m in means)))}
+    for name, scale in (("at_1", 1.0), ("at_factor", factor)):
+        for variable, value, mean in zip(variables, kept, means):
+            variable.assign(value - scale * np.reshape(mean.numpy(), value.shape))
+        result[name] = validation()[0] if hvd.rank() == 0 else None
+    for variable, value in zip(variables, kept):
+        variable.assign(value)
+    return result
+
+
 def learning_rate(keras, peak, steps):
     """Linear warm-up over the first 5% of the steps, then cosine decay to 0."""
     warmup = max(1, steps // 20)
@@ -285,6 +312,7 @@ def main(argv=None):
             print(f"[steps_worker] {args.workload} {args.method} x{size} seed {args.seed} "
                   f"step {step}: val loss {val_loss:.4f}, acc {acc:.4f}", flush=True)
 
+    flushed = flushed_losses(sparse, hvd, variables, validation) if sparse is not None else None
     parameters = int(sum(np.prod(v.shape) for v in variables))
     stats = sparse.communication_stats() if sparse is not None else None
     digest = hashlib.sha256(b"".join(np.ascontiguousarray(v.numpy()).tobytes()
@@ -323,6 +351,7 @@ def main(argv=None):
             # and what rank 0 sent and its exchange's span in each of them (StepCounts)
             "first_step_counts": step_counts.kept,
             "exchange": args.exchange,
+            "final_flushed": flushed,
             "exchange_decisions": (getattr(sparse, "exchange_decisions", None)
                                    if sparse is not None else None),
             "seconds": time.perf_counter() - started,
