@@ -152,12 +152,15 @@ def learning_rate(keras, peak, steps):
 
 
 def inner_optimizer(keras, spec, steps):
-    """The user's optimizer: ``{"name": "sgd"|"adam"|"adamw", "lr": ..., "momentum": ...,
-    "weight_decay": ...}``."""
+    """The user's optimizer: ``{"name": "sgd"|"adam"|"adamw"|"rmsprop", "lr": ...,
+    "momentum": ..., "nesterov": ..., "weight_decay": ...}``."""
     lr = learning_rate(keras, spec["lr"], steps)
     clipnorm = spec.get("clipnorm")
     if spec["name"] == "sgd":
-        return keras.optimizers.SGD(lr, momentum=spec.get("momentum", 0.9), clipnorm=clipnorm)
+        return keras.optimizers.SGD(lr, momentum=spec.get("momentum", 0.9),
+                                    nesterov=spec.get("nesterov", False), clipnorm=clipnorm)
+    if spec["name"] == "rmsprop":
+        return keras.optimizers.RMSprop(lr, clipnorm=clipnorm)
     if spec["name"] == "adam":
         return keras.optimizers.Adam(lr, clipnorm=clipnorm)
     if spec["name"] == "adamw":
