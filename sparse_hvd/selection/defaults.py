@@ -20,8 +20,8 @@ the user says otherwise:
   the same within their seeds' spread, for about 1.4x the run's bytes (0.05-0.06 of dense's);
   timed on the wide CNN at 1 Gbit/s it reached dense's loss as soon
   (``docs/time_to_loss_1gbit_epyc_warmup_400.md``). Under a plain SGD (the gradient cut) it
-  took the CNN and the residual network to dense's loss in 0.94x and 0.92x dense's steps
-  (``docs/steps_to_loss_plain_sgd.md``).
+  took the CNN and the residual network to dense's loss in 0.94x and 0.92x dense's steps at 4
+  workers, 0.98x and 0.82x at 8 (``docs/steps_to_loss_plain_sgd*.md``).
   ``warmup_steps=0`` keeps the density constant from the first step. A numeric density only:
   a policy object is used as given.
 
