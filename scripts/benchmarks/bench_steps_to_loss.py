@@ -8,7 +8,7 @@ What it measures
     inner optimizer (SGD with momentum 0.9 unless the method says otherwise; the ``_adam``
     workloads, ``charlm_adam``, ``cnn_adam`` and ``resnet_adam``, train the same models with
     Adam, the ``_plain_sgd`` ones with a plain SGD, the ``_nesterov`` ones with Nesterov's
-    momentum, the ``_rmsprop`` ones with RMSprop). Rank 0 records the validation loss every
+    momentum, the image models' ``_rmsprop`` ones with RMSprop). Rank 0 records the validation loss every
     ``--eval-every`` steps.
 
 The target rule
@@ -146,10 +146,10 @@ SETTINGS.update({"cnn_plain_sgd": _with_inner("cnn", lr=0.2, momentum=0.0),
                  "resnet_plain_sgd": _with_inner("resnet", lr=0.5, momentum=0.0),
                  "charlm_plain_sgd": _with_inner("charlm", lr=20.0, momentum=0.0)})
 
-# the image models under SGD with Nesterov's momentum at the momentum recipe's rates (what a
-# user switching it on keeps), where the defaults are those of SGD's momentum (the factor too)
-SETTINGS.update({"cnn_nesterov": _with_inner("cnn", nesterov=True),
-                 "resnet_nesterov": _with_inner("resnet", nesterov=True)})
+# the models under SGD with Nesterov's momentum at the momentum recipe's rates (what a user
+# switching it on keeps), where the defaults are those of SGD's momentum (the factor too)
+SETTINGS.update({f"{name}_nesterov": _with_inner(name, nesterov=True)
+                 for name in ("cnn", "resnet", "charlm")})
 
 # ... and under RMSprop (an optimizer that keeps a state per entry: the update cut, no factor),
 # the rate the best for dense at 4 workers, seed 0 (final validation loss): the CNN's 0.0003 /
