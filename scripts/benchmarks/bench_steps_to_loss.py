@@ -8,8 +8,8 @@ What it measures
     inner optimizer (SGD with momentum 0.9 unless the method says otherwise; the ``_adam``
     workloads, ``charlm_adam``, ``cnn_adam`` and ``resnet_adam``, train the same models with
     Adam, the ``_plain_sgd`` ones with a plain SGD, the ``_nesterov`` ones with Nesterov's
-    momentum, the image models' ``_rmsprop`` ones with RMSprop). Rank 0 records the validation loss every
-    ``--eval-every`` steps.
+    momentum, the image models' ``_rmsprop`` ones with RMSprop). Rank 0 records the validation
+    loss every ``--eval-every`` steps.
 
 The target rule
     1. Each curve is smoothed: the validation loss at an evaluation point is the mean of it and
