@@ -156,9 +156,9 @@ SETTINGS.update({f"{name}_nesterov": _with_inner(name, nesterov=True)
 # 0.001 / 0.003 / 0.01 gave 0.1355 / 0.0650 / 0.0477 / 0.0523, the residual network's 0.0003 /
 # 0.001 / 0.003 gave 0.0887 / 0.0487 / 0.0464 (its validation loss jumps about mid-run at
 # either of the larger two)
-SETTINGS.update({name: {**SETTINGS[model], "model": model, "inner": {"name": "rmsprop",
-                                                                     "lr": 0.003}}
-                 for name, model in (("cnn_rmsprop", "cnn"), ("resnet_rmsprop", "resnet"))})
+SETTINGS.update({f"{model}_rmsprop": {**SETTINGS[model], "model": model,
+                                      "inner": {"name": "rmsprop", "lr": 0.003}}
+                 for model in ("cnn", "resnet")})
 
 # the behaviour before the warm-up default and the model-wide budget (explicitly off)
 OLD = {"warmup_steps": 0, "budget": "layer"}
