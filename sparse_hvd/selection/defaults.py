@@ -73,6 +73,9 @@ the user says otherwise:
   the LSTM from never reaching dense's half-run loss to 1.39x dense's steps but slowed the CNN
   and the residual network (``docs/steps_to_loss_0001_update_scale_2.md``); with the 400-step
   warm-up it brought all three to about dense's steps (``docs/steps_to_loss_0001_warmup.md``).
+  With Nesterov's momentum (the same defaults; ``docs/steps_to_loss_other_optimizers.md``) the
+  CNN needed 1.11x dense's steps over six seeds, the residual network 0.86x, the LSTM 0.88x
+  and 0.87x on two seeds while the third fell into a slow regime and never reached dense's loss.
 * **With Adam, every entry's sign** (``exchange=None``, :func:`one_bit_by_default`): with a
   Keras Adam or AdamW under the update cut at the default density, each worker sends the
   sign of every entry of its compensated update and a scale per 64 entries
