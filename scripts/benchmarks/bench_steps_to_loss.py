@@ -258,6 +258,10 @@ METHODS = {
                                        "factor at the peak rate (where the CNN lags), the "
                                        "same 2.0 as the rate falls to 0",
                                        {"density": 0.01, "update_scale": [1.25, 2.0]}),
+    "default_update_scale_1.5_to_2": ("the defaults with update_scale=(1.5, 2.0), SGD's "
+                                      "momentum's factor at 1%, named (for an optimizer "
+                                      "whose default is 1.0: RMSprop)",
+                                      {"density": 0.01, "update_scale": [1.5, 2.0]}),
     "default_update_scale_1.5_to_1.75": ("the defaults with update_scale=(1.5, 1.75): the "
                                          "factor at the peak rate as the default's, growing "
                                          "to 1.75, not 2.0, as the rate falls to 0",
