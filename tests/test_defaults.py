@@ -362,7 +362,7 @@ def test_the_default_cuts_the_update_of_every_optimizer_with_state_and_plain_sgd
 
 
 @pytest.mark.convergence_defaults
-def test_the_default_takes_sgd_momentums_sparse_steps_larger_and_nothing_elses():
+def test_the_default_takes_sgd_momentums_and_rmsprops_sparse_steps_larger_and_nothing_elses():
     from sparse_hvd.selection.defaults import SGD_UPDATE_SCALE
 
     def scale(inner, **options):
@@ -388,7 +388,14 @@ def test_the_default_takes_sgd_momentums_sparse_steps_larger_and_nothing_elses()
     assert scale(momentum, exchange="topk_sign") == 1.0
     assert scale(keras.optimizers.SGD(0.1)) == 1.0  # the gradient cut
     assert scale(keras.optimizers.Adam()) == 1.0
-    assert scale(keras.optimizers.RMSprop()) == 1.0
+    # RMSprop takes SGD's factor (this release; 1.0 before), at every density it would
+    rmsprop = keras.optimizers.RMSprop()
+    assert scale(rmsprop) == SGD_UPDATE_SCALE
+    assert scale(keras.optimizers.LossScaleOptimizer(rmsprop)) == SGD_UPDATE_SCALE
+    assert scale(rmsprop, density=0.001) == 2.0
+    assert scale(rmsprop, density=0.05) == 1.0
+    assert scale(rmsprop, update_scale=1.0) == 1.0  # the behaviour before
+    assert scale(keras.optimizers.Adagrad()) == 1.0
     assert scale(momentum, update_scale=1.0) == 1.0  # the behaviour before the default
     assert scale(momentum, update_scale=1.5) == 1.5  # the previous release's default
     # the resolved factor is saved; a config written before the option reloads at 1.0

@@ -172,3 +172,48 @@ def test_update_scale_multiplies_every_step_that_cuts(hvd, exchange, update_scal
     digests = gather(hvd, digest([v.numpy() for v in variables]),
                      name=f"scale.{exchange}.{update_scale}.{falling}")
     assert all(d == digests[0] for d in digests), digests
+
+
+def test_rmsprops_default_step_is_the_factor_times_the_mean_cut_update(hvd):
+    """RMSprop gets SGD's larger sparse step by default (``update_scale=None`` at the default
+    density: ``SGD_UPDATE_SCALE``, 1.5 at a constant rate): every rank subtracts 1.5 times the
+    mean of the ranks' cut RMSprop updates from a cut variable and 1.5 times RMSprop's step on
+    the averaged gradient from a variable on the dense route (NumPy RMSprop, every rank's part
+    computed on every rank)."""
+    rank, size = hvd.rank(), hvd.size()
+    lr, rho, density = 0.01, 0.9, defaults.DENSITY
+    factor = defaults.SGD_UPDATE_SCALE[0]
+    start = [np.linspace(-1, 1, math.prod(s)).astype("float32").reshape(s) for s in (BIG, SMALL)]
+    variables = [keras.Variable(w) for w in start]
+    optimizer = sparse_hvd.SparseDistributedOptimizer(
+        keras.optimizers.RMSprop(lr, rho=rho, epsilon=EPSILON), density=density,
+        warmup_steps=0, exchange="allgather", budget="layer", name="rmsprop_default_scale")
+    assert optimizer.sparsify == "update" and optimizer.update_scale == defaults.SGD_UPDATE_SCALE
+
+    @tf.function(jit_compile=False)
+    def step(big, small):
+        optimizer.apply_gradients(zip([big, small], variables))
+
+    def rmsprop_step(mean_square, gradient):
+        mean_square[:] = rho * mean_square + (1 - rho) * gradient ** 2
+        return lr * gradient / np.sqrt(mean_square + EPSILON)
+
+    k = math.ceil(density * math.prod(BIG))
+    own = [np.zeros(math.prod(BIG)) for _ in range(size)]  # each rank's mean square
+    shared = np.zeros(math.prod(SMALL))  # the dense route's, on the averaged gradient
+    residuals = [np.zeros(math.prod(BIG)) for _ in range(size)]
+    expected = [w.astype("float64").ravel() for w in start]
+    for number in range(STEPS):
+        step(*map(tf.constant, _gradients(rank, number)))
+        every = [_gradients(r, number) for r in range(size)]
+        sent_big = np.zeros_like(expected[0])
+        for r in range(size):
+            update = rmsprop_step(own[r], every[r][0].astype("float64").ravel())
+            _, sent, residuals[r] = numpy_topk_split(update + residuals[r], k)
+            sent_big += sent
+        mean_small = sum(g[1].astype("float64") for g in every) / size
+        expected[0] = expected[0] - factor * sent_big / size
+        expected[1] = expected[1] - factor * rmsprop_step(shared, mean_small)
+    _assert_applied(optimizer, variables, expected, residuals[rank], rank, atol=5e-6)
+    digests = gather(hvd, digest([v.numpy() for v in variables]), name="rmsprop.default_scale")
+    assert all(d == digests[0] for d in digests), digests
