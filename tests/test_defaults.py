@@ -388,7 +388,7 @@ def test_the_default_takes_sgd_momentums_and_rmsprops_sparse_steps_larger_and_no
     assert scale(momentum, exchange="topk_sign") == 1.0
     assert scale(keras.optimizers.SGD(0.1)) == 1.0  # the gradient cut
     assert scale(keras.optimizers.Adam()) == 1.0
-    # RMSprop takes SGD's factor (this release; 1.0 before), at every density it would
+    # RMSprop takes SGD's momentum's factor at each density (this release; 1.0 before)
     rmsprop = keras.optimizers.RMSprop()
     assert scale(rmsprop) == SGD_UPDATE_SCALE
     assert scale(keras.optimizers.LossScaleOptimizer(rmsprop)) == SGD_UPDATE_SCALE

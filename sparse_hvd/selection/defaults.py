@@ -334,7 +334,7 @@ def resolve_update_scale(update_scale, optimizer, sparsify, density, code):
 def takes_larger_steps(optimizer) -> bool:
     """Whether ``update_scale=None`` gives ``optimizer`` the larger sparse step: a Keras SGD
     with momentum (Nesterov's too) or a Keras RMSprop. RMSprop since this release: at 1% and
-    4 workers its CNN's final loss ended above dense's spread at 1.0 and inside it with
+    4 workers its CNN's final loss ended above dense's spread at 1.0 and at its top with
     SGD's pair (the README's "Converging like dense")."""
     if isinstance(optimizer, keras.optimizers.RMSprop):
         return True
