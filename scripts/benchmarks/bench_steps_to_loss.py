@@ -158,10 +158,9 @@ SETTINGS.update({f"{name}_nesterov": _with_inner(name, nesterov=True)
 # larger two), the LSTM's (clipnorm 1.0 as with SGD) 0.003 / 0.01 / 0.03 gave 2.0050 / 1.4225 /
 # 1.3185 (larger not tried; Adam's best there is 0.03 too)
 SETTINGS.update({f"{model}_rmsprop": {**SETTINGS[model], "model": model,
-                                      "inner": {"name": "rmsprop", "lr": 0.003}}
-                 for model in ("cnn", "resnet")})
-SETTINGS["charlm_rmsprop"] = {**SETTINGS["charlm"], "model": "charlm",
-                              "inner": {"name": "rmsprop", "lr": 0.03, "clipnorm": 1.0}}
+                                      "inner": {"name": "rmsprop", **inner}}
+                 for model, inner in (("cnn", {"lr": 0.003}), ("resnet", {"lr": 0.003}),
+                                      ("charlm", {"lr": 0.03, "clipnorm": 1.0}))})
 
 # the behaviour before the warm-up default and the model-wide budget (explicitly off)
 OLD = {"warmup_steps": 0, "budget": "layer"}

@@ -36,6 +36,16 @@ def _assert_applied(optimizer, variables, expected, residual, rank, atol):
                                    atol=atol, err_msg=f"rank {rank}")
 
 
+def _mean_sent(updates, residuals, k):
+    """The mean over the ranks of what each sends (its top ``k``, NumPy) of its ``updates[r]``
+    plus its residual; ``residuals`` are left holding what each keeps."""
+    sent = np.zeros_like(residuals[0])
+    for r, update in enumerate(updates):
+        _, mine, residuals[r] = numpy_topk_split(update + residuals[r], k)
+        sent += mine
+    return sent / len(updates)
+
+
 @pytest.mark.parametrize("exchange", ["allgather", "dense"])
 def test_the_mean_of_every_ranks_cut_adam_update_is_applied_on_every_rank(hvd, exchange):
     rank, size = hvd.rank(), hvd.size()
@@ -62,12 +72,9 @@ def test_the_mean_of_every_ranks_cut_adam_update_is_applied_on_every_rank(hvd, e
         if exchange == "dense":  # nothing is cut: Adam on the average, as Horovod's
             expected[0] = expected[0] - shared[0].update(mean_big)
         else:
-            sent_big = np.zeros_like(expected[0])
-            for r in range(size):
-                update = adams[r].update(every[r][0].ravel().astype("float64"))
-                _, sent, residuals[r] = numpy_topk_split(update + residuals[r], k)
-                sent_big += sent
-            expected[0] = expected[0] - sent_big / size
+            updates = [adams[r].update(every[r][0].ravel().astype("float64"))
+                       for r in range(size)]
+            expected[0] = expected[0] - _mean_sent(updates, residuals, k)
         expected[1] = expected[1] - shared[1].update(mean_small)  # the dense route
     _assert_applied(optimizer, variables, expected,
                     residuals[rank] if exchange == "allgather" else None, rank, atol=2e-6)
@@ -158,12 +165,10 @@ def test_update_scale_multiplies_every_step_that_cuts(hvd, exchange, update_scal
             expected[0] = expected[0] + shared[0]
             expected[1] = expected[1] + shared[1]
         else:
-            sent_big = np.zeros_like(expected[0])
             for r in range(size):
                 velocities[r] = momentum * velocities[r] - rate * every[r][0].ravel()
-                _, sent, residuals[r] = numpy_topk_split(-velocities[r] + residuals[r], k)
-                sent_big += sent
-            expected[0] = expected[0] - factor * sent_big / size
+            sent = _mean_sent([-v for v in velocities], residuals, k)
+            expected[0] = expected[0] - factor * sent
             expected[1] = expected[1] + factor * shared[1]
     if falling:
         assert factors[-1] > at_peak  # the rate at a quarter of its peak
@@ -206,13 +211,10 @@ def test_rmsprops_default_step_is_the_factor_times_the_mean_cut_update(hvd):
     for number in range(STEPS):
         step(*map(tf.constant, _gradients(rank, number)))
         every = [_gradients(r, number) for r in range(size)]
-        sent_big = np.zeros_like(expected[0])
-        for r in range(size):
-            update = rmsprop_step(own[r], every[r][0].astype("float64").ravel())
-            _, sent, residuals[r] = numpy_topk_split(update + residuals[r], k)
-            sent_big += sent
+        updates = [rmsprop_step(own[r], every[r][0].astype("float64").ravel())
+                   for r in range(size)]
         mean_small = sum(g[1].astype("float64") for g in every) / size
-        expected[0] = expected[0] - factor * sent_big / size
+        expected[0] = expected[0] - factor * _mean_sent(updates, residuals, k)
         expected[1] = expected[1] - factor * rmsprop_step(shared, mean_small)
     _assert_applied(optimizer, variables, expected, residuals[rank], rank, atol=5e-6)
     digests = gather(hvd, digest([v.numpy() for v in variables]), name="rmsprop.default_scale")
