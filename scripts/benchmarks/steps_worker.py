@@ -152,8 +152,8 @@ def learning_rate(keras, peak, steps):
 
 
 def inner_optimizer(keras, spec, steps):
-    """The user's optimizer: ``{"name": "sgd"|"adam"|"adamw"|"rmsprop", "lr": ...,
-    "momentum": ..., "nesterov": ..., "weight_decay": ...}``."""
+    """The user's optimizer: ``{"name": "sgd"|"adam"|"adamw"|"rmsprop"|"adagrad"|"nadam",
+    "lr": ..., "momentum": ..., "nesterov": ..., "weight_decay": ...}``."""
     lr = learning_rate(keras, spec["lr"], steps)
     clipnorm = spec.get("clipnorm")
     if spec["name"] == "sgd":
@@ -163,6 +163,10 @@ def inner_optimizer(keras, spec, steps):
         return keras.optimizers.RMSprop(lr, clipnorm=clipnorm)
     if spec["name"] == "adam":
         return keras.optimizers.Adam(lr, clipnorm=clipnorm)
+    if spec["name"] == "adagrad":
+        return keras.optimizers.Adagrad(lr, clipnorm=clipnorm)
+    if spec["name"] == "nadam":
+        return keras.optimizers.Nadam(lr, clipnorm=clipnorm)
     if spec["name"] == "adamw":
         return keras.optimizers.AdamW(lr, weight_decay=spec["weight_decay"], clipnorm=clipnorm)
     raise SystemExit(f"unknown inner optimizer {spec['name']!r}")
