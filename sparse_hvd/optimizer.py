@@ -119,8 +119,8 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
             ``"mean_estimate"`` or ``"noise_estimate"`` (README).
         update_scale: a step that cuts is taken this many times larger (dense steps keep the
             rate), or a pair (at the largest rate so far, as the rate falls to 0). None
-            (default): (1.5, 2.0) with a Keras SGD with momentum or RMSprop at the default
-            density, else 1.0 (``feedback.step_factor``; README, "Converging like dense").
+            (default): (1.5, 2.0) with a Keras SGD with momentum, RMSprop or Adagrad at the
+            default density, else 1.0 (``feedback.step_factor``; README, "Converging like dense").
         process_set: a Horovod process set (or an mpi4py communicator registered with
             ``sparse_hvd.init(process_sets=[...])``); the whole job by default. Not serialised.
         name: the optimizer's name; it prefixes its collectives' names, so two of these

@@ -395,7 +395,14 @@ def test_the_default_takes_sgd_momentums_and_rmsprops_sparse_steps_larger_and_no
     assert scale(rmsprop, density=0.001) == 2.0
     assert scale(rmsprop, density=0.05) == 1.0
     assert scale(rmsprop, update_scale=1.0) == 1.0  # the behaviour before
-    assert scale(keras.optimizers.Adagrad()) == 1.0
+    # ... and so does Adagrad (this release; 1.0 before); an optimizer not measured keeps 1.0
+    adagrad = keras.optimizers.Adagrad()
+    assert scale(adagrad) == SGD_UPDATE_SCALE
+    assert scale(keras.optimizers.LossScaleOptimizer(adagrad)) == SGD_UPDATE_SCALE
+    assert scale(adagrad, density=0.001) == 2.0
+    assert scale(adagrad, update_scale=1.0) == 1.0  # the behaviour before
+    assert scale(keras.optimizers.Nadam()) == 1.0
+    assert scale(keras.optimizers.Adamax()) == 1.0
     assert scale(momentum, update_scale=1.0) == 1.0  # the behaviour before the default
     assert scale(momentum, update_scale=1.5) == 1.5  # the previous release's default
     # the resolved factor is saved; a config written before the option reloads at 1.0

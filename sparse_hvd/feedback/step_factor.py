@@ -5,7 +5,7 @@ held in a residual arrives late) and stays stable at rates where dense does not,
 update cut a step that cuts anything can be taken larger than dense's (steps that cut nothing
 keep the rate; ``local_update.apply_averages``). ``update_scale`` is that factor: a number, or
 a pair ``(at_peak, at_end)`` whose factor grows as the learning rate falls below the largest
-rate seen so far. The default under SGD's momentum and RMSprop at 1% is such a pair
+rate seen so far. The default under SGD's momentum, RMSprop and Adagrad at 1% is such a pair
 (``selection.defaults.SGD_UPDATE_SCALE``): late in a decaying schedule the residuals hold more
 of what is owed per step taken, and a larger factor then lowered the final loss (measured in
 the README's "Converging like dense"); below 1% the pair's start rises to its end, a constant

@@ -179,43 +179,59 @@ def test_update_scale_multiplies_every_step_that_cuts(hvd, exchange, update_scal
     assert all(d == digests[0] for d in digests), digests
 
 
-def test_rmsprops_default_step_is_the_factor_times_the_mean_cut_update(hvd):
-    """RMSprop gets SGD's larger sparse step by default (``update_scale=None`` at the default
-    density: ``SGD_UPDATE_SCALE``, 1.5 at a constant rate): every rank subtracts 1.5 times the
-    mean of the ranks' cut RMSprop updates from a cut variable and 1.5 times RMSprop's step on
-    the averaged gradient from a variable on the dense route (NumPy RMSprop, every rank's part
-    computed on every rank)."""
+RHO, ACCUMULATOR_START = 0.9, 0.1  # RMSprop's decay, Adagrad's first accumulator
+
+
+def _rmsprop_step(mean_square, gradient):
+    """Keras' RMSprop (no momentum, not centered) in NumPy: ``mean_square`` moved in place."""
+    mean_square[:] = RHO * mean_square + (1 - RHO) * gradient ** 2
+    return LR * gradient / np.sqrt(mean_square + EPSILON)
+
+
+def _adagrad_step(accumulator, gradient):
+    """Keras' Adagrad in NumPy (its accumulator starts at ``ACCUMULATOR_START``)."""
+    accumulator += gradient ** 2
+    return LR * gradient / np.sqrt(accumulator + EPSILON)
+
+
+@pytest.mark.parametrize("name", ["rmsprop", "adagrad"])
+def test_the_default_step_is_the_factor_times_the_mean_cut_update(hvd, name):
+    """RMSprop and Adagrad get SGD's larger sparse step by default (``update_scale=None`` at the
+    default density: ``SGD_UPDATE_SCALE``, 1.5 at a constant rate): every rank subtracts 1.5
+    times the mean of the ranks' cut updates from a cut variable and 1.5 times the optimizer's
+    step on the averaged gradient from a variable on the dense route (NumPy RMSprop or Adagrad,
+    every rank's part computed on every rank)."""
     rank, size = hvd.rank(), hvd.size()
-    lr, rho, density = 0.01, 0.9, defaults.DENSITY
-    factor = defaults.SGD_UPDATE_SCALE[0]
+    density, factor = defaults.DENSITY, defaults.SGD_UPDATE_SCALE[0]
     start = [np.linspace(-1, 1, math.prod(s)).astype("float32").reshape(s) for s in (BIG, SMALL)]
     variables = [keras.Variable(w) for w in start]
+    inner, inner_step, state = {
+        "rmsprop": (keras.optimizers.RMSprop(LR, rho=RHO, epsilon=EPSILON), _rmsprop_step, 0.0),
+        "adagrad": (keras.optimizers.Adagrad(LR, initial_accumulator_value=ACCUMULATOR_START,
+                                             epsilon=EPSILON), _adagrad_step, ACCUMULATOR_START),
+    }[name]
     optimizer = sparse_hvd.SparseDistributedOptimizer(
-        keras.optimizers.RMSprop(lr, rho=rho, epsilon=EPSILON), density=density,
-        warmup_steps=0, exchange="allgather", budget="layer", name="rmsprop_default_scale")
+        inner, density=density, warmup_steps=0, exchange="allgather", budget="layer",
+        name=f"{name}_default_scale")
     assert optimizer.sparsify == "update" and optimizer.update_scale == defaults.SGD_UPDATE_SCALE
 
     @tf.function(jit_compile=False)
     def step(big, small):
         optimizer.apply_gradients(zip([big, small], variables))
 
-    def rmsprop_step(mean_square, gradient):
-        mean_square[:] = rho * mean_square + (1 - rho) * gradient ** 2
-        return lr * gradient / np.sqrt(mean_square + EPSILON)
-
     k = math.ceil(density * math.prod(BIG))
-    own = [np.zeros(math.prod(BIG)) for _ in range(size)]  # each rank's mean square
-    shared = np.zeros(math.prod(SMALL))  # the dense route's, on the averaged gradient
+    own = [np.full(math.prod(BIG), state) for _ in range(size)]  # each rank's optimizer state
+    shared = np.full(math.prod(SMALL), state)  # the dense route's, on the averaged gradient
     residuals = [np.zeros(math.prod(BIG)) for _ in range(size)]
     expected = [w.astype("float64").ravel() for w in start]
     for number in range(STEPS):
         step(*map(tf.constant, _gradients(rank, number)))
         every = [_gradients(r, number) for r in range(size)]
-        updates = [rmsprop_step(own[r], every[r][0].astype("float64").ravel())
+        updates = [inner_step(own[r], every[r][0].astype("float64").ravel())
                    for r in range(size)]
         mean_small = sum(g[1].astype("float64") for g in every) / size
         expected[0] = expected[0] - factor * _mean_sent(updates, residuals, k)
-        expected[1] = expected[1] - factor * rmsprop_step(shared, mean_small)
+        expected[1] = expected[1] - factor * inner_step(shared, mean_small)
     _assert_applied(optimizer, variables, expected, residuals[rank], rank, atol=5e-6)
-    digests = gather(hvd, digest([v.numpy() for v in variables]), name="rmsprop.default_scale")
+    digests = gather(hvd, digest([v.numpy() for v in variables]), name=f"{name}.default_scale")
     assert all(d == digests[0] for d in digests), digests
