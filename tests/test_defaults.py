@@ -362,7 +362,7 @@ def test_the_default_cuts_the_update_of_every_optimizer_with_state_and_plain_sgd
 
 
 @pytest.mark.convergence_defaults
-def test_the_default_takes_sgd_momentums_and_rmsprops_sparse_steps_larger_and_nothing_elses():
+def test_the_default_takes_larger_sparse_steps_under_sgd_momentum_rmsprop_and_adagrad_only():
     from sparse_hvd.selection.defaults import SGD_UPDATE_SCALE
 
     def scale(inner, **options):
