@@ -37,13 +37,9 @@ SECOND_MOMENTS = ("own", "mean_estimate", "noise_estimate")
 def estimates_the_mean(optimizer) -> bool:
     """Whether a correction can act on ``optimizer`` (inside a LossScaleOptimizer): a Keras
     Adam (``AdamW`` too) whose moments' step is ``alpha m / (sqrt(v) + epsilon)``, not
-    AMSGrad's (whose maximum of the second moments the factor would not know), or a Keras
-    Nadam, which keeps the same two moments and divides by ``sqrt(v_hat) + epsilon``
-    (:func:`effective_epsilon`)."""
+    AMSGrad's (whose maximum of the second moments the factor would not know)."""
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
-    if isinstance(optimizer, keras.optimizers.Nadam):
-        return True
     return isinstance(optimizer, keras.optimizers.Adam) and not optimizer.amsgrad
 
 
@@ -58,18 +54,8 @@ def _moments(adam, variable):
     return m, v, first, second
 
 
-def effective_epsilon(adam, second):
-    """The epsilon beside ``sqrt(v)`` in the step's divisor, ``second`` = 1 - beta_2^t:
-    Adam's own (its alpha holds the bias correction), and for Nadam, which divides by
-    ``sqrt(v / second) + epsilon``, ``epsilon sqrt(second)``, so that one factor
-    ``(sqrt(v) + e) / (sqrt(v_mean) + e)`` corrects both."""
-    epsilon = tf.cast(adam.epsilon, second.dtype)
-    if isinstance(adam, keras.optimizers.Nadam):
-        return epsilon * tf.sqrt(second)
-    return epsilon
-
-
-def _factor(epsilon, v, v_mean):
+def _factor(adam, v, v_mean):
+    epsilon = tf.cast(adam.epsilon, v.dtype)
     return (tf.sqrt(v) + epsilon) / (tf.sqrt(v_mean) + epsilon)
 
 
@@ -85,8 +71,7 @@ def mean_estimate_factors(adam, variables, workers):
         m, v, first, second = _moments(adam, variable)
         m_hat, v_hat = m / first, v / second
         noise = tf.maximum(v_hat - tf.square(m_hat), 0.0)
-        factors.append(_factor(effective_epsilon(adam, second), v,
-                               (tf.square(m_hat) + noise / workers) * second))
+        factors.append(_factor(adam, v, (tf.square(m_hat) + noise / workers) * second))
     return factors
 
 
@@ -173,11 +158,11 @@ class SecondMoment:
 
     def _noise_estimate(self, adam, update, variable, workers, index, decay):
         """Steps 1-4 for one variable: writes its q, returns its corrected update."""
-        m, v, first, second = _moments(adam, variable)
+        m, v, first, _ = _moments(adam, variable)
         q = self.variables[index]
         corrected, explained = noise_estimate_step(
             update, m, v, tf.convert_to_tensor(q), first, adam.beta_1, adam.beta_2,
-            effective_epsilon(adam, second), workers, decay)
+            adam.epsilon, workers, decay)
         self.writer.assign(q, explained)
         return corrected
 
@@ -208,9 +193,8 @@ def noise_estimate_step(update, m, v, q, first, beta_1, beta_2, epsilon, workers
     # the scalars in float64 before the cast, as Keras' Adam takes 1 - beta_2 (1 - 0.999 in
     # float32 is 1.3e-5 off)
     inv_first = tf.cast(1 / tf.cast(first, tf.float64), v.dtype)
-    one_minus_beta_2, stationary, shrink, count = (tf.constant(c, v.dtype) for c in (
-        1 - beta_2, (1 + beta_1) / (2 * beta_1), 1 - 1 / workers, workers))
-    eps = tf.cast(epsilon, v.dtype)
+    one_minus_beta_2, stationary, shrink, count, eps = (tf.constant(c, v.dtype) for c in (
+        1 - beta_2, (1 + beta_1) / (2 * beta_1), 1 - 1 / workers, workers, epsilon))
     native = kernels.noise_estimate() if v.dtype == update.dtype == tf.float32 else None
     if native is not None:
         zero = tf.zeros([], v.dtype)
