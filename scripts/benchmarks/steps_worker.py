@@ -152,7 +152,7 @@ def learning_rate(keras, peak, steps):
 
 
 def inner_optimizer(keras, spec, steps):
-    """The user's optimizer: ``{"name": "sgd"|"adam"|"adamw"|"rmsprop"|"adagrad"|"nadam",
+    """The user's optimizer: ``{"name": "sgd"|"adam"|"adamw"|"rmsprop"|"adagrad"|"nadam"|"lion",
     "lr": ..., "momentum": ..., "nesterov": ..., "weight_decay": ...}``."""
     lr = learning_rate(keras, spec["lr"], steps)
     clipnorm = spec.get("clipnorm")
@@ -167,6 +167,8 @@ def inner_optimizer(keras, spec, steps):
         return keras.optimizers.Adagrad(lr, clipnorm=clipnorm)
     if spec["name"] == "nadam":
         return keras.optimizers.Nadam(lr, clipnorm=clipnorm)
+    if spec["name"] == "lion":
+        return keras.optimizers.Lion(lr, clipnorm=clipnorm)
     if spec["name"] == "adamw":
         return keras.optimizers.AdamW(lr, weight_decay=spec["weight_decay"], clipnorm=clipnorm)
     raise SystemExit(f"unknown inner optimizer {spec['name']!r}")
