@@ -275,6 +275,13 @@ METHODS = {
                                       "momentum's factor at 1%, named (for an optimizer "
                                       "whose default is 1.0: RMSprop)",
                                       {"density": 0.01, "update_scale": [1.5, 2.0]}),
+    "default_update_scale_2_const": ("the defaults with update_scale=2.0 at 1%: every sparse "
+                                     "step twice the cut update's mean (Lion: the mean of N "
+                                     "workers' signs is up to sqrt(N) smaller than the sign "
+                                     "of their mean)", {"density": 0.01, "update_scale": 2.0}),
+    "default_update_scale_2_to_3": ("the defaults with update_scale=(2.0, 3.0): 2 at the peak "
+                                    "rate, 3 as it falls to 0", {"density": 0.01,
+                                                                 "update_scale": [2.0, 3.0]}),
     "default_update_scale_1.5_to_1.75": ("the defaults with update_scale=(1.5, 1.75): the "
                                          "factor at the peak rate as the default's, growing "
                                          "to 1.75, not 2.0, as the rate falls to 0",
