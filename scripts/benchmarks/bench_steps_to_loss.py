@@ -282,6 +282,11 @@ METHODS = {
     "default_update_scale_2_to_3": ("the defaults with update_scale=(2.0, 3.0): 2 at the peak "
                                     "rate, 3 as it falls to 0", {"density": 0.01,
                                                                  "update_scale": [2.0, 3.0]}),
+    "default_update_scale_3_to_4": ("the defaults with update_scale=(3.0, 4.0): 3 at the peak "
+                                    "rate, 4 as it falls to 0", {"density": 0.01,
+                                                                 "update_scale": [3.0, 4.0]}),
+    "default_update_scale_3_const": ("the defaults with update_scale=3.0 at 1%",
+                                     {"density": 0.01, "update_scale": 3.0}),
     "default_update_scale_1.5_to_1.75": ("the defaults with update_scale=(1.5, 1.75): the "
                                          "factor at the peak rate as the default's, growing "
                                          "to 1.75, not 2.0, as the rate falls to 0",
