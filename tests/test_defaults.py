@@ -200,6 +200,53 @@ def test_the_model_wide_cut_of_a_large_model_sends_about_k(share):
         assert abs(sent - sum(budgets)) <= 0.1 * sum(budgets), (sent, sum(budgets))
 
 
+@pytest.mark.parametrize("grid", ["signs", "walks", "mostly_zero"])
+@pytest.mark.parametrize("sizes", [(40_000, 20_000), (400_000, 200_000)])  # exact, sampled
+def test_magnitudes_tied_at_the_cut_travel_only_where_that_is_nearer_the_budget(grid, sizes):
+    """Magnitudes on a grid tie at the cut by the thousand: a Lion's first update (+-rate
+    everywhere), error feedback's sums of such signs, a gradient mostly zero. The cut sends
+    ``>= cut`` or ``> cut``, whichever count is nearer K, counted here in NumPy over the
+    sample the cut was read from (every entry, or the blocks ``sample_stride`` spreads)."""
+    from sparse_hvd.selection import model_budget
+
+    rng = np.random.RandomState(5)
+    rate = np.float32(3e-4)
+    if grid == "signs":
+        arrays = [rng.choice([-rate, rate], n).astype("float32") for n in sizes]
+    elif grid == "walks":  # the residual plus update after 9 steps of +-rate
+        arrays = [(rng.choice([-1, 1], (9, n)).sum(0) * rate).astype("float32") for n in sizes]
+    else:  # 0.4% nonzero where the budget is 1%
+        arrays = [np.where(rng.rand(n) < 0.004, rng.standard_normal(n), 0).astype("float32")
+                  for n in sizes]
+    budgets = [n // 100 for n in sizes]
+    drawn = []
+
+    def magnitudes_at(j, sample):
+        magnitudes = tf.abs(tf.constant(arrays[j]))
+        taken = magnitudes if sample is None else sample(magnitudes)
+        drawn.append(taken.numpy())
+        return taken
+
+    cut = np.float32(model_budget.model_wide_cut(magnitudes_at, sizes, budgets))
+    sample = np.concatenate(drawn)
+    want = sum(budgets) if len(sample) == sum(sizes) else int(
+        np.ceil(sum(budgets) / sum(sizes) * len(sample)))
+    kth = np.sort(sample)[::-1][want - 1]
+    at_or_above, above = int(np.sum(sample >= kth)), int(np.sum(sample > kth))
+    if at_or_above - want > want - above:
+        assert cut == np.nextafter(kth, np.float32(np.inf)), (cut, kth)
+    else:
+        assert cut == kth
+    magnitudes = np.abs(np.concatenate(arrays))
+    sent = int(np.sum(magnitudes >= cut))
+    if grid == "signs":  # all tied: nothing (nearer 1% than everything is)
+        assert sent == 0
+    elif grid == "mostly_zero":  # the nonzeros, not every zero
+        assert sent == sum(int(np.count_nonzero(a)) for a in arrays)
+    else:  # the walk's top level |sum| = 9 (2 / 512 of the entries), not down to 7 (20 / 512)
+        assert abs(sent / sum(sizes) - 2 / 512) < 0.001, sent
+
+
 MLP_SIZES = (131_072, 2_048, 4_194_304, 2_048, 20_480, 10)  # the 4.35M MLP's variables
 
 

@@ -12,8 +12,9 @@ Here, each step on each rank:
    in proportion to its size; at least :data:`SAMPLES`, and about :data:`ABOVE` of them above
    the cut, or as few as :data:`FEWEST_ABOVE` where more would read over :data:`MOST_SAMPLED`
    of the model), exactly when the model has no more entries than the sample;
-2. each variable sends its entries with ``|c| >= cut`` (ties at the cut included), in one pass
-   over the data, through the same error feedback as any sparsifier.
+2. each variable sends its entries with ``|c| >= cut`` (ties at the cut included, unless
+   ``> cut`` comes nearer K: :func:`nearer_the_budget`), in one pass over the data, through
+   the same error feedback as any sparsifier.
 
 So about K entries travel each step, as with per-layer budgets (within a few percent: about
 ABOVE samples are above the cut, and the count varies as their square root), and only the
@@ -105,7 +106,23 @@ def model_wide_cut(magnitudes_at, sizes, budgets, sampled_all=None) -> tf.Tensor
         return drawn, want
 
     sample, want = tf.cond(samples >= entries, exact, sampled)
-    return kth_largest(sample, tf.clip_by_value(want, 1, tf.size(sample)))
+    want = tf.clip_by_value(want, 1, tf.size(sample))
+    return nearer_the_budget(sample, want, kth_largest(sample, want))
+
+
+def nearer_the_budget(sample, want, cut):
+    """``cut`` (the ``want``-th largest of ``sample``), or the float just above it where
+    ``|c| > cut`` would send nearer ``want`` of the sample than ``|c| >= cut`` does: where many
+    magnitudes tie at the cut, all of them would travel. They do with values on a grid: a
+    Keras Lion's update is +-rate on every entry, so its first step (residuals zero) sent the
+    whole model and later steps up to 1.8x the budget (the CNN at 4 workers: 0.060 of dense's
+    bytes over a run against 0.054 under the other optimizers); and a cut at 0 (fewer nonzero
+    magnitudes than the budget) sent every zero. Continuous magnitudes tie only with
+    themselves (one sample at the cut), so ``>=`` stays."""
+    at_or_above = tf.reduce_sum(tf.cast(sample >= cut, tf.int32))
+    above = tf.reduce_sum(tf.cast(sample > cut, tf.int32))
+    strictly = at_or_above - want > want - above
+    return tf.where(strictly, tf.math.nextafter(cut, tf.constant(float("inf"), cut.dtype)), cut)
 
 
 def _blocks_of(stride):
