@@ -287,6 +287,9 @@ METHODS = {
                                                                  "update_scale": [3.0, 4.0]}),
     "default_update_scale_3_const": ("the defaults with update_scale=3.0 at 1%",
                                      {"density": 0.01, "update_scale": 3.0}),
+    "default_update_scale_4.25_const": ("the defaults with update_scale=4.25 at 1% (1.5 "
+                                        "sqrt(8): the factor 3 of 4 workers scaled with "
+                                        "sqrt(N))", {"density": 0.01, "update_scale": 4.25}),
     "default_update_scale_1.5_to_1.75": ("the defaults with update_scale=(1.5, 1.75): the "
                                          "factor at the peak rate as the default's, growing "
                                          "to 1.75, not 2.0, as the rate falls to 0",
