@@ -9,7 +9,7 @@ What it measures
     workloads, ``charlm_adam``, ``cnn_adam`` and ``resnet_adam``, train the same models with
     Adam, the ``_plain_sgd`` ones with a plain SGD, the ``_nesterov`` ones with Nesterov's
     momentum, the ``_rmsprop`` ones with RMSprop, ``cnn_adagrad``, ``resnet_adagrad`` and
-    ``cnn_nadam`` with Adagrad and Nadam, ``cnn_lion`` with Lion). Rank 0 records the validation loss every
+    ``cnn_nadam`` with Adagrad and Nadam, ``cnn_lion`` and ``resnet_lion`` with Lion). Rank 0 records the validation loss every
     ``--eval-every`` steps.
 
 The target rule
@@ -167,11 +167,13 @@ SETTINGS.update({f"{model}_rmsprop": {**SETTINGS[model], "model": model,
 # validation loss): the CNN's Adagrad 0.01 / 0.03 / 0.1 / 0.3 gave 0.2489 / 0.1068 / 0.0716 /
 # 0.0786, its Nadam 0.001 / 0.003 / 0.01 / 0.03 0.0652 / 0.0510 / 0.0429 / 0.0840; the residual
 # network's Adagrad 0.03 / 0.1 / 0.3 0.0827 / 0.0523 / 0.0554; the CNN's Lion 0.0001 / 0.0003
-# / 0.001 / 0.003 0.1682 / 0.0642 / 0.0789 / 0.0854
+# / 0.001 / 0.003 0.1682 / 0.0642 / 0.0789 / 0.0854, the residual network's Lion 0.0001 / 0.0003
+# / 0.001 0.1019 / 0.0615 / 0.0706
 SETTINGS.update({f"{model}_{name}": {**SETTINGS[model], "model": model,
                                      "inner": {"name": name, "lr": lr}}
                  for model, name, lr in (("cnn", "adagrad", 0.1), ("cnn", "nadam", 0.01),
-                                         ("resnet", "adagrad", 0.1), ("cnn", "lion", 0.0003))})
+                                         ("resnet", "adagrad", 0.1), ("cnn", "lion", 0.0003),
+                                         ("resnet", "lion", 0.0003))})
 
 # the behaviour before the warm-up default and the model-wide budget (explicitly off)
 OLD = {"warmup_steps": 0, "budget": "layer"}
