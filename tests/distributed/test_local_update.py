@@ -235,3 +235,48 @@ def test_the_default_step_is_the_factor_times_the_mean_cut_update(hvd, name):
     _assert_applied(optimizer, variables, expected, residuals[rank], rank, atol=5e-6)
     digests = gather(hvd, digest([v.numpy() for v in variables]), name=f"{name}.default_scale")
     assert all(d == digests[0] for d in digests), digests
+
+
+@pytest.mark.convergence_defaults
+def test_lions_tied_first_step_sends_nothing_of_the_cut_variable_on_every_rank(hvd):
+    """Lion's first update is +-rate on every entry (its momentum zero), all tied at the
+    model-wide cut, so the cut sends ``> cut``, which comes nearer k than ``>= cut`` (every
+    entry, as it did before ``selection.model_budget.nearer_the_budget``): none of them. NumPy,
+    every rank's update, cut and residual, the mean of what they sent applied everywhere;
+    the dense route's variable takes Lion's step on the mean gradient."""
+    rank, size = hvd.rank(), hvd.size()
+    # the cut variable starts at 0, where before - after is the step itself: every entry tied
+    start = [np.zeros(BIG, "float32"), np.linspace(-1, 1, SMALL[0]).astype("float32")]
+    variables = [keras.Variable(w) for w in start]
+    optimizer = sparse_hvd.SparseDistributedOptimizer(keras.optimizers.Lion(LR),
+                                                      exchange="allgather", name="lion_default")
+    assert optimizer.sparsify == "update" and optimizer.budget == "model"
+    assert optimizer.update_scale == 1.0
+
+    @tf.function(jit_compile=False)
+    def step(big, small):
+        optimizer.apply_gradients(zip([big, small], variables))
+
+    step(*map(tf.constant, _gradients(rank, 0)))
+    k = int(optimizer.density_policy.k(0, math.prod(BIG), 0))  # the warm-up's first: 10%
+    w = start[0].ravel()
+    sent = np.zeros(w.size)
+    for r in range(size):
+        step_r = np.float32(LR) * np.sign(_gradients(r, 0)[0].ravel())  # m = 0: sign(g)
+        update = w - (w - step_r)  # float32, as the update cut takes it
+        magnitudes = np.abs(update)
+        kth = np.sort(magnitudes)[::-1][k - 1]
+        at_or_above, above = int(np.sum(magnitudes >= kth)), int(np.sum(magnitudes > kth))
+        passed = magnitudes >= kth if at_or_above - k <= k - above else magnitudes > kth
+        assert at_or_above == w.size and not passed.any()  # all tied: none travels, not all
+        sent += np.where(passed, update, 0).astype("float64")
+        if r == rank:
+            np.testing.assert_array_equal(optimizer.residuals[0].numpy().ravel(),
+                                          np.where(passed, 0, update))
+    np.testing.assert_allclose(variables[0].numpy().ravel(), w - sent / size, rtol=0, atol=1e-6,
+                               err_msg=f"rank {rank}")
+    mean_small = sum(_gradients(r, 0)[1].astype("float64") for r in range(size)) / size
+    np.testing.assert_allclose(variables[1].numpy(), start[1] - LR * np.sign(mean_small),
+                               rtol=0, atol=1e-6, err_msg=f"rank {rank}")
+    digests = gather(hvd, digest([v.numpy() for v in variables]), name="lion.replicas")
+    assert all(d == digests[0] for d in digests), digests
