@@ -200,7 +200,7 @@ def test_the_model_wide_cut_of_a_large_model_sends_about_k(share):
         assert abs(sent - sum(budgets)) <= 0.1 * sum(budgets), (sent, sum(budgets))
 
 
-@pytest.mark.parametrize("grid", ["signs", "walks", "mostly_zero"])
+@pytest.mark.parametrize("grid", ["signs", "walks", "mostly_zero", "zeros"])
 @pytest.mark.parametrize("sizes", [(40_000, 20_000), (400_000, 200_000)])  # exact, sampled
 def test_magnitudes_tied_at_the_cut_travel_only_where_that_is_nearer_the_budget(grid, sizes):
     """Magnitudes on a grid tie at the cut by the thousand: a Lion's first update (+-rate
@@ -215,9 +215,11 @@ def test_magnitudes_tied_at_the_cut_travel_only_where_that_is_nearer_the_budget(
         arrays = [rng.choice([-rate, rate], n).astype("float32") for n in sizes]
     elif grid == "walks":  # the residual plus update after 9 steps of +-rate
         arrays = [(rng.choice([-1, 1], (9, n)).sum(0) * rate).astype("float32") for n in sizes]
-    else:  # 0.4% nonzero where the budget is 1%
+    elif grid == "mostly_zero":  # 0.4% nonzero where the budget is 1%
         arrays = [np.where(rng.rand(n) < 0.004, rng.standard_normal(n), 0).astype("float32")
                   for n in sizes]
+    else:  # an update at a learning rate of 0 (a schedule's warm-up from 0)
+        arrays = [np.zeros(n, "float32") for n in sizes]
     budgets = [n // 100 for n in sizes]
     drawn = []
 
@@ -234,12 +236,22 @@ def test_magnitudes_tied_at_the_cut_travel_only_where_that_is_nearer_the_budget(
     kth = np.sort(sample)[::-1][want - 1]
     at_or_above, above = int(np.sum(sample >= kth)), int(np.sum(sample > kth))
     if at_or_above - want > want - above:
-        assert cut == np.nextafter(kth, np.float32(np.inf)), (cut, kth)
+        # the float above, at least the smallest normal one
+        assert cut == max(np.nextafter(kth, np.float32(np.inf)),
+                          np.finfo(np.float32).tiny), (cut, kth)
     else:
         assert cut == kth
     magnitudes = np.abs(np.concatenate(arrays))
     sent = int(np.sum(magnitudes >= cut))
-    if grid == "signs":  # all tied: nothing (nearer 1% than everything is)
+    # what the selection's kernel sends at that cut (TensorFlow's CPU kernels flush subnormals
+    # to zero: a cut just above 0 must be a normal float)
+    selected = sum(int(tf.size(model_budget.AtOrAbove(tf.constant(cut))(tf.constant(a), 0)
+                               .indices)) for a in arrays)
+    fused = [model_budget.AtOrAbove(tf.constant(cut)).fused_compensate_select(
+        tf.constant(a), tf.zeros_like(tf.constant(a))) for a in arrays]
+    assert selected == sent
+    assert sum(int(tf.size(selection.indices)) for selection, _ in fused) == sent
+    if grid in ("signs", "zeros"):  # all tied: nothing (nearer 1% than everything is)
         assert sent == 0
     elif grid == "mostly_zero":  # the nonzeros, not every zero
         assert sent == sum(int(np.count_nonzero(a)) for a in arrays)

@@ -25,6 +25,7 @@ its size (an output layer, an embedding, an LSTM's bias) sends more, one whose g
 small sends less. The cut is each rank's own, as a top-k selection is.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from .order_statistics import kth_largest
@@ -113,16 +114,21 @@ def model_wide_cut(magnitudes_at, sizes, budgets, sampled_all=None) -> tf.Tensor
 def nearer_the_budget(sample, want, cut):
     """``cut`` (the ``want``-th largest of ``sample``), or the float just above it where
     ``|c| > cut`` would send nearer ``want`` of the sample than ``|c| >= cut`` does: where many
-    magnitudes tie at the cut, all of them would travel. They do with values on a grid: a
-    Keras Lion's update is +-rate on every entry, so its first step (residuals zero) sent the
-    whole model and its warm-up's steps up to 2.4x the budget (the CNN at 4 workers: 0.060 of
-    dense's bytes over a run against 0.054 under the other optimizers; 0.053 with this rule);
-    and a cut at 0 (fewer nonzero magnitudes than the budget) sent every zero. Continuous
-    magnitudes tie only with themselves (one sample at the cut), so ``>=`` stays."""
+    magnitudes tie at the cut, all of them would travel. Two cases that made it: a step whose
+    learning rate is 0 (the first of a schedule warming up from 0, as Keras' ``CosineDecay``
+    with ``warmup_target`` does) cuts an update of zeros, and the cut at 0 sent every entry, the
+    whole model as index-value pairs, twice dense's bytes (every update-cut run of the
+    benchmark did at its first step); and a Keras Lion's update is +-rate on every entry, whose
+    ties sent up to 2.4x the budget in its warm-up's steps. Continuous magnitudes tie only
+    with themselves (one sample at the cut), so ``>=`` stays."""
     at_or_above = tf.reduce_sum(tf.cast(sample >= cut, tf.int32))
     above = tf.reduce_sum(tf.cast(sample > cut, tf.int32))
     strictly = at_or_above - want > want - above
-    return tf.where(strictly, tf.math.nextafter(cut, tf.constant(float("inf"), cut.dtype)), cut)
+    # at least the smallest normal float: TensorFlow's CPU kernels flush subnormals to zero,
+    # so the float above 0 would read as 0 and pass every zero again
+    above_cut = tf.maximum(tf.math.nextafter(cut, tf.constant(float("inf"), cut.dtype)),
+                           tf.constant(np.finfo(cut.dtype.as_numpy_dtype).tiny, cut.dtype))
+    return tf.where(strictly, above_cut, cut)
 
 
 def _blocks_of(stride):
