@@ -204,9 +204,10 @@ def test_the_model_wide_cut_of_a_large_model_sends_about_k(share):
 @pytest.mark.parametrize("sizes", [(40_000, 20_000), (400_000, 200_000)])  # exact, sampled
 def test_magnitudes_tied_at_the_cut_travel_only_where_that_is_nearer_the_budget(grid, sizes):
     """Magnitudes on a grid tie at the cut by the thousand: a Lion's first update (+-rate
-    everywhere), error feedback's sums of such signs, a gradient mostly zero. The cut sends
-    ``>= cut`` or ``> cut``, whichever count is nearer K, counted here in NumPy over the
-    sample the cut was read from (every entry, or the blocks ``sample_stride`` spreads)."""
+    everywhere), error feedback's sums of such signs, a gradient mostly zero, an update at a
+    learning rate of 0. The cut sends ``>= cut`` or ``> cut``, whichever count is nearer K,
+    counted here in NumPy over the sample the cut was read from (every entry, or the blocks
+    ``sample_stride`` spreads), and the selection's kernels send that many."""
     from sparse_hvd.selection import model_budget
 
     rng = np.random.RandomState(5)

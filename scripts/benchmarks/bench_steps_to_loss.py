@@ -422,7 +422,8 @@ METHODS = {
     "update_mean": ("the defaults (the update cut at 1%) with second_moment='mean_estimate'",
                     {"density": 0.01, "second_moment": "mean_estimate"}),
     "update_noise": ("the defaults (the update cut at 1%) with second_moment='noise_estimate' "
-                     "(an Adam's or Nadam's step corrected for its own gradient's noise)",
+                     "(Adam's step corrected for its own gradient's noise; on Nadam: the "
+                     "probe b5157df)",
                      {"density": 0.01, "second_moment": "noise_estimate"}),
     "small_dense": ("top-k 1%, variables under 16,384 entries dense (Paddle's rule)",
                     {"density": 0.01, "min_elements": 16384, **OLD}),
