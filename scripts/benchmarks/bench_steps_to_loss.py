@@ -9,8 +9,8 @@ What it measures
     workloads, ``charlm_adam``, ``cnn_adam`` and ``resnet_adam``, train the same models with
     Adam, the ``_plain_sgd`` ones with a plain SGD, the ``_nesterov`` ones with Nesterov's
     momentum, the ``_rmsprop`` ones with RMSprop, ``cnn_adagrad``, ``resnet_adagrad`` and
-    ``cnn_nadam`` with Adagrad and Nadam, ``cnn_lion`` and ``resnet_lion`` with Lion). Rank 0 records the validation loss every
-    ``--eval-every`` steps.
+    ``cnn_nadam`` with Adagrad and Nadam, ``cnn_lion`` and ``resnet_lion`` with Lion). Rank
+    0 records the validation loss every ``--eval-every`` steps.
 
 The target rule
     1. Each curve is smoothed: the validation loss at an evaluation point is the mean of it and
