@@ -12,9 +12,11 @@ from sparse_hvd.exchanges.compression import Compression
 from sparse_hvd.selection.density import ConstantDensity
 from sparse_hvd.steps.candidates import Plan, warmup_trials
 from sparse_hvd.steps.measured import DENSE_WITHIN
-from sparse_hvd.steps.trial_rules import (DENSE_TURN_SPREAD, SAVING, decide, decision_message,
-                                          decisive_loss, early_recheck, held, sparse_can_win,
-                                          turn_order, whole_margin, within_reach, worth_trying)
+from sparse_hvd.steps.trace_cost import TraceCosts
+from sparse_hvd.steps.trial_rules import (DENSE_TURN_SPREAD, SAVING, bound_seconds, decide,
+                                          decision_message, decisive_loss, early_recheck, held,
+                                          pays_for_its_trace, sparse_can_win, turn_order,
+                                          whole_margin, within_reach, worth_trying)
 from sparse_hvd.exchanges import available, create, exchange_class, groupings_of, register
 from sparse_hvd.exchanges.base import Exchange, HEADER_FIELDS, _REGISTRY, header
 
@@ -251,6 +253,59 @@ def test_auto_tries_what_builds_on_the_allgather_only_where_its_bytes_could_pay(
     # more bytes than the reference never lowers the bound; unknown bytes are always tried
     assert not within_reach(0.5, 0.1, 0.24, 0.1049, 0.0139, 6.0, inf, DENSE_WITHIN)
     assert within_reach(None, 1.0, 0.24, 0.1, 0.0, 6.0, 0.0, DENSE_WITHIN)
+
+
+def test_a_candidate_not_yet_traced_runs_only_where_its_saving_repays_its_trace():
+    """The saving a step: what would run without the candidate (the fastest step so far where
+    it beats dense by the trial's margin, else dense's) less the candidate's bound, times the
+    steps to the next trial, against the trace's cost. Closed form: dense 1.0 s, of which
+    0.5 s its exchange of 5 bytes an entry (0.1 s a byte); the reference 0.8 s at 2 bytes, the
+    candidate 1 byte: its bound 0.7 s."""
+    numbers = (1.0, 0.8, 2.0, 1.0, 0.5, 5.0)
+    assert bound_seconds(*numbers) == pytest.approx(0.7)
+    assert bound_seconds(None, *numbers[1:]) is None
+
+    def pays(fastest, margin, horizon, trace):
+        return pays_for_its_trace(*numbers, fastest, margin, horizon=horizon,
+                                  trace_seconds=trace)
+
+    # margin 0.5: the reference (0.8 x 1.5 >= 1.0) would not run, dense would: 0.3 s a step
+    assert pays(0.8, 0.5, 10, 3.0 * (1 - 1e-9)) and not pays(0.8, 0.5, 10, 3.0 * (1 + 1e-9))
+    # margin 0.2: the reference would run (0.96 < 1.0): 0.1 s a step
+    assert pays(0.8, 0.2, 10, 1.0 * (1 - 1e-9)) and not pays(0.8, 0.2, 10, 1.0 * (1 + 1e-9))
+    # a faster candidate ran before it (0.75 s): 0.05 s a step; under its bound, nothing
+    assert pays(0.75, 0.2, 100, 4.9) and not pays(0.75, 0.2, 100, 5.1)
+    assert not pays(0.69, 0.2, 10 ** 6, 0.0)
+    # nothing measured yet: any saving pays; unknown bytes are always tried
+    assert pays(0.8, 0.2, 1, 0.0)
+    assert pays_for_its_trace(None, *numbers[1:], 0.8, 0.2, horizon=1, trace_seconds=1e9)
+    # the 10 Gbit/s and 1 Gbit/s first trials of the wide CNN at 4 workers and 10%: dense
+    # 119.2 / 380 ms, its compute 53.5 / 60; the allgather 130.7 / 200 ms at 2.4 bytes an entry,
+    # the sparse allreduce 0.578; the trace about 2.5 s, 110 steps to the next trial
+    assert not pays_for_its_trace(0.578, 0.1307, 2.4, 0.1192, 0.0535, 6.0, 0.1192, 0.158,
+                                  horizon=110, trace_seconds=2.5)
+    assert pays_for_its_trace(0.578, 0.200, 2.4, 0.380, 0.060, 6.0, 0.200, 0.158,
+                              horizon=110, trace_seconds=2.5)
+
+
+def test_a_trace_costs_the_least_first_step_less_its_turns_median():
+    """Each candidate's first step less its first turn's median; the least stands for all;
+    0 before any; a turn without a first step counted (later turns) adds nothing; a first
+    step faster than the median costs 0."""
+    costs = TraceCosts(3)
+    assert costs.seconds == 0.0
+    costs.timed(1, 0.1)
+    assert costs.seconds == 0.0 and costs.costs == []
+    costs.began(1, 2.6)
+    costs.timed(1, 0.1)
+    assert costs.seconds == pytest.approx(2.5)
+    costs.timed(1, 0.0)  # its later turn
+    costs.began(2, 3.2)
+    costs.timed(2, 0.2)
+    assert costs.costs == pytest.approx([2.5, 3.0]) and costs.seconds == pytest.approx(2.5)
+    costs.began(0, 0.05)
+    costs.timed(0, 0.08)
+    assert costs.seconds == 0.0
 
 
 def test_auto_times_the_candidates_that_build_on_the_allgather_fewest_bytes_first(monkeypatch):

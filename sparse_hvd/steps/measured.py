@@ -15,52 +15,46 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
 
 1. **Trial.** From step ``trial_start`` on, each candidate worth trying runs ``TRIAL_STEPS``
    steps in turn, dense first. The first of each is not timed (its first run sets up its
-   collectives). A candidate's first turn in the job is longer: its first ``FIRST_TRIAL_UNTIMED``
-   steps are not timed, since an exchange's first steps still pay for their start (the wide CNN
-   at 4 workers and 1 Gbit/s: the allgather's steps after its trace took 0.52, 0.40, 0.32, then
-   about 0.25 s, ``docs/time_to_loss_update_cut_1gbit.md``). That is every turn of the job's
-   first trial but dense's (its first steps there read as its later ones, and each is 2-3x a
-   sparse one's), and the turn of a candidate first tried later (left out before by the reach
-   rule or the byte gate). A timed step is the whole step, from the previous step's last write to
-   this one's (on shared cores a candidate's CPU work slows the other ranks' backprop, which a
-   timer around the exchange would not see), as the mean over the ranks, so every rank holds the
-   same numbers. Two timed steps in a row over ``ABORT_AFTER`` x the fastest median so far end
-   their candidate's turn (one alone may be noise: at 8 ranks on 2 cores single steps took up to
-   2x their neighbours'). Not worth trying (``worth_trying``): a sparse candidate whose bytes on
-   the wire alone, at the trial's density, cannot beat dense by ``DENSE_WITHIN``. Dense's steps
-   also time its exchange on every rank: the rank that reached the collective last waited only
-   for the transfer, so the step less its time is the compute no exchange removes
-   (``sparse_can_win``); where dense's step is within ``DENSE_WITHIN`` of it in two turns in a
-   row (``HOPELESS_RETIMES``: the second right after the first), the trial ends with it and the
-   sparse candidates are never traced or run (on the character LSTM at 1 Gbit/s their traces and
-   trial steps made the first 20 steps 2x dense's). The second costs nothing where the first was
-   right (dense runs those steps either way); a job's first steps can read dense 3-4x high (Adam
-   at 10 Gbit/s: memory touched for the first time, which ran dense for 100 steps;
-   ``docs/auto_exchange.md``). After dense comes the reference (``Exchange.builds_on``: the coded
-   allgather and the sparse allreduce do the allgather's work and more, to send fewer bytes),
-   then the others, fewest bytes on the wire first (``turn_order``); at the end of each of these
-   turns, those not run before that could not become the choice, or beat the fastest step so far,
-   even if their fewer bytes were all they changed (``within_reach``; where dense sits out, its
-   last turn's step) leave the trial untraced (with 4 ranks on 2 cores a trace took 3-6 s: 13 s
-   of a 57 s run on 10 Gbit/s links, where dense won). One that ran in an earlier trial stays: it
-   is traced already, its turn costs a few steps, and its measured step is worth more than the
-   bound (at 8 workers and 1 Gbit/s the bound once left out the sparse allreduce, traced before,
-   and dense ran 66 more steps at 0.47 s; in another seed's such trial it took 0.22 s a step,
-   half the allgather's: it also averages fewer entries, work that grows with N).
+   collectives); a candidate's first turn in the job (every turn of the first trial but
+   dense's, or a candidate first tried later) leaves its first ``FIRST_TRIAL_UNTIMED`` untimed:
+   an exchange's first steps still pay for their start (the wide CNN at 4 workers and 1
+   Gbit/s: the allgather's steps after its trace 0.52, 0.40, 0.32, then about 0.25 s). A timed
+   step is the whole step, from the previous step's last write to this one's (on shared cores a
+   candidate's CPU work slows the other ranks' backprop), as the mean over the ranks, so every
+   rank holds the same numbers. Two timed steps in a row over ``ABORT_AFTER`` x the fastest
+   median so far end their candidate's turn (one alone may be noise). Not worth trying
+   (``worth_trying``): a sparse candidate whose bytes on the wire alone, at the trial's density,
+   cannot beat dense by ``DENSE_WITHIN``. Dense's steps also time its exchange on every rank:
+   the rank that reached the collective last waited only for the transfer, so the step less its
+   time is the compute no exchange removes (``sparse_can_win``); where dense's step is within
+   ``DENSE_WITHIN`` of it in two turns in a row (``HOPELESS_RETIMES``; a job's first steps can
+   read dense 3-4x high), the trial ends with it and the sparse candidates are never traced or
+   run (on the character LSTM at 1 Gbit/s their traces and trial steps made the first 20 steps
+   2x dense's). After dense comes the reference (``Exchange.builds_on``: the coded allgather and
+   the sparse allreduce do the allgather's work and more, to send fewer bytes), then the
+   others, fewest bytes on the wire first (``turn_order``); at the end of each of these turns,
+   those not run before leave the trial untraced where they could not become the choice, or
+   beat the fastest step so far, even if their fewer bytes were all they changed
+   (``within_reach``; where dense sits out, its last turn's step), or where what that would save
+   a step until the next trial does not repay what a trace costs this job (``TraceCosts``,
+   ``pays_for_its_trace``: with 4 ranks on 2 cores a trace took 2-6 s, 7-12 s of a 50 s run on
+   10 Gbit/s links, where dense won). One that ran in an earlier trial stays: it is traced
+   already, its turn costs a few steps, and its measured step is worth more than the bound (at
+   8 workers and 1 Gbit/s the bound once left out the sparse allreduce, traced before, and
+   dense ran 66 more steps at 0.47 s; in another seed's trial it took half the allgather's step).
 2. **Decision**, in the trial's last step, on every rank at once, by one rule on the same
    numbers: the fastest median, except that dense wins unless a sparse exchange's step is
    faster than dense's by more than ``DENSE_WITHIN`` (1.5x), or the margin the candidates'
    exchanges declare (``Exchange.dense_within``, ``whole_margin``: Adam's signs 1.2x): a
    sparse run needs more steps to the same loss (top-k's steps ratio: 0.94-1.07 on a CNN,
    1.40-1.78 on a character LSTM, ``docs/steps_to_loss.md``; the signs' 0.80-1.10), and a
-   trial's medians on shared cores are noisy. With a margin of 1.2 top-k on the LSTM at 4
-   workers and 1 Gbit/s (its step at best 1.2x cheaper) reached dense's loss 0.81x as fast
-   as dense (``docs/time_to_loss_previous.md``). A warm-up's trials ask less
-   (``dense_margin``: it shrinks with the square root of the settled density over the
+   trial's medians on shared cores are noisy (with a margin of 1.2 top-k on the LSTM at 4
+   workers and 1 Gbit/s reached dense's loss 0.81x as fast as dense). A warm-up's trials ask
+   less (``dense_margin``: it shrinks with the square root of the settled density over the
    trial's, to 1.15x at the least), since their steps run at a density where a sparse step
    loses fewer steps; the trial at the warm-up's end and the re-checks ask the whole margin,
-   as do step 1's rules (each candidate tried is traced: ``docs/auto_exchange.md``). Rank 0
-   logs the times, the margin and the choice.
+   as does step 1's ``within_reach`` (``pays_for_its_trace`` the trial's own). Rank 0 logs
+   the times, the margin and the choice.
 3. **Re-trials**, since the link and the density can change: during a warm-up, each time the
    density has halved since the last trial (``warmup_trials``: from 10% to 1% a sparse
    exchange often wins long before the warm-up ends, and a short run is mostly warm-up),
@@ -70,14 +64,12 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    pruned reference and was not tried with it, and without dense once sparse exchanges beat
    it in two trials in a row or in one by far (``_dense_beaten``); at the density policy's
    first settled step (the warm-up's end), with every candidate worth trying but a beaten
-   dense; then every ``RECHECK_STEPS`` steps, all. A job whose first decision no warm-up
-   trial follows (no warm-up, or a restored job's first trial) re-checks it sooner,
-   ``FIRST_RECHECK_STEPS`` after it: that trial ran every candidate on its first steps (fresh
-   traces, collectives starting up, and on shared cores the other processes' start), the
-   least reliable timings of the job, and a wrong choice would otherwise last
-   ``RECHECK_STEPS`` steps (at 8 workers on the emulated 1 Gbit/s cluster one such first
-   trial chose dense, whose step was 3.1x the fastest candidate's). After a loss of dense
-   beyond doubt that re-check runs without it, or not at all (``early_recheck``). At the
+   dense; then every ``RECHECK_STEPS`` steps, all (``next_trial_after``). A job whose first
+   decision no warm-up trial follows (no warm-up, or a restored job's first trial) re-checks
+   it ``FIRST_RECHECK_STEPS`` after it: that trial's timings, on every candidate's first
+   steps, are the job's least reliable (at 8 workers on the emulated 1 Gbit/s cluster one
+   chose dense, whose step was 3.1x the fastest candidate's). After a loss of dense beyond
+   doubt that re-check runs without it, or not at all (``early_recheck``). At the
    density of the trial that made the current choice, its median counts ``HOLD_WITHIN``
    (1.15x) shorter: a challenger must win by more than a trial's noise (Adam at 10 Gbit/s:
    the signs 1.4-1.7x faster a step, a re-check read 1.18x, under their 1.2x, and ran dense).
@@ -86,11 +78,11 @@ Switching keeps every replica identical (every rank runs the same branch) and er
 exact (``plan_step``): chosen, dense sends the residuals whole once and clears them (with
 ``sparsify="update"`` it also makes the inner state the mean over the ranks), then runs
 Horovod's plain step; a trial's dense turn keeps the residuals for the sparse steps after it.
-The state of candidates other than the default exchange (the sparse allreduce's thresholds) is
-not checkpointed: the format does not depend on the candidates, and a restored job measures
-again.
+Other candidates' state (the sparse allreduce's thresholds) is not checkpointed: a restored
+job measures again.
 """
 
+import functools
 import math
 from typing import List
 
@@ -103,9 +95,10 @@ from .candidates import Plan, dense_bytes_per_entry, plans_for, warmup_trials  #
 from .plan_step import (DENSE_FLUSH, DENSE_HELD, DENSE_PLAIN, FIRST, plan_step,  # noqa: F401
                         traced_mode, traced_plan)
 from .strategies import SynchronousStep
+from .trace_cost import TraceCosts
 from .trial_rules import (decide, decision_message, decisive_loss, early_recheck, held,
-                          median_of_samples, plans_within_reach, sparse_can_win, turn_order,
-                          whole_margin, within_reach, worth_trying)
+                          median_of_samples, pays_for_its_trace, plans_within_reach,
+                          sparse_can_win, turn_order, whole_margin, within_reach, worth_trying)
 
 TRIAL_STEPS = 4  # steps each candidate runs in a trial; the first is not timed
 FIRST_TRIAL_UNTIMED = 4  # a candidate's first turn in the job: its first steps not timed (step 1)
@@ -129,6 +122,15 @@ def first_trial_length(candidates) -> int:
     """How many steps the job's first trial takes with ``candidates`` tried, dense among
     them (step 1): dense's turn is a later trial's length, the others' their first turn's."""
     return TRIAL_STEPS + (candidates - 1) * first_turn_length() if candidates else 0
+
+
+def next_trial_after(step, warmup_trials, first_decision) -> int:
+    """The trial after a decision at ``step`` (step 3): the warm-up's next, else a re-check
+    ``FIRST_RECHECK_STEPS`` after the process's first decision, ``RECHECK_STEPS`` after others."""
+    upcoming = [start for start in warmup_trials if start > step]
+    if upcoming:
+        return upcoming[0]
+    return step + (min(FIRST_RECHECK_STEPS, RECHECK_STEPS) if first_decision else RECHECK_STEPS)
 
 
 def dense_margin(density, settled_density, whole=None) -> float:
@@ -221,6 +223,7 @@ class MeasuredChoiceStep(SynchronousStep):
         self.warmed = np.zeros([count], np.bool_)
         if self.dense_index is not None:
             self.warmed[self.dense_index] = True
+        self.traces = TraceCosts(count)  # what a candidate's first steps cost (step 1)
         self.turn_lengths = self._next_turn_lengths()  # in the coming trial
         # what the graph reads: not optimizer variables, so not checkpointed either
         with tf.init_scope():
@@ -352,6 +355,8 @@ class MeasuredChoiceStep(SynchronousStep):
         slot = int(phase) - turn_start - (turn_length - TRIAL_STEPS + 1)
         last_slot = TRIAL_STEPS - 2
         if slot < 0:  # the turn's first steps: not timed
+            if int(phase) == turn_start and not self.warmed[candidate]:
+                self.traces.began(candidate, elapsed)  # its trace ran just before
             return np.int64(start), np.int32(choice), trying, self.turn_lengths
         self.warmed[candidate] = True
         self.samples[candidate, slot] = elapsed
@@ -365,6 +370,7 @@ class MeasuredChoiceStep(SynchronousStep):
         median = median_of_samples(self.samples[candidate])
         if turn_done:
             self.best = min(self.best, median)
+            self.traces.timed(candidate, median)
         hopeless = False
         if self.dense_index is not None:
             if candidate == self.dense_index:
@@ -379,12 +385,17 @@ class MeasuredChoiceStep(SynchronousStep):
             if (turn_done and any(self.bounded) and trying[self.reference_index]
                     and (candidate == self.reference_index or self.bounded[candidate])
                     and np.all(self.samples[self.dense_index] > 0)):
-                # a candidate that ran before (traced) stays: its turn costs a few steps
-                trying &= self.warmed | plans_within_reach(
-                    self.plans, self.bounded, self.reference_index, self.dense_index,
-                    median_of_samples(self.samples), compute, self.best,
-                    self.gate_densities[self.trial_row], self.value_bytes, self.within,
-                    within_reach)
+                # a candidate that ran before (traced) stays: its turn costs a few steps; one
+                # not traced runs if it could win and repay its trace by the next trial
+                numbers = (self.plans, self.bounded, self.reference_index, self.dense_index,
+                           median_of_samples(self.samples), compute, self.best,
+                           self.gate_densities[self.trial_row], self.value_bytes)
+                horizon = next_trial_after(int(step), self.warmup_trials, not self.decisions)
+                pays = functools.partial(pays_for_its_trace, horizon=horizon - int(step),
+                                         trace_seconds=self.traces.seconds)
+                trying &= self.warmed | (plans_within_reach(*numbers, self.within, within_reach)
+                                         & plans_within_reach(
+                                             *numbers, self.decision_margins[self.trial_row], pays))
         length = int(np.sum(np.where(trying, self.turn_lengths, 0)))
         if (turn_done and int(phase) + skipped == length - 1) or hopeless:
             start, choice, trying = self._decide(hopeless, int(step), trying, int(choice))
@@ -440,7 +451,7 @@ class MeasuredChoiceStep(SynchronousStep):
                                             self.within if hopeless else margin, incumbent,
                                             HOLD_WITHIN))
         upcoming = [start for start in self.warmup_trials if start > step]
-        following = upcoming[0] if upcoming else step + self._recheck_after()
+        following = next_trial_after(step, self.warmup_trials, len(self.decisions) == 1)
         # within the warm-up only those that can still win: halving the density at most
         # halves a sparse step's exchange, so one over ``PRUNE_AFTER`` x the fastest cannot
         # win the next trial; the warm-up's last trial and later ones forget the pruning
@@ -464,21 +475,13 @@ class MeasuredChoiceStep(SynchronousStep):
                 decisive, bool(upcoming)):
             pruned = pruned | dense
         if not upcoming and following - step < RECHECK_STEPS:
-            # the early re-check (``_recheck_after``; no warm-up trial left: the gates' last row)
+            # the early re-check (``next_trial_after``; no warm-up trial left: the gates' last row)
             runs = early_recheck(decisive, np.count_nonzero(~(pruned | dense) & self.gates[-1]))
             pruned = pruned | (dense & (runs == "sparse"))
             following = step + RECHECK_STEPS if runs == "none" else following
         # and only those whose bytes can win at the next trial's density (``worth_trying``)
         self.trial_row = max(int(np.sum(self.gate_starts <= following)) - 1, 0)
         return following, choice, ~pruned & self.gates[self.trial_row]
-
-    def _recheck_after(self) -> int:
-        """Steps from a decision that no warm-up trial follows to the next trial (step 3):
-        ``FIRST_RECHECK_STEPS`` after the job's first decision (this process's: a restored job
-        measures again), ``RECHECK_STEPS`` after later ones; never more than the latter."""
-        if len(self.decisions) == 1:
-            return min(FIRST_RECHECK_STEPS, RECHECK_STEPS)
-        return RECHECK_STEPS
 
     def _dense_beaten(self, ran, lost, decisive, warming) -> bool:
         """Whether dense sits out the next trial, one of the warm-up's (``warming``): a sparse

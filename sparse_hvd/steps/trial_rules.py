@@ -1,6 +1,7 @@
 """The rules ``exchange="auto"``'s trials decide by (``sparse_hvd.steps.measured``), as pure
 functions of the trial's numbers: which candidates are worth a trial, whether any can beat
-dense, whether one that builds on another can still win, which one a trial chooses, whether
+dense, whether one that builds on another can still win and repay its trace, which one a
+trial chooses, whether
 dense lost it beyond doubt, what the early re-check runs, and the line rank 0 logs for it.
 
 Each takes its ``margin``: how much faster than dense's a sparse step must be to run, so that
@@ -61,34 +62,73 @@ def sparse_can_win(step_seconds, compute_seconds, margin) -> bool:
     return step_seconds > (1 + margin) * compute_seconds
 
 
+def bound_seconds(candidate_bytes, reference_seconds, reference_bytes, dense_seconds,
+                  dense_compute, dense_bytes):
+    """The least step a candidate that builds on the reference exchange could take
+    (``Exchange.builds_on``: its work and more, to send ``candidate_bytes`` per entry of the
+    model instead of ``reference_bytes``): the reference's step less what its fewer bytes
+    save on the link, priced at dense's exchange time per byte (``dense_seconds -
+    dense_compute`` over ``dense_bytes``: an over-estimate of the link's cost per byte, since
+    dense's exchange also holds its fixed costs, so the bound errs towards trying). None
+    where a byte count is not known."""
+    if None in (candidate_bytes, reference_bytes) or dense_bytes <= 0:
+        return None
+    price = max(dense_seconds - dense_compute, 0.0) / dense_bytes
+    return reference_seconds - max(reference_bytes - candidate_bytes, 0.0) * price
+
+
 def within_reach(candidate_bytes, reference_seconds, reference_bytes, dense_seconds,
                  dense_compute, dense_bytes, fastest_seconds, margin) -> bool:
-    """Whether a candidate that builds on the reference exchange (``Exchange.builds_on``: its
-    work and more, to send ``candidate_bytes`` per entry of the model instead of
-    ``reference_bytes``) could become the choice, from the trial's medians so far: the
-    reference's step, dense's step, compute and bytes per entry, and the fastest step of any
-    candidate (``fastest_seconds``).
+    """Whether a candidate that builds on the reference exchange could become the choice, from
+    the trial's medians so far: the reference's step, dense's step, compute and bytes per
+    entry, and the fastest step of any candidate (``fastest_seconds``).
 
-    1. Its step is at least the reference's less what its fewer bytes save on the link,
-       priced at dense's exchange time per byte (``dense_seconds - dense_compute`` over
-       ``dense_bytes``: an over-estimate of the link's cost per byte, since dense's exchange
-       also holds its fixed costs, so the bound errs towards trying).
+    1. Its step is at least :func:`bound_seconds`.
     2. It could become the choice only if that bound beats dense by more than ``margin``,
        the reference by more than ``SAVING`` and the fastest step measured so far (another
        candidate that builds on the reference may have run before it).
 
     None for a byte count: not known, so within reach."""
-    if None in (candidate_bytes, reference_bytes) or dense_bytes <= 0:
+    lower = bound_seconds(candidate_bytes, reference_seconds, reference_bytes, dense_seconds,
+                          dense_compute, dense_bytes)
+    if lower is None:
         return True
-    price = max(dense_seconds - dense_compute, 0.0) / dense_bytes
-    lower = reference_seconds - max(reference_bytes - candidate_bytes, 0.0) * price
     return (lower * (1 + margin) < dense_seconds
             and lower * (1 + SAVING) < reference_seconds and lower < fastest_seconds)
 
 
+def pays_for_its_trace(candidate_bytes, reference_seconds, reference_bytes, dense_seconds,
+                       dense_compute, dense_bytes, fastest_seconds, margin, horizon,
+                       trace_seconds) -> bool:
+    """Whether a candidate not yet traced (a candidate that builds on the reference, as in
+    :func:`within_reach`) could repay its trace before the next trial: at its bound
+    (:func:`bound_seconds`) it would save, each step, the step of what would run without it
+    (the fastest step so far where that beats dense by more than ``margin``, else dense's)
+    less the bound, over ``horizon`` steps (to the next trial, which asks again, at its own
+    density), against ``trace_seconds``, what a candidate's trace and first run cost this
+    job (``measured``, step 1). ``margin``: the trial's decision's (``measured.dense_margin``),
+    which decides what runs until the next trial.
+
+    Asked at each trial, so a candidate whose bytes save little on a fast link waits until a
+    trial whose horizon or density makes the trace pay (the settled density's trial holds
+    ``RECHECK_STEPS``), and on a link where bytes cost it runs at once. On the emulated 10
+    Gbit/s cluster at 4 workers the sparse allreduce and the coded allgather were traced in
+    the warm-up's first trial (2-3 s each, against 44 s of dense's whole run), each step
+    slower than the allgather's there, and dense chose at the warm-up's end: their bound
+    saved at most about 16 ms a step at 10% density before the next trial 110 steps later,
+    1.8 s. None for a byte count: not known, so tried."""
+    lower = bound_seconds(candidate_bytes, reference_seconds, reference_bytes, dense_seconds,
+                          dense_compute, dense_bytes)
+    if lower is None:
+        return True
+    running = fastest_seconds if fastest_seconds * (1 + margin) < dense_seconds else dense_seconds
+    return (running - lower) * horizon > trace_seconds
+
+
 def plans_within_reach(plans, bounded, reference, dense, medians, compute, fastest, density,
                        value_bytes, margin, rule=within_reach) -> np.ndarray:
-    """``rule`` (:func:`within_reach`) for each plan, at a trial's ``density`` and ``margin``:
+    """``rule`` (:func:`within_reach`, or :func:`pays_for_its_trace` with its horizon and
+    trace's cost bound) for each plan, at a trial's ``density`` and ``margin``:
     True for those that do not build on the reference (``bounded``). ``medians``: each
     plan's last (dense's step does not depend on the density: its last turn's stands where
     it sits out); ``reference``, ``dense``: their plans' indices; ``compute``: dense's step

@@ -22,11 +22,12 @@ STEPS = 1 + CANDIDATES * measured.TRIAL_STEPS + 3  # step 0, the trial, then the
 def whole_turns(monkeypatch):
     """No candidate ends its turn early, no trial ends with dense's turn, none skips what
     builds on the allgather and no loss of dense counts double (the schedules below are
-    closed-form) unless a test sets ``ABORT_AFTER``, ``sparse_can_win``, ``within_reach`` or
-    ``decisive_loss`` itself."""
+    closed-form) unless a test sets ``ABORT_AFTER``, ``sparse_can_win``, ``within_reach``,
+    ``pays_for_its_trace`` or ``decisive_loss`` itself."""
     monkeypatch.setattr(measured, "ABORT_AFTER", np.inf)
     monkeypatch.setattr(measured, "sparse_can_win", lambda step, compute, margin: True)
     monkeypatch.setattr(measured, "within_reach", lambda *numbers: True)
+    monkeypatch.setattr(measured, "pays_for_its_trace", lambda *numbers, **known: True)
     monkeypatch.setattr(measured, "decisive_loss", lambda seconds, names, margin: False)
 
 
@@ -865,6 +866,63 @@ def test_what_cannot_beat_the_allgather_by_its_bytes_is_not_tried(hvd, monkeypat
         assert sorted(optimizer.functions) == sorted(
             [measured.DENSE_PLAIN, names.index("allgather")]
             + ([measured.DENSE_FLUSH] if choice == "dense" else []))
+    everyone = gather(hvd, (optimizer.exchange_decisions, asked), name=f"{name}.decisions")
+    assert all(e == everyone[0] for e in everyone), everyone
+    _same_everywhere(hvd, weights, name)
+    _conservation(hvd, optimizer, weights, steps, "none")
+
+
+@pytest.mark.parametrize("per_mode", [False, True])
+def test_what_cannot_repay_its_trace_is_not_tried(hvd, monkeypatch, per_mode):
+    """Where ``within_reach`` says yes and ``pays_for_its_trace`` no, the trial is dense's
+    turn and the allgather's, as where the reach rule says no: the coded allgather and the
+    sparse allreduce are never timed nor traced. The trace rule is asked with the same
+    numbers, at the trial's own margin (no warm-up: the whole one), the steps until the next
+    trial (the early re-check of the job's first decision, ``FIRST_RECHECK_STEPS`` after it)
+    and what the allgather's start cost: its first step (the first of its first turn, with its
+    trace when ``per_mode``) less its timed steps' median, the same on every rank."""
+    asked, first_steps = [], {}
+    record = measured.MeasuredChoiceStep._record
+
+    def recording(self, times, phase, candidate, step, start, choice, trying):
+        turn_start, _ = self._turn(int(candidate), np.array(trying, np.bool_))
+        if int(phase) == turn_start and not self.warmed[int(candidate)]:
+            first_steps[int(candidate)] = float(np.mean(times[:, 0]))
+        return record(self, times, phase, candidate, step, start, choice, trying)
+
+    def repays(*numbers, horizon, trace_seconds):
+        asked.append((numbers, horizon, trace_seconds))
+        return False
+
+    monkeypatch.setattr(measured.MeasuredChoiceStep, "_record", recording)
+    monkeypatch.setattr(measured, "pays_for_its_trace", repays)
+    untimed = measured.FIRST_TRIAL_UNTIMED
+    decided = measured.TRIAL_STEPS + untimed + measured.TRIAL_STEPS - 1
+    steps = 1 + decided + 3
+    name = f"auto_trace_pays_{per_mode}"
+    optimizer, weights, _ = train(name, steps, per_mode=per_mode)
+    step = optimizer._step
+    names = [p.name for p in step.plans]
+    decided_at, times, _ = optimizer.exchange_decisions[0]
+    assert decided_at == decided and set(times) == {"dense", "allgather"}
+    for skipped in ("compact_allgather", "sparse_allreduce"):
+        assert np.all(step.samples[names.index(skipped)] == 0), skipped
+    reference = names.index("allgather")
+    assert set(first_steps) == {reference}
+    cost = max(first_steps[reference] - float(np.median(step.samples[reference])), 0.0)
+    assert step.traces.seconds == pytest.approx(cost) and len(asked) == 2
+    compute = float(np.median(step.computes))
+    for numbers, horizon, trace_seconds in asked:
+        assert horizon == min(measured.FIRST_RECHECK_STEPS, measured.RECHECK_STEPS)
+        assert trace_seconds == pytest.approx(cost)
+        assert numbers[1:] == pytest.approx((times["allgather"], 0.05 * (hvd.size() - 1) * 8,
+                                             times["dense"], compute,
+                                             2 * (hvd.size() - 1) / hvd.size() * 4,
+                                             min(times.values()), measured.DENSE_WITHIN))
+    if per_mode:
+        assert sorted(optimizer.functions) == sorted(
+            [measured.DENSE_PLAIN, reference]
+            + ([measured.DENSE_FLUSH] if optimizer.exchange_decisions[0][2] == "dense" else []))
     everyone = gather(hvd, (optimizer.exchange_decisions, asked), name=f"{name}.decisions")
     assert all(e == everyone[0] for e in everyone), everyone
     _same_everywhere(hvd, weights, name)
