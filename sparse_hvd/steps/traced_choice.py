@@ -10,7 +10,10 @@ from inside, so the code that calls the train function changes which function it
 1. Before each call it reads which candidate the next step runs (the step writes that into a
    variable at its end, the same on every rank).
 2. It calls the function traced for that candidate: kept from before, or made now and traced
-   at its first call, with the step told the candidate (``MeasuredChoiceStep.traced``).
+   at its first call, with the step told the candidate (``MeasuredChoiceStep.traced``). Where
+   dense was chosen after sparse steps, the residuals are first sent by a small function of
+   their own where that can be done between steps (``flush_between``), and the step runs
+   dense's plain function.
 
 A job traces each candidate it runs once. Every rank reads the same variables at the same
 step, so every rank runs the same graph. Two ways in:
@@ -23,7 +26,7 @@ import keras
 import tensorflow as tf
 
 from ..runtime import startup as runtime
-from . import measured, plan_step
+from . import flush_between, measured, plan_step
 
 
 def _mode(optimizer):
@@ -49,6 +52,9 @@ class _PerMode:
         self._settle()
         mode = _mode(self.optimizer)
         step = getattr(self.optimizer, "_step", None)
+        if mode == measured.DENSE_FLUSH and flush_between.usable(step):
+            flush_between.flush(step)  # then dense's plain function, traced already
+            mode = _mode(self.optimizer)
         if hasattr(step, "traced"):
             step.traced = mode  # what a trace (the first, or one for new shapes) sees
         if mode not in self.functions:

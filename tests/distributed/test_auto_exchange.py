@@ -39,7 +39,8 @@ def full_suite_only(hvd, in_default_tier=False):
 
 
 def train(name, steps, momentum_correction=0.0, compression="none", density=0.05,
-          per_mode=False, grouping="grouped", inner=None, snapshots=None, build_first=True):
+          per_mode=False, grouping="grouped", inner=None, snapshots=None, build_first=True,
+          **options):
     """``steps`` steps of exchange="auto" on this rank's gradients (tests/option_matrix.py), in
     a ``tf.function`` or (``per_mode``) a ``sparse_hvd.function``, around ``inner`` (default
     ``SGD(1.0)``); returns the optimizer, the weights and the layer statistics after each step.
@@ -47,7 +48,7 @@ def train(name, steps, momentum_correction=0.0, compression="none", density=0.05
 
     ``build_first``: the optimizer is built before the first step (``helpers.built``), else by
     the first step, which makes TensorFlow trace the step twice, with every candidate's
-    exchange (3-4 s a trace on 2 shared cores)."""
+    exchange (3-4 s a trace on 2 shared cores). ``options``: the optimizer's other arguments."""
     import keras
     import tensorflow as tf
 
@@ -57,7 +58,7 @@ def train(name, steps, momentum_correction=0.0, compression="none", density=0.05
     optimizer = sparse_hvd.SparseDistributedOptimizer(
         inner or keras.optimizers.SGD(1.0), density=density, warmup_steps=0, exchange="auto",
         momentum_correction=momentum_correction, compression=compression, grouping=grouping,
-        name=name)
+        name=name, **options)
     big = keras.Variable(np.zeros(BIG, "float32"))
     small = keras.Variable(np.zeros(SMALL, "float32"))
     if build_first:
@@ -543,15 +544,17 @@ def test_the_chosen_exchange_runs_after_the_trial(hvd, monkeypatch, forced, comp
     ("none", False), ("float16", False), ("none", True), ("float16", True)])
 def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod(
         hvd, monkeypatch, compression, per_mode):
-    """SGD's momentum (the update cut: each rank's velocity its own), dense forced. The first
-    dense step after the trial's sparse steps sends each rank's step plus residual whole,
-    clears the residuals and makes every rank's velocity the mean of the ranks' own; each
-    dense step after it is Keras' SGD on the averaged gradient from that shared velocity
-    (Horovod's dense step). Computed in NumPy from every rank's state, checked on every
-    rank; with 16-bit values, to their rounding (the velocities' mean is taken in float32,
-    and the residuals hold only rounding errors). In one function with every candidate a
-    branch (dense's three ways), or (``per_mode``) one per mode: the flush in the function of
-    ways 3 and 1, then way 1's own."""
+    """SGD's momentum (the update cut: each rank's velocity its own) with ``update_scale=2``,
+    dense forced. The first dense step after the trial's sparse steps sends the residuals'
+    mean at the factor, clears the residuals and makes every rank's velocity the mean of the
+    ranks' own; each dense step after it is Keras' SGD on the averaged gradient from that
+    shared velocity (Horovod's dense step, at the rate). The first one's own step: in one
+    function with every candidate a branch (dense's three ways), or (``per_mode``) with
+    16-bit values in the flush's function of ways 3 and 1, each rank's step plus residual is
+    sent at the factor; (``per_mode``, no 16-bit values) ``flush_between`` sends the residuals
+    before the step, which is then way 1's, at the rate. Computed in NumPy from every rank's
+    state, checked on every rank; with 16-bit values, to their rounding (the velocities' mean
+    is taken in float32, and the residuals hold only rounding errors)."""
     import keras
 
     # the default tier: the flush's own function (the way a fit or sparse_hvd.function takes)
@@ -560,9 +563,11 @@ def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod
     lr, momentum, size = 0.1, 0.9, hvd.size()
     name = f"auto_update_cut_dense_{compression}_{per_mode}"
     snapshots = []
+    factor = 2.0
     optimizer, weights, stats = train(name, STEPS, inner=keras.optimizers.SGD(lr, momentum),
                                       compression=compression, snapshots=snapshots,
-                                      per_mode=per_mode)
+                                      per_mode=per_mode, update_scale=factor)
+    between = per_mode and compression == "none"  # flush_between
     rounding = 0.0 if compression == "none" else 2.0 ** -11  # float16's relative rounding
     assert optimizer.sparsify == "update"
     assert optimizer.exchange_decisions[0][2] == "dense"
@@ -578,8 +583,8 @@ def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod
         if passed == decided + 1:  # residuals were held: each rank's step and residual sent
             velocity = [np.mean([own[i] for own in owns], 0) for i in (0, 1)]
             held = [np.mean([b[1][i] for b in before], 0) for i in (0, 1)]  # the residuals
-            weight = [before[0][0][i] + velocity[i] - (held[i].reshape(velocity[i].shape)
-                                                       if held[i].size else 0.0)
+            weight = [before[0][0][i] + (1.0 if between else factor) * velocity[i]
+                      - factor * (held[i].reshape(velocity[i].shape) if held[i].size else 0.0)
                       for i in (0, 1)]
         else:  # Horovod's dense step: one velocity, the averaged gradient
             assert all(np.array_equal(b[2][i], before[0][2][i]) for b in before for i in (0, 1))
@@ -599,10 +604,10 @@ def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod
                        for r in got[1]), f"step {passed}: residuals not clear"
             if passed > decided + 1:  # the dense steps keep one velocity on every rank
                 assert all(np.array_equal(got[2][i], everyone[0][passed][2][i]) for i in (0, 1))
-    if per_mode:  # never the function of dense's three ways
+    if per_mode:  # never the function of dense's three ways; the flush's only with 16 bits
         names = [p.name for p in optimizer._step.plans]
         assert sorted(optimizer.functions) == sorted(
-            [measured.DENSE_PLAIN, measured.DENSE_FLUSH]
+            [measured.DENSE_PLAIN] + ([] if between else [measured.DENSE_FLUSH])
             + [i for i, n in enumerate(names) if n != "dense"])
     _same_everywhere(hvd, weights, name)
 
