@@ -288,6 +288,15 @@ def test_a_candidate_not_yet_traced_runs_only_where_its_saving_repays_its_trace(
                               horizon=110, trace_seconds=2.5)
 
 
+def test_without_the_trace_rule_whatever_is_within_reach_is_tried(monkeypatch):
+    """``TRACE_MUST_PAY = False``: the previous releases' rule, the reach rule alone."""
+    import sparse_hvd.steps.trial_rules as trial_rules
+
+    monkeypatch.setattr(trial_rules, "TRACE_MUST_PAY", False)
+    assert pays_for_its_trace(0.578, 0.1307, 2.4, 0.1192, 0.0535, 6.0, 0.1192, 0.158,
+                              horizon=110, trace_seconds=2.5)
+
+
 def test_a_trace_costs_the_least_first_step_less_its_turns_median():
     """Each candidate's first step less its first turn's median; the least stands for all;
     0 before any; a turn without a first step counted (later turns) adds nothing; a first

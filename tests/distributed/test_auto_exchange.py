@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+import sparse_hvd.steps.flush_between as flush_between
 import sparse_hvd.steps.measured as measured
 import sparse_hvd.steps.trial_rules as trial_rules
 from conftest import digest, gather
@@ -540,10 +541,11 @@ def test_the_chosen_exchange_runs_after_the_trial(hvd, monkeypatch, forced, comp
         _conservation(hvd, optimizer, weights, STEPS, compression)
 
 
-@pytest.mark.parametrize("compression,per_mode", [
-    ("none", False), ("float16", False), ("none", True), ("float16", True)])
+@pytest.mark.parametrize("compression,per_mode,between_steps", [
+    ("none", False, True), ("float16", False, True), ("none", True, True), ("float16", True, True),
+    ("none", True, False)])
 def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod(
-        hvd, monkeypatch, compression, per_mode):
+        hvd, monkeypatch, compression, per_mode, between_steps):
     """SGD's momentum (the update cut: each rank's velocity its own) with ``update_scale=2``,
     dense forced. The first dense step after the trial's sparse steps sends the residuals'
     mean at the factor, clears the residuals and makes every rank's velocity the mean of the
@@ -552,22 +554,24 @@ def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod
     function with every candidate a branch (dense's three ways), or (``per_mode``) with
     16-bit values in the flush's function of ways 3 and 1, each rank's step plus residual is
     sent at the factor; (``per_mode``, no 16-bit values) ``flush_between`` sends the residuals
-    before the step, which is then way 1's, at the rate. Computed in NumPy from every rank's
-    state, checked on every rank; with 16-bit values, to their rounding (the velocities' mean
-    is taken in float32, and the residuals hold only rounding errors)."""
+    before the step, which is then way 1's, at the rate (``between_steps``: False, the flush's
+    function as with 16-bit values). Computed in NumPy from every rank's state, checked on
+    every rank; with 16-bit values, to their rounding (the velocities' mean is taken in
+    float32, and the residuals hold only rounding errors)."""
     import keras
 
     # the default tier: the flush's own function (the way a fit or sparse_hvd.function takes)
-    full_suite_only(hvd, in_default_tier=per_mode and compression == "none")
+    full_suite_only(hvd, in_default_tier=per_mode and compression == "none" and between_steps)
     monkeypatch.setattr(measured, "decide", lambda seconds, names, margin: names.index("dense"))
+    monkeypatch.setattr(flush_between, "BETWEEN_STEPS", between_steps)
     lr, momentum, size = 0.1, 0.9, hvd.size()
-    name = f"auto_update_cut_dense_{compression}_{per_mode}"
+    name = f"auto_update_cut_dense_{compression}_{per_mode}_{between_steps}"
     snapshots = []
     factor = 2.0
     optimizer, weights, stats = train(name, STEPS, inner=keras.optimizers.SGD(lr, momentum),
                                       compression=compression, snapshots=snapshots,
                                       per_mode=per_mode, update_scale=factor)
-    between = per_mode and compression == "none"  # flush_between
+    between = per_mode and compression == "none" and between_steps  # flush_between
     rounding = 0.0 if compression == "none" else 2.0 ** -11  # float16's relative rounding
     assert optimizer.sparsify == "update"
     assert optimizer.exchange_decisions[0][2] == "dense"
