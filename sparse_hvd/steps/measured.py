@@ -38,7 +38,7 @@ traced step's (a third of dense's step on the wide CNN), and each one costs trac
    (``within_reach``; where dense sits out, its last turn's step), or where what that would save
    a step until the next trial does not repay what a trace costs this job (``TraceCosts``,
    ``pays_for_its_trace``: with 4 ranks on 2 cores a trace took 2-6 s, 7-12 s of a 50 s run on
-   10 Gbit/s links, where dense won). One that ran in an earlier trial stays: it is traced
+   10 Gbit/s links against dense's 44 s). One that ran in an earlier trial stays: it is traced
    already, its turn costs a few steps, and its measured step is worth more than the bound (at
    8 workers and 1 Gbit/s the bound once left out the sparse allreduce, traced before, and
    dense ran 66 more steps at 0.47 s; in another seed's trial it took half the allgather's step).

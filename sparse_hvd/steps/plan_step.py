@@ -31,17 +31,17 @@ residuals are clear (from a fresh build until the first sparse step), and for a 
 after sparse steps where way 2 sends what way 1 does (no compression: it differs only in
 keeping a rounding error), the inner state shared first if due; way 2 alone for such a turn
 with compression; and for the flush, way 3 with way 1 for the steps after it (the flush's
-function: the step after dense is chosen), unless ``flush_between`` sends the residuals
-before that step (the update cut without 16-bit values), which then runs way 1's function. A call that runs several steps stays in its way:
-dense's steps keep the residuals as they were (a held step outside a trial leaves them to the
-sparse steps after it, and does not call them clear); in the flush's function a step of a
-trial whose residuals are not clear (only after a flush that did not go ahead, in the same
-call) flushes them instead of holding them: nothing is lost, and every rank does the same.
-With the three ways in one function, dense's trace and first call took 3.6 s a rank at 4
-workers on 2 cores (the wide CNN), way 1 alone 1.4 s: the first steps of every job that starts
-on dense (way 2 traced apart for the trial's turn after sparse steps took another 1.1 s, hence
-way 1 there where it can). The three ways stay together only in the step that holds every
-candidate as a branch (no ``traced_choice``).
+function: the step after dense is chosen), unless ``flush_between`` sends the residuals before
+that step (the update cut without 16-bit values), which then runs way 1's function. A call that
+runs several steps stays in its way: dense's steps keep the residuals as they were (a held step
+outside a trial leaves them to the sparse steps after it, and does not call them clear); in the
+flush's function a step of a trial whose residuals are not clear (only after a flush that did
+not go ahead, in the same call) flushes them instead of holding them: nothing is lost, and
+every rank does the same. With the three ways in one function, dense's trace and first call
+took 3.6 s a rank at 4 workers on 2 cores (the wide CNN), way 1 alone 1.4 s: the first steps of
+every job that starts on dense (way 2 traced apart for the trial's turn after sparse steps took
+another 1.1 s, hence way 1 there where it can). The three ways stay together only in the step
+that holds every candidate as a branch (no ``traced_choice``).
 """
 
 import tensorflow as tf

@@ -1,8 +1,8 @@
 """The rules ``exchange="auto"``'s trials decide by (``sparse_hvd.steps.measured``), as pure
 functions of the trial's numbers: which candidates are worth a trial, whether any can beat
-dense, whether one that builds on another can still win and repay its trace, which one a
-trial chooses, whether
-dense lost it beyond doubt, what the early re-check runs, and the line rank 0 logs for it.
+dense, whether one that builds on another can still win and repay its trace, which one a trial
+chooses, whether dense lost it beyond doubt, what the early re-check runs, and the line rank 0
+logs for it.
 
 Each takes its ``margin``: how much faster than dense's a sparse step must be to run, so that
 dense, which needs no extra steps to a loss, keeps the steps a sparse exchange would win by
