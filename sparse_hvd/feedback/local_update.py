@@ -142,16 +142,10 @@ def share_own_state(opt, name):
     one shared state, as Horovod's dense step does. Returns the assignments' op."""
     from ..runtime import collectives
 
-    by_dtype = {}
-    for variable in own_state(opt):
-        by_dtype.setdefault(variable.dtype, []).append(variable)
-    written = []
-    for dtype, variables in sorted(by_dtype.items(), key=lambda item: str(item[0])):
-        means = collectives.grouped_allreduce(
-            [tf.convert_to_tensor(v) for v in variables], name=f"{name}.{dtype}",
-            process_set=opt.process_set)
-        written += [v.assign(m) for v, m in zip(variables, means)]
-    return tf.group(written)
+    variables = own_state(opt)
+    means = collectives.means_by_dtype([tf.convert_to_tensor(v) for v in variables], name,
+                                       process_set=opt.process_set)
+    return tf.group([v.assign(m) for v, m in zip(variables, means)])
 
 
 def apply_averages(opt, averages, variables, routes, apply_inner, count_finite_step):

@@ -93,6 +93,22 @@ def grouped_allreduce(tensors, name, process_set=None, op=AVERAGE, step=None):
         list(tensors), name, step)
 
 
+def means_by_dtype(tensors, name, process_set=None):
+    """Each of ``tensors``' mean over the ranks, in their order: one :func:`grouped_allreduce`
+    per dtype (named ``name.dtype``), the dtypes in one order on every rank."""
+    tensors = list(tensors)
+    by_dtype = {}
+    for position, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype.name, []).append(position)  # "float32"
+    means = [None] * len(tensors)
+    for dtype, positions in sorted(by_dtype.items()):
+        reduced = grouped_allreduce([tensors[i] for i in positions], name=f"{name}.{dtype}",
+                                    process_set=process_set)
+        for position, mean in zip(positions, reduced):
+            means[position] = mean
+    return means
+
+
 def allgather(tensor, name, process_set=None, step=None):
     """Every rank's ``tensor`` concatenated along the first axis, in rank order (ranks may
     contribute different numbers of rows, none included)."""

@@ -64,24 +64,23 @@ def flush(step):
 def _flushed(step):
     opt = step.optimizer
     routes = step.plans[step.dense_index].routes
-    pairs = {}  # by the residuals' dtype: (variable, residual) of each cut variable
-    for variable in opt._trainable_variables:
-        index = opt._get_variable_index(variable)
-        if routes[index].flushed and opt._feedback.enabled:
-            residual = opt._feedback.residuals[index]
-            pairs.setdefault(residual.dtype, []).append((variable, residual))
-    scale = opt._step_factor.on_step(opt, True) if pairs else 1.0
+    cut = []  # (variable, residual) of each cut variable
+    if opt._feedback.enabled:
+        for variable in opt._trainable_variables:
+            index = opt._get_variable_index(variable)
+            if routes[index].flushed:
+                cut.append((variable, opt._feedback.residuals[index]))
+    scale = opt._step_factor.on_step(opt, True) if cut else 1.0
     # in a tf.function the writes run in this order (its automatic control dependencies)
-    for dtype, group in sorted(pairs.items(), key=lambda item: str(item[0])):
-        means = collectives.grouped_allreduce(
-            [tf.convert_to_tensor(residual) for _, residual in group],
-            name=f"{opt._prefix}.auto.flush_between.{dtype}", process_set=opt.process_set)
-        for (variable, residual), mean in zip(group, means):
-            taken = tf.cast(scale, mean.dtype) * tf.reshape(mean, variable.shape)
-            opt.assign_sub(variable, tf.cast(taken, variable.dtype))
-            if getattr(variable, "constraint", None) is not None:
-                opt.assign(variable, variable.constraint(variable))
-            residual.assign(tf.zeros_like(residual))
+    means = collectives.means_by_dtype([tf.convert_to_tensor(r) for _, r in cut],
+                                       f"{opt._prefix}.auto.flush_between",
+                                       process_set=opt.process_set)
+    for (variable, residual), mean in zip(cut, means):
+        taken = tf.cast(scale, mean.dtype) * tf.reshape(mean, variable.shape)
+        opt.assign_sub(variable, tf.cast(taken, variable.dtype))
+        if getattr(variable, "constraint", None) is not None:
+            opt.assign(variable, variable.constraint(variable))
+        residual.assign(tf.zeros_like(residual))
     local_update.share_own_state(opt, f"{opt._prefix}.auto.share_between")
     step.clear.assign(True)
     step.own_state.assign(False)
