@@ -336,6 +336,17 @@ METHODS = {
     "default_dense_first": ("the defaults with auto's first decision forced to dense (what a "
                             "noisy first trial or a fast link does inside the warm-up)",
                             {"density": 0.01, "first_decision": "dense"}),
+    "default_late_switch": ("the defaults with exchange='auto' named in a run by steps, its "
+                            "decisions forced: dense at the warm-up's first three trials, the "
+                            "allgather from its fourth (the path of a 10 Gbit/s run whose late "
+                            "trial read dense slow)",
+                            {"density": 0.01, "exchange": "auto",
+                             "decisions": ["dense", "dense", "dense", "allgather", "allgather"]}),
+    "default_late_switch_scale_1": ("default_late_switch with update_scale=1.0 (no factor on "
+                                    "the sparse steps)",
+                                    {"density": 0.01, "exchange": "auto", "update_scale": 1.0,
+                                     "decisions": ["dense", "dense", "dense", "allgather",
+                                                   "allgather"]}),
     "default_recheck_dense": ("the defaults with auto's previous early re-check: dense runs "
                               "in it after any first loss (trial_rules.early_recheck 'all')",
                               {"density": 0.01, "early_recheck": "all"}),
@@ -478,7 +489,7 @@ def resolve_steps(value, steps):
 
 # settings a method may set that steps_worker applies before the build: exchange="auto"'s, and
 # the factor's schedule of the probes (scale_follows_rate, scale_grows_below, scale_ramp_share)
-AUTO_SETTINGS = ("dense_within", "noise_within", "first_decision", "early_recheck",
+AUTO_SETTINGS = ("dense_within", "noise_within", "first_decision", "decisions", "early_recheck",
                  "hopeless_retimes", "sign_dense_within", "hold_within",
                  "scale_follows_rate", "scale_grows_below", "scale_ramp_share")
 

@@ -78,17 +78,23 @@ class StepCounts:
         self.last = now
 
 
-def force_first_decision_dense(measured):
-    """``exchange="auto"``'s first decision made dense whatever the trial timed (the same on
-    every rank), its later ones by the rule: the switch a noisy first trial, or a fast link,
-    makes inside the warm-up."""
-    rule, made = measured.decide, []
+def force_decisions(measured, forced):
+    """``exchange="auto"``'s decisions made as ``forced`` names them, in order (None: the
+    rule's), the same on every rank; the ones after the list by the rule. ``["dense"]``: the
+    switch a noisy first trial, or a fast link, makes inside the warm-up; dense for the
+    warm-up's first trials and a sparse exchange from a late one: the path of a run on a fast
+    link whose late trial read dense slow."""
+    rule = measured.MeasuredChoiceStep._decide
 
-    def decide(seconds, names, margin):
-        made.append(names)
-        return names.index("dense") if len(made) == 1 else rule(seconds, names, margin)
+    def _decide(self, hopeless, step, trying, current):
+        following, choice, trying = rule(self, hopeless, step, trying, current)
+        made = len(self.decisions) - 1
+        if made < len(forced) and forced[made] is not None:
+            choice = [plan.name for plan in self.plans].index(forced[made])
+            self.decisions[-1] = self.decisions[-1][:2] + (forced[made],)
+        return following, choice, trying
 
-    measured.decide = decide
+    measured.MeasuredChoiceStep._decide = _decide
 
 
 def factor_follows_rate(sparse_hvd, peak, against=False):
@@ -228,7 +234,9 @@ def main(argv=None):
     if "noise_within" in options:  # the smallest margin a warm-up's trial asks
         sparse_hvd.steps.measured.NOISE_WITHIN = options["noise_within"]
     if options.get("first_decision") == "dense":
-        force_first_decision_dense(sparse_hvd.steps.measured)
+        force_decisions(sparse_hvd.steps.measured, ["dense"])
+    if "decisions" in options:  # auto's decisions named, in order
+        force_decisions(sparse_hvd.steps.measured, options["decisions"])
     if "early_recheck" in options:  # what the early re-check runs, whatever dense's loss
         ruled = options["early_recheck"]
         sparse_hvd.steps.measured.early_recheck = lambda decisive, sparse_candidates: ruled
