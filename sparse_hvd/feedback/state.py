@@ -101,8 +101,10 @@ class LocalState:
         if self.built and self.use_ema:
             store = without_legacy_ema_copy(store, len(self.variables), self._legacy_ema_at,
                                             len(self._trainable_variables))
-        # oldest first: q (the noise estimate's), then the peak of a factor that follows the rate
-        additions = [self._second_moment.variables, self._step_factor.variables]
+        # oldest first: q (the noise estimate's), the peak of a factor that follows the rate,
+        # the factor's ramp start
+        additions = [self._second_moment.variables, self._step_factor.variables,
+                     self._step_factor.ramp_variables]
         store, filled = filled_where_missing(store, self.variables, additions)
         super().load_own_variables(store)
         if any(id(q) in filled for q in self._second_moment.variables):
