@@ -342,11 +342,29 @@ METHODS = {
                             "trial read dense slow)",
                             {"density": 0.01, "exchange": "auto",
                              "decisions": ["dense", "dense", "dense", "allgather", "allgather"]}),
+    "default_late_switch_factor": ("default_late_switch with the factor as before after a dense "
+                                   "phase (step_factor.AFTER_DENSE_AT_RATE = False)",
+                                   {"density": 0.01, "exchange": "auto",
+                                    "after_dense_at_rate": False,
+                                    "decisions": ["dense", "dense", "dense", "allgather",
+                                                  "allgather"]}),
     "default_late_switch_scale_1": ("default_late_switch with update_scale=1.0 (no factor on "
                                     "the sparse steps)",
                                     {"density": 0.01, "exchange": "auto", "update_scale": 1.0,
                                      "decisions": ["dense", "dense", "dense", "allgather",
                                                    "allgather"]}),
+    "default_early_switch": ("the defaults with exchange='auto' named in a run by steps, its "
+                             "decisions forced: dense at the warm-up's first trial, the "
+                             "allgather from its second (step 129)",
+                             {"density": 0.01, "exchange": "auto",
+                              "decisions": ["dense", "allgather", "allgather", "allgather",
+                                            "allgather"]}),
+    "default_early_switch_factor": ("default_early_switch with the factor as before after a "
+                                    "dense phase (step_factor.AFTER_DENSE_AT_RATE = False)",
+                                    {"density": 0.01, "exchange": "auto",
+                                     "after_dense_at_rate": False,
+                                     "decisions": ["dense", "allgather", "allgather",
+                                                   "allgather", "allgather"]}),
     "default_recheck_dense": ("the defaults with auto's previous early re-check: dense runs "
                               "in it after any first loss (trial_rules.early_recheck 'all')",
                               {"density": 0.01, "early_recheck": "all"}),
@@ -491,7 +509,8 @@ def resolve_steps(value, steps):
 # the factor's schedule of the probes (scale_follows_rate, scale_grows_below, scale_ramp_share)
 AUTO_SETTINGS = ("dense_within", "noise_within", "first_decision", "decisions", "early_recheck",
                  "hopeless_retimes", "sign_dense_within", "hold_within",
-                 "scale_follows_rate", "scale_grows_below", "scale_ramp_share")
+                 "scale_follows_rate", "scale_grows_below", "scale_ramp_share",
+                 "after_dense_at_rate")
 
 
 def options_for(workload, method, steps):

@@ -251,6 +251,8 @@ def main(argv=None):
         sparse_hvd.feedback.step_factor.GROWS_BELOW = options["scale_grows_below"]
     if "scale_ramp_share" in options:  # the factor reached over 1/this of the warm-up
         sparse_hvd.feedback.step_factor.RAMP_SHARE = options["scale_ramp_share"]
+    if "after_dense_at_rate" in options:  # the factor's step 4 (False: the factor as before)
+        sparse_hvd.feedback.step_factor.AFTER_DENSE_AT_RATE = options["after_dense_at_rate"]
     if options.get("scale_follows_rate"):
         factor_follows_rate(sparse_hvd, options["inner"]["lr"],
                             against=options["scale_follows_rate"] == "against")

@@ -102,9 +102,9 @@ class LocalState:
             store = without_legacy_ema_copy(store, len(self.variables), self._legacy_ema_at,
                                             len(self._trainable_variables))
         # oldest first: q (the noise estimate's), the peak of a factor that follows the rate,
-        # the factor's ramp start
+        # where the sparse steps began (the factor's step 4)
         additions = [self._second_moment.variables, self._step_factor.variables,
-                     self._step_factor.ramp_variables]
+                     self._step_factor.since_variables]
         store, filled = filled_where_missing(store, self.variables, additions)
         super().load_own_variables(store)
         if any(id(q) in filled for q in self._second_moment.variables):

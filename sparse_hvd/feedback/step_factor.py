@@ -19,15 +19,17 @@ The factor at step t, on every rank alike (the rate is the schedule's, the same 
    ``at_peak`` once r falls below the share s of the peak (:data:`GROWS_BELOW`) to
    ``at_end`` at r = 0 (``at_peak`` where p is 0);
 3. over the first quarter of the density's warm-up of W steps (R = max(1, W // 4)):
-   ``1 + (f - 1) * min(1, (t - s) / R)``, so that a nearly dense start is not taken at a
-   larger rate (at the full factor from the first step, one seed of the LSTM at 8 workers fell
-   into the slow regime dense falls into at 1.5x its rate). s is 0, or, with
-   ``exchange="auto"``, the step of the first sparse step after a chosen dense phase
-   (:meth:`StepFactor.restarted_if`, a variable saved with the optimizer): a switch from dense
-   to sparse steps is a start too. Taken at once, the factor's jump from dense's 1.0 to 1.7
-   at a switch late in the wide CNN's warm-up raised its validation loss from 0.09 to
-   0.11-0.14 over the next 100 steps on three seeds of three, and the run needed 1.21x dense's
-   steps to its loss (1.02x at the factor 1.0; ``docs/steps_to_loss_late_switch.md``).
+   ``1 + (f - 1) * min(1, t / R)``, so that a nearly dense start is not taken at a larger
+   rate (at the full factor from the first step, one seed of the LSTM at 8 workers fell into
+   the slow regime dense falls into at 1.5x its rate);
+4. with ``exchange="auto"``, 1 (the rate) in a run of sparse steps that began after dense
+   steps chosen past those R steps (:meth:`StepFactor.restarted_if` notes where the sparse
+   steps began, a variable saved with the optimizer). Such a switch continues a dense run, and
+   the factor raised its loss: forced from dense to the allgather at the wide CNN's fourth
+   warm-up trial (step 374 of 800), its validation loss rose from about 0.09 to 0.11-0.14
+   over the next 100 steps on each of three seeds, at the factor at once or ramped over R
+   steps, and the runs needed 1.21x and 1.20x dense's steps to its loss, 1.02x at the rate
+   (``docs/steps_to_loss_late_switch.md``).
 """
 
 import tensorflow as tf
@@ -35,7 +37,7 @@ import tensorflow as tf
 RAMP_SHARE = 4  # the factor is reached over the first 1/RAMP_SHARE of the density's warm-up
 # a pair's factor starts growing once the rate falls below this share of its peak
 GROWS_BELOW = 1.0
-RAMP_AFTER_DENSE = True  # False: the ramp counts from the job's first step only (before)
+AFTER_DENSE_AT_RATE = True  # False: step 4 left out, the factor whatever ran before (before)
 
 
 def as_pair(update_scale):
@@ -58,7 +60,7 @@ class StepFactor:
     def __init__(self, update_scale):
         self.at_peak, self.at_end = as_pair(update_scale)
         self.peak = None  # the largest learning rate seen so far, where the factor follows it
-        self.ramp_start = None  # the step the ramp counts from, where the warm-up ramps it
+        self.sparse_since = None  # where the sparse steps began (step 4), with a warm-up
 
     @property
     def follows_rate(self) -> bool:
@@ -70,14 +72,14 @@ class StepFactor:
 
     def build(self, optimizer):
         """Create the peak as a variable of ``optimizer`` (after the second moment's in the
-        checkpoint; none where the factor does not follow the rate), then the ramp's start
-        (none without a factor or a warm-up)."""
+        checkpoint; none where the factor does not follow the rate), then step 4's start of
+        the sparse steps (none without a factor or a warm-up)."""
         if self.follows_rate:
             self.peak = optimizer.add_variable((), dtype="float32", initializer="zeros",
                                                name="peak_learning_rate")
         if not self.is_one and optimizer.warmup_steps:
-            self.ramp_start = optimizer.add_variable((), dtype="int64", initializer="zeros",
-                                                     name="factor_ramp_start")
+            self.sparse_since = optimizer.add_variable((), dtype="int64", initializer="zeros",
+                                                       name="sparse_steps_since")
 
     @property
     def variables(self):
@@ -87,18 +89,19 @@ class StepFactor:
         return [self.peak] if self.peak is not None else []
 
     @property
-    def ramp_variables(self):
-        """The ramp's start, saved after the peak (a later release's: a checkpoint without it
-        loads with 0, the ramp counted from the job's first step as before)."""
-        return [self.ramp_start] if self.ramp_start is not None else []
+    def since_variables(self):
+        """Step 4's start of the sparse steps, saved after the peak (a later release's: a
+        checkpoint without it loads with 0, as if the sparse steps ran from the start)."""
+        return [self.sparse_since] if self.sparse_since is not None else []
 
     def restarted_if(self, opt, restart):
-        """The ramp counted anew from this step where ``restart`` (a boolean tensor: the first
-        sparse step after a chosen dense phase); an op, run before the step's factor."""
-        if self.ramp_start is None or not RAMP_AFTER_DENSE:
+        """Note this step as the sparse steps' start where ``restart`` (a boolean tensor: the
+        first sparse step after dense steps that sent the residuals); an op, run before the
+        step's factor."""
+        if self.sparse_since is None or not AFTER_DENSE_AT_RATE:
             return tf.no_op()
         now = tf.cast(opt.iterations, tf.int64)
-        return self.ramp_start.assign(tf.where(restart, now, self.ramp_start))
+        return self.sparse_since.assign(tf.where(restart, now, self.sparse_since))
 
     def on_step(self, opt, cuts):
         """This step's factor (step 1's peak noted whether or not the step ``cuts``): a tensor
@@ -128,8 +131,8 @@ class StepFactor:
         return rate, tf.maximum(noted, rate)
 
     def _factor(self, opt, rate, peak):
-        """Steps 2-3: the factor at ``rate`` below ``peak`` (both None for a constant one),
-        ramped over the density's warm-up."""
+        """Steps 2-4: the factor at ``rate`` below ``peak`` (both None for a constant one),
+        ramped over the density's warm-up, 1 where the sparse steps began after it."""
         factor = self.at_peak
         if self.follows_rate:
             share = GROWS_BELOW * tf.where(peak > 0, peak, 1.0)
@@ -138,11 +141,11 @@ class StepFactor:
         if not opt.warmup_steps:
             return factor
         ramp = max(1, opt.warmup_steps // RAMP_SHARE)
-        counted = tf.cast(opt.iterations, tf.int64)
-        if self.ramp_start is not None:
-            counted -= tf.convert_to_tensor(self.ramp_start)
-        progress = tf.minimum(tf.cast(counted, tf.float32) / float(ramp), 1.0)
-        return 1.0 + (tf.cast(factor, tf.float32) - 1.0) * progress
+        progress = tf.minimum(tf.cast(opt.iterations, tf.float32) / float(ramp), 1.0)
+        ramped = 1.0 + (tf.cast(factor, tf.float32) - 1.0) * progress
+        if self.sparse_since is None:
+            return ramped
+        return tf.where(tf.convert_to_tensor(self.sparse_since) > ramp, 1.0, ramped)
 
 
 def _rate(opt):

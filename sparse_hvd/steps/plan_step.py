@@ -23,8 +23,9 @@ before a held turn's first step, and after a flush, it is made the mean over the
 gradient to one state, as Horovod's step does: no local step, no weight copies. The variable
 ``own_state`` says whether that is due (a sparse step or a restore since the last time). The
 first sparse step after a chosen dense phase (``clear``) starts the noise estimate's q anew
-from Adam's v (``SecondMoment.restarted_if``): it stood still while dense ran; and the ramp of
-the sparse steps' factor (``StepFactor.restarted_if``): dense's steps took none.
+from Adam's v (``SecondMoment.restarted_if``): it stood still while dense ran; and it is where
+the sparse steps began for their factor (``StepFactor.restarted_if``: after the factor's ramp,
+such steps take none).
 
 Traced for one plan at a time (``traced_choice``), dense's step is traced for the way its next
 step takes, which the host reads before the call (:func:`traced_mode`): way 1 alone while the
@@ -137,7 +138,7 @@ def plan_step(step, plan, grads_and_vars, trial_step, way=None):
     def run_plan():
         if plan.clear_routes is None:
             # the first sparse step after a chosen dense phase: the noise estimate's q anew,
-            # the factor's ramp from here
+            # the factor's sparse steps begin here
             restart = [opt._second_moment.restarted_if(opt._loss_scaling.base_optimizer,
                                                        step.clear),
                        opt._step_factor.restarted_if(opt, step.clear)] if update_cut else []
