@@ -476,6 +476,75 @@ def test_a_pair_grows_the_factor_as_the_rate_falls_below_its_peak():
         keras.optimizers.SGD(0.1), sparsify="update", update_scale=(1.5, 1.5)).update_scale == 1.5
 
 
+def test_sparse_steps_begun_after_the_ramp_take_the_rate_and_where_they_began_is_saved():
+    """``StepFactor.restarted_if`` (what ``exchange="auto"``'s first sparse step after a chosen
+    dense phase runs), with a 16-step warm-up (the ramp: 4 steps): the dense-route variable
+    moves by each step's rate times the pair's closed-form factor ramped from step 0, and
+    from a restart after the ramp (step 6) by the rate alone; a restart within it (step 2),
+    a False condition (step 3) or ``AFTER_DENSE_AT_RATE = False`` change nothing. Where the
+    sparse steps began is saved with the optimizer; a checkpoint without it (the previous
+    release) loads it as 0: the factor as before."""
+    gradients = [tf.constant(np.linspace(1, 2, 2000, dtype="float32")), tf.ones(8)]
+    steps = 12
+    rates = [RATES[sum(t > b for b in BOUNDARIES)] for t in range(steps)]
+    ramped = _expected_factors(1.5, 2.0, steps, ramp=4)
+
+    def moved(restart_at, enabled=True):
+        variables = [keras.Variable(np.zeros(2000, "float32")),
+                     keras.Variable(np.zeros(8, "float32"))]
+        optimizer = _rate_following_optimizer((1.5, 2.0), 16, f"since_{restart_at}_{enabled}")
+        optimizer.build(variables)
+        with _after_dense_at_rate(enabled):
+            for t in range(steps):
+                if t in (3, restart_at):
+                    optimizer._step_factor.restarted_if(optimizer, tf.constant(t == restart_at))
+                optimizer.apply_gradients(zip(gradients, variables))
+        return optimizer, -variables[1].numpy()[0]
+
+    def expected(at_rate_from):
+        return sum(r * (1.0 if t >= at_rate_from else f)
+                   for t, (r, f) in enumerate(zip(rates, ramped)))
+
+    optimizer, distance = moved(6)
+    assert distance == pytest.approx(expected(6), rel=1e-5)
+    assert expected(6) < expected(steps)  # the steps from 6 on took the rate
+    assert int(optimizer._step_factor.sparse_since.numpy()) == 6
+    for restart_at, enabled in ((6, False), (2, True), (None, True)):
+        assert moved(restart_at, enabled)[1] == pytest.approx(expected(steps), rel=1e-5)
+
+    def fresh(name):
+        restored = _rate_following_optimizer((1.5, 2.0), 16, name)
+        restored.build([keras.Variable(np.zeros(2000, "float32")),
+                        keras.Variable(np.zeros(8, "float32"))])
+        return restored
+
+    store = {}
+    optimizer.save_own_variables(store)
+    at = [v is optimizer._step_factor.sparse_since for v in optimizer.variables].index(True)
+    assert int(np.asarray(store[str(at)])) == 6
+    resumed = fresh("since_resumed")
+    resumed.load_own_variables(store)
+    assert int(resumed._step_factor.sparse_since.numpy()) == 6
+    legacy = fresh("since_legacy")
+    legacy.load_own_variables(
+        {str(i): store[str(j)] for i, j in enumerate(j for j in range(len(store)) if j != at)})
+    assert int(legacy._step_factor.sparse_since.numpy()) == 0
+    assert float(legacy._step_factor.peak.numpy()) == pytest.approx(max(rates))
+    # no ramp without a warm-up: no such variable, the checkpoint as before
+    plain = _rate_following_optimizer((1.5, 2.0), 0, "since_no_ramp")
+    plain.build([keras.Variable(np.zeros(2000, "float32"))])
+    assert plain._step_factor.since_variables == [] and plain._step_factor.peak is not None
+
+
+@contextlib.contextmanager
+def _after_dense_at_rate(enabled):
+    saved, step_factor.AFTER_DENSE_AT_RATE = step_factor.AFTER_DENSE_AT_RATE, enabled
+    try:
+        yield
+    finally:
+        step_factor.AFTER_DENSE_AT_RATE = saved
+
+
 def test_the_peak_is_checkpointed_and_a_checkpoint_without_it_restarts_it_at_the_rate():
     """The peak is saved with the optimizer: restored after 5 steps, 4 more steps move the
     dense-route variable as 9 uninterrupted ones do. A checkpoint written without a peak (a

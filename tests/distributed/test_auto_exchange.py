@@ -616,6 +616,54 @@ def test_under_the_update_cut_dense_shares_the_inner_state_then_steps_as_horovod
     _same_everywhere(hvd, weights, name)
 
 
+def test_sparse_steps_after_a_chosen_dense_phase_take_the_rate(hvd, monkeypatch):
+    """SGD under the update cut with ``update_scale=2`` and a 40-step warm-up (the factor's ramp:
+    R = 10 steps), dense forced at the first decision and the allgather at the next (the
+    warm-up's end). The first trial's sparse steps, begun within the ramp, move the small
+    dense-route variable by the rate times the averaged gradient times 1 + min(1, t / R); the
+    first sparse step after dense's phase, a trial's, is noted where the sparse steps began
+    (``StepFactor.restarted_if``), the same on every rank, and from it on each step moves it
+    by the rate alone (closed form, NumPy)."""
+    import keras
+
+    import sparse_hvd
+
+    full_suite_only(hvd)
+    forced, rule = ["dense", "allgather"], measured.MeasuredChoiceStep._decide
+
+    def forced_decide(self, *args):
+        following, choice, trying = rule(self, *args)
+        name = forced[min(len(self.decisions), len(forced)) - 1]
+        self.decisions[-1] = self.decisions[-1][:2] + (name,)
+        return following, [p.name for p in self.plans].index(name), trying
+
+    monkeypatch.setattr(measured.MeasuredChoiceStep, "_decide", forced_decide)
+    lr, size, steps, name = 0.1, hvd.size(), 72, "auto_rate_after_dense"
+    snapshots = []
+    optimizer, weights, stats = train(
+        name, steps, density=sparse_hvd.WarmupDensity(0.05, 0.16, 40), sparsify="update",
+        inner=keras.optimizers.SGD(lr), update_scale=2.0, snapshots=snapshots)
+    decisions = optimizer.exchange_decisions
+    assert [d[2] for d in decisions[:2]] == forced and decisions[1][0] < steps - 10
+    # a sparse step leaves the big variable a new residual; dense's keep it, or clear it
+    owed = [snapshot[1][0] for snapshot in snapshots]
+    sparse = [t > 0 and np.any(owed[t]) and not np.array_equal(owed[t], owed[t - 1])
+              for t in range(steps)]
+    first = sparse.index(True)  # the first trial's first sparse step
+    start = sparse.index(True, decisions[0][0] + 1)
+    assert first <= 10 < start < decisions[1][0] and not any(sparse[decisions[0][0] + 1:start])
+    assert all(sparse[first + 1:decisions[0][0] + 1] + sparse[start:])
+    starts = gather(hvd, int(optimizer._step_factor.sparse_since.numpy()), name=f"{name}.since")
+    assert starts == [start] * size, (starts, start)
+    small = [snapshot[0][1] for snapshot in snapshots]
+    for t in list(range(first, decisions[0][0] + 1)) + list(range(start, steps)):
+        mean = np.mean([gradients(r, t)[1].astype("float64") for r in range(size)], 0)
+        factor = 1 + min(1.0, t / 10) if t < start else 1.0
+        np.testing.assert_allclose(small[t] - small[t - 1], -lr * factor * mean, rtol=1e-4,
+                                   atol=1e-7, err_msg=f"step {t}")
+    _same_everywhere(hvd, weights, name)
+
+
 @pytest.mark.parametrize("inner,compression,per_mode", [
     ("sgd", "none", False), ("sgd", "float16", False), ("momentum", "none", False),
     ("momentum", "none", True), ("sgd", "float16", True)])
