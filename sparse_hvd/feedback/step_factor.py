@@ -28,8 +28,9 @@ The factor at step t, on every rank alike (the rate is the schedule's, the same 
    the factor raised its loss: forced from dense to the allgather at the wide CNN's fourth
    warm-up trial (step 374 of 800), its validation loss rose from about 0.09 to 0.11-0.14
    over the next 100 steps on each of three seeds, at the factor at once or ramped over R
-   steps, and the runs needed 1.21x and 1.20x dense's steps to its loss, 1.02x at the rate
-   (``docs/steps_to_loss_late_switch.md``).
+   steps, and the runs needed 1.21x and 1.20x dense's steps to its loss, 1.06x with this step
+   (1.16x and 1.06x switched at the second trial, step 129;
+   ``docs/steps_to_loss_late_switch.md``).
 """
 
 import tensorflow as tf
