@@ -228,10 +228,9 @@ class SparseDistributedOptimizer(InnerOptimizerFacade, LocalState, keras.optimiz
     @no_automatic_dependency_tracking
     def build(self, var_list):
         """Make the optimizer's variables (their order is the checkpoint format: residuals,
-        velocities, the residuals' worker count, the second moment's, the factor's peak rate
-        and where the sparse steps began, the staleness slots, the inner optimizer's, a
-        density policy's), fix each variable's route, and check that every rank builds the
-        same."""
+        velocities, the residuals' worker count, the second moment's, the factor's, the
+        staleness slots, the inner optimizer's, a density policy's), fix each variable's
+        route, and check that every rank builds the same."""
         checks.check_not_wrapped_in_loss_scaling(self)
         var_list = list(var_list)
         self._feedback.build(self, var_list, self.process_set)
