@@ -353,6 +353,10 @@ METHODS = {
                                     {"density": 0.01, "exchange": "auto", "update_scale": 1.0,
                                      "decisions": ["dense", "dense", "dense", "allgather",
                                                    "allgather"]}),
+    "default_auto_dense": ("the defaults with exchange='auto' choosing dense at every trial "
+                           "of an 800-step run (decisions forced): what auto's dense steps "
+                           "cost against Horovod's, its trials included",
+                           {"density": 0.01, "decisions": ["dense"] * 5}),
     "default_early_switch": ("the defaults with exchange='auto' named in a run by steps, its "
                              "decisions forced: dense at the warm-up's first trial, the "
                              "allgather from its second (step 129)",
