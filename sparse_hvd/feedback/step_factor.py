@@ -144,7 +144,7 @@ class StepFactor:
         ramp = max(1, opt.warmup_steps // RAMP_SHARE)
         progress = tf.minimum(tf.cast(opt.iterations, tf.float32) / float(ramp), 1.0)
         ramped = 1.0 + (tf.cast(factor, tf.float32) - 1.0) * progress
-        if self.sparse_since is None:
+        if self.sparse_since is None or not AFTER_DENSE_AT_RATE:
             return ramped
         return tf.where(tf.convert_to_tensor(self.sparse_since) > ramp, 1.0, ramped)
 
