@@ -426,13 +426,14 @@ def _expected_factors(at_peak, at_end, steps, ramp=None, share=1.0):
 
 
 @contextlib.contextmanager
-def _grows_below(share):
-    """``step_factor.GROWS_BELOW`` at ``share`` (read when a step is traced)."""
-    saved, step_factor.GROWS_BELOW = step_factor.GROWS_BELOW, share
+def _step_factor_setting(name, value):
+    """``step_factor``'s module setting ``name`` at ``value`` (read when a step is traced)."""
+    saved = getattr(step_factor, name)
+    setattr(step_factor, name, value)
     try:
         yield
     finally:
-        step_factor.GROWS_BELOW = saved
+        setattr(step_factor, name, saved)
 
 
 def _rate_following_optimizer(update_scale, warmup_steps, name):
@@ -452,7 +453,7 @@ def test_a_pair_grows_the_factor_as_the_rate_falls_below_its_peak():
     for warmup_steps, ramp, share in ((0, None, step_factor.GROWS_BELOW), (16, 4, 1.0),
                                       (0, None, 0.5)):
         cut, small = keras.Variable(np.zeros(2000, "float32")), keras.Variable(np.zeros(8, "float32"))
-        with _grows_below(share):
+        with _step_factor_setting("GROWS_BELOW", share):
             optimizer = _rate_following_optimizer((1.5, 2.0), warmup_steps,
                                                   f"pair_{warmup_steps}_{share}")
             gradients = [tf.constant(np.linspace(1, 2, 2000, dtype="float32")), tf.ones(8)]
@@ -494,7 +495,7 @@ def test_sparse_steps_begun_after_the_ramp_take_the_rate_and_where_they_began_is
                      keras.Variable(np.zeros(8, "float32"))]
         optimizer = _rate_following_optimizer((1.5, 2.0), 16, f"since_{restart_at}_{enabled}")
         optimizer.build(variables)
-        with _after_dense_at_rate(enabled):
+        with _step_factor_setting("AFTER_DENSE_AT_RATE", enabled):
             for t in range(steps):
                 if t in (3, restart_at):
                     optimizer._step_factor.restarted_if(optimizer, tf.constant(t == restart_at))
@@ -534,15 +535,6 @@ def test_sparse_steps_begun_after_the_ramp_take_the_rate_and_where_they_began_is
     plain = _rate_following_optimizer((1.5, 2.0), 0, "since_no_ramp")
     plain.build([keras.Variable(np.zeros(2000, "float32"))])
     assert plain._step_factor.since_variables == [] and plain._step_factor.peak is not None
-
-
-@contextlib.contextmanager
-def _after_dense_at_rate(enabled):
-    saved, step_factor.AFTER_DENSE_AT_RATE = step_factor.AFTER_DENSE_AT_RATE, enabled
-    try:
-        yield
-    finally:
-        step_factor.AFTER_DENSE_AT_RATE = saved
 
 
 def test_the_peak_is_checkpointed_and_a_checkpoint_without_it_restarts_it_at_the_rate():

@@ -4,6 +4,7 @@ conservation identity across the switches (steps.measured)."""
 
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +14,10 @@ import sparse_hvd.steps.measured as measured
 import sparse_hvd.steps.trial_rules as trial_rules
 from conftest import digest, gather
 from option_matrix import BIG, SMALL, gradients
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "scripts", "benchmarks"))
+import steps_worker  # noqa: E402  (the benchmarks' forced decisions)
 
 NAMES = {"allgather", "compact_allgather", "sparse_allreduce", "dense"}
 CANDIDATES = len(NAMES)
@@ -629,15 +634,11 @@ def test_sparse_steps_after_a_chosen_dense_phase_take_the_rate(hvd, monkeypatch)
     import sparse_hvd
 
     full_suite_only(hvd)
-    forced, rule = ["dense", "allgather"], measured.MeasuredChoiceStep._decide
-
-    def forced_decide(self, *args):
-        following, choice, trying = rule(self, *args)
-        name = forced[min(len(self.decisions), len(forced)) - 1]
-        self.decisions[-1] = self.decisions[-1][:2] + (name,)
-        return following, [p.name for p in self.plans].index(name), trying
-
-    monkeypatch.setattr(measured.MeasuredChoiceStep, "_decide", forced_decide)
+    forced = ["dense", "allgather"]
+    # the benchmarks' forcing (steps_worker), undone after the test
+    monkeypatch.setattr(measured.MeasuredChoiceStep, "_decide",
+                        measured.MeasuredChoiceStep._decide)
+    steps_worker.force_decisions(measured, forced)
     lr, size, steps, name = 0.1, hvd.size(), 72, "auto_rate_after_dense"
     snapshots = []
     optimizer, weights, stats = train(
