@@ -55,6 +55,10 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=0,
                         help="TensorFlow intra/inter-op threads (0: TensorFlow's choice); 1 "
                         "runs a rank's ops one at a time, so an op's time is its own")
+    parser.add_argument("--decide", default=None,
+                        help="with --exchange auto: the name every decision of its trials "
+                        "makes (steps_worker.force_decisions), e.g. dense: auto's dense "
+                        "steps between trials against a named exchange's")
     return parser.parse_args(argv)
 
 
@@ -122,6 +126,9 @@ def main(argv=None):
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     sparse_hvd.init()
+    if args.decide:
+        from steps_worker import force_decisions
+        force_decisions(sparse_hvd.steps.measured, [args.decide] * 100)
     rank = hvd.rank()
     rng = np.random.default_rng(rank)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
