@@ -1,16 +1,17 @@
 """Where one training step's time goes, op by op, on rank 0 (TensorFlow's profiler).
 
 The 4.35M-parameter MLP (64-2048-2048-10, batch 64 per worker, SGD momentum 0.9; ``--inner
-adam``: Adam 1e-3), or with ``--workload`` a model of ``workloads.py`` (16 samples a worker,
-as the time-to-loss runs: ``cnn_wide``), trained with ``SparseDistributedOptimizer`` at
-``--density`` with ``--exchange`` and ``--budget`` (no warm-up), or unwrapped: with a user's own
-``hvd.grouped_allreduce`` (``--exchange plain``) or with no exchange at all (``--exchange
-floor``). After ``--warmup`` steps, ``--steps`` steps run under ``tf.profiler``; rank 0 reads
-the trace it wrote (the ``/host:CPU`` plane's op events) and prints the wall time per step,
-each rank's CPU time per step (user and system, from ``getrusage``: with more ranks than cores
-a step is bound by their sum, not by one rank's ops; ``--per-thread`` splits it by thread) and
-the ops that took the most time per step, summed over their runs. Ops of different
-threads overlap, so the column adds up to more than the wall time.
+adam``: Adam 1e-3), or with ``--workload`` a model of ``workloads.py`` (16 samples a worker, as
+the time-to-loss runs: ``cnn_wide``), trained with ``SparseDistributedOptimizer`` at
+``--density`` with ``--exchange`` and ``--budget`` (no density warm-up unless
+``--warmup-steps``), or unwrapped: with a user's own ``hvd.grouped_allreduce`` (``--exchange
+plain``) or with no exchange at all (``--exchange floor``). After ``--warmup`` steps,
+``--steps`` steps run under ``tf.profiler``; rank 0 reads the trace it wrote (the ``/host:CPU``
+plane's op events) and prints the wall time per step, each rank's CPU time per step (user and
+system, from ``getrusage``: with more ranks than cores a step is bound by their sum, not by one
+rank's ops; ``--per-thread`` splits it by thread) and the ops that took the most time per step,
+summed over their runs. Ops of different threads overlap, so the column adds up to more than the
+wall time.
 
     mpirun -np 2 --bind-to none .venv/bin/python scripts/benchmarks/profile_step.py \\
         --exchange allgather --budget model
@@ -55,6 +56,9 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=0,
                         help="TensorFlow intra/inter-op threads (0: TensorFlow's choice); 1 "
                         "runs a rank's ops one at a time, so an op's time is its own")
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="the wrapper's warmup_steps (the density's warm-up; -1: the "
+                        "library's default, 400 at 1%%)")
     parser.add_argument("--decide", default=None,
                         help="with --exchange auto: the name every decision of its trials "
                         "makes (steps_worker.force_decisions), e.g. dense: auto's dense "
@@ -160,7 +164,7 @@ def main(argv=None):
     optimizer = inner if unwrapped else sparse_hvd.SparseDistributedOptimizer(
         inner, density=args.density, exchange=args.exchange,
         budget=None if args.budget == "default" else args.budget,
-        warmup_steps=0, name="profile")
+        warmup_steps=None if args.warmup_steps < 0 else args.warmup_steps, name="profile")
     optimizer.build(variables)
 
     # exchange="auto": each step runs the function traced for the exchange it chose
