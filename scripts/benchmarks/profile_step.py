@@ -59,6 +59,10 @@ def parse_args(argv=None):
     parser.add_argument("--warmup-steps", type=int, default=0,
                         help="the wrapper's warmup_steps (the density's warm-up; -1: the "
                         "library's default, 400 at 1%%)")
+    parser.add_argument("--stats-each-step", action="store_true",
+                        help="read communication_stats() after every step, outside its timing, "
+                        "as steps_worker.py's StepCounts does (its cost shows in the next step "
+                        "on shared cores); also prints what a read costs")
     parser.add_argument("--decide", default=None,
                         help="with --exchange auto: the name every decision of its trials "
                         "makes (steps_worker.force_decisions), e.g. dense: auto's dense "
@@ -189,9 +193,14 @@ def main(argv=None):
     threads_before = thread_times() if args.per_thread else {}
     before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
+    stats_seconds = 0.0
     for _ in range(args.steps):
         float(step(*batch()))
-    wall = (time.perf_counter() - start) / args.steps
+        if args.stats_each_step and not unwrapped:
+            begun = time.perf_counter()
+            optimizer.communication_stats()
+            stats_seconds += time.perf_counter() - begun
+    wall = (time.perf_counter() - start - stats_seconds) / args.steps
     after = resource.getrusage(resource.RUSAGE_SELF)
     threads = per_thread(threads_before, thread_times(), args.steps) if args.per_thread else []
     cpu = hvd.allgather_object([(after.ru_utime - before.ru_utime) / args.steps,
@@ -202,6 +211,9 @@ def main(argv=None):
         times = op_times(logdir, args.steps)
         print(f"{args.exchange}, budget {args.budget}, density {args.density}: "
               f"{wall * 1e3:.1f} ms a step (wall, rank 0)")
+        if args.stats_each_step:
+            print(f"communication_stats() after each step: {stats_seconds / args.steps * 1e3:.2f} "
+                  "ms a read on rank 0 (left out of the step's wall time)")
         print("CPU ms a step, user/system, each rank: "
               + " ".join(f"{user * 1e3:.1f}/{system * 1e3:.1f}" for user, system, _ in cpu))
         for index, (_, _, threads) in enumerate(cpu):
